@@ -1,0 +1,140 @@
+"""DeepSpeed-Ulysses attention: swap sequence sharding for head sharding around attention.
+
+Every device holds S/P tokens of Q, K and V for all heads. One all-to-all regroups them so
+each device holds the whole sequence for N/P heads; ordinary attention runs there; a second
+all-to-all restores the sequence split. Q, K and V travel in a single all-to-all (packed along
+the head axis, grouped by destination), so the forward pass costs two collectives and, since
+the transpose of an all-to-all is an all-to-all, the backward pass two more.
+
+GQA/MQA: if K % P == 0 the kv heads are split like the query heads. If P % K == 0 each kv head
+is repeated P/K times before the exchange (a local copy, no communication), so the device that
+gets query heads [i*N/P, (i+1)*N/P) also gets the one kv head they read.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from . import kernels
+from .mesh import DATA, SEQ, axis_size, shard
+
+
+def seq_to_heads(x: jax.Array, axis_name: str = SEQ) -> jax.Array:
+    """All-to-all inside shard_map: [B, S/P, N, H] -> [B, S, N/P, H]."""
+    return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+
+def heads_to_seq(x: jax.Array, axis_name: str = SEQ) -> jax.Array:
+    """All-to-all inside shard_map: [B, S, N/P, H] -> [B, S/P, N, H]."""
+    return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+# ----------------------------------------------------------------------------- validators
+
+def kv_repeats(num_q_heads: int, num_kv_heads: int, p: int) -> int:
+    """How many copies of each kv head the exchange needs (1 = none); raises on bad combos."""
+    if num_q_heads % p:
+        raise ValueError(
+            f"query heads {num_q_heads} not divisible by the seq axis size {p}: Ulysses gives "
+            f"each device query heads / seq heads")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads {num_q_heads} not divisible by kv heads {num_kv_heads} (GQA needs a "
+            f"whole number of query heads per kv head)")
+    if num_kv_heads % p == 0:
+        return 1
+    if p % num_kv_heads == 0:
+        return p // num_kv_heads
+    raise ValueError(
+        f"kv heads {num_kv_heads} and seq axis size {p} are incompatible: kv heads must be a "
+        f"multiple of the seq axis size (split) or divide it (replicated)")
+
+
+def validate(q, k, v, segment_ids, mesh: Mesh) -> int:
+    """Checks shapes against the mesh; returns the kv repeat factor."""
+    if SEQ not in mesh.axis_names:
+        raise ValueError(f"mesh has no {SEQ!r} axis (axes: {mesh.axis_names}); build it with make_mesh")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [B, S, heads, head_dim], got shape {x.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {q.shape} and k {k.shape} must agree on batch, sequence and head_dim")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, s, n, _ = q.shape
+    p, d = axis_size(mesh, SEQ), axis_size(mesh, DATA)
+    if s % p:
+        raise ValueError(f"sequence length {s} is not divisible by the seq axis size {p}")
+    if b % d:
+        raise ValueError(f"batch size {b} is not divisible by the data axis size {d}")
+    if segment_ids is not None and tuple(segment_ids.shape) != (b, s):
+        raise ValueError(f"segment_ids must be [B, S] = {(b, s)}, got {tuple(segment_ids.shape)}")
+    return kv_repeats(n, k.shape[2], p)
+
+
+# ----------------------------------------------------------------------------- packing
+
+def _pack_qkv(q, k, v, p: int):
+    """[B, s, N, H], [B, s, K, H] x2 -> [B, s, N + 2K, H], heads grouped by destination device.
+
+    The head axis is laid out as P blocks of (N/P q heads, K/P k heads, K/P v heads), so a
+    tiled all-to-all over it hands each device its own q, k and v heads in one message.
+    """
+    b, s, n, h = q.shape
+    kh = k.shape[2]
+    parts = [x.reshape(b, s, p, x.shape[2] // p, h) for x in (q, k, v)]  # [B, s, P, heads/P, H]
+    return jnp.concatenate(parts, axis=3).reshape(b, s, n + 2 * kh, h)
+
+
+def _unpack_qkv(qkv, n_local: int, k_local: int):
+    """[B, S, N/P + 2K/P, H] -> q [B, S, N/P, H], k and v [B, S, K/P, H]."""
+    return (qkv[:, :, :n_local], qkv[:, :, n_local:n_local + k_local],
+            qkv[:, :, n_local + k_local:])
+
+
+# ----------------------------------------------------------------------------- public API
+
+def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
+                      impl: str = "auto"):
+    """Sequence-parallel attention over the mesh's "seq" axis (DeepSpeed-Ulysses).
+
+    Args:
+      q: [B, S, N, H] queries, sharded P("data", "seq") or not sharded.
+      k, v: [B, S, K, H] keys and values, same layout; N % K == 0.
+      mesh: a mesh with a "seq" axis (and usually "data"), see ``make_mesh``.
+      causal: causal masking over global positions.
+      segment_ids: optional [B, S] ints; tokens attend only within their own segment.
+      impl: local kernel, "auto", "xla" or "cudnn" (see ``kernels.resolve_impl``).
+
+    Returns:
+      [B, S, N, H], sharded P("data", "seq").
+    """
+    reps = validate(q, k, v, segment_ids, mesh)
+    kernel = kernels.resolve_impl(impl, q.dtype, q.shape[3])
+    p = axis_size(mesh, SEQ)
+    batch_axis = DATA if DATA in mesh.axis_names else None
+    spec = P(batch_axis, SEQ)
+    n_local, k_local = q.shape[2] // p, k.shape[2] * reps // p
+
+    def body(q, k, v, *seg):
+        # q: [B/D, S/P, N, H]; k, v: [B/D, S/P, K, H]; seg: [B/D, S/P]
+        seg = seg[0] if seg else None
+        if reps > 1:
+            k = jnp.repeat(k, reps, axis=2)                              # [B, S/P, K*reps, H]
+            v = jnp.repeat(v, reps, axis=2)
+        if p > 1:
+            qkv = seq_to_heads(_pack_qkv(q, k, v, p))                    # [B, S, (N+2K)/P, H]
+            q, k, v = _unpack_qkv(qkv, n_local, k_local)                 # q: [B, S, N/P, H]
+            if seg is not None:
+                seg = jax.lax.all_gather(seg, SEQ, axis=1, tiled=True)  # [B, S]
+        out = kernels.local_attention(q, k, v, causal=causal, segment_ids=seg, impl=kernel)
+        return heads_to_seq(out) if p > 1 else out                       # [B, S/P, N, H]
+
+    args = [shard(x, mesh, spec) for x in (q, k, v)]
+    if segment_ids is not None:
+        args.append(shard(segment_ids, mesh, spec))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(spec for _ in args), out_specs=spec)
+    return fn(*args)
