@@ -1,0 +1,227 @@
+"""The sequence-parallel decoder, loss and train step against the same model on one device."""
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import need_devices
+from ulysses_jax import make_mesh
+from ulysses_jax.config import load_config
+from ulysses_jax.loss import chunked_cross_entropy, plain_cross_entropy
+from ulysses_jax.train_step import init_state, loss_fn, make_train_step
+
+V = 257
+
+
+def _cfg(seq=1, data=1, **over):
+    items = {"mesh.seq": seq, "mesh.data": data, "seq_len": 64, "batch_size": 2,
+             "model.loss_chunk": 8, "model.qk_norm": True, "optimizer.warmup_steps": 2, "model.attn_impl": "xla", **over}
+    return load_config(None, [f"{k}={v}" for k, v in items.items()])
+
+
+def _batch(seed, b=2, s=64, docs=True):
+    """Random tokens packed as several documents per row, with per-document positions."""
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, V, (b, s + 1)).astype(np.int32)
+    seg = np.ones((b, s), np.int32)
+    if docs:
+        for r in range(b):
+            for cut in sorted(rng.choice(np.arange(4, s - 4), size=2, replace=False)):
+                seg[r, cut:] += 1
+    starts = np.concatenate([np.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    pos = np.zeros((b, s), np.int32)
+    for r in range(b):
+        for t in range(s):
+            pos[r, t] = 0 if starts[r, t] else pos[r, t - 1] + 1
+    mask = np.ones((b, s), np.float32)
+    mask[:, :-1][seg[:, 1:] != seg[:, :-1]] = 0.0  # a document's last token has no target
+    return {"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": mask,
+            "segment_ids": seg, "positions": pos}
+
+
+def _setup(seq, data, **over):
+    cfg = _cfg(seq, data, **over)
+    mesh = make_mesh(seq=seq, data=data, devices=need_devices(seq * data))
+    graphdef, state, shardings, tx = init_state(cfg, mesh)
+    return cfg, mesh, graphdef, state, shardings, tx
+
+
+def _logits(graphdef, params, batch):
+    model = nnx.merge(graphdef, params)
+    return model(batch["tokens"], batch["positions"], batch["segment_ids"])
+
+
+def _loss_and_grads(graphdef, state, batch, mesh):
+    return jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch, mesh)[0]))(
+        state["params"])
+
+
+def _rel_close(a, b, rtol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        scale = max(np.abs(y).max(), 1e-12)
+        assert np.abs(x - y).max() / scale <= rtol, (np.abs(x - y).max(), scale)
+
+
+@pytest.mark.parametrize("seq,data,sharding", [(4, 1, "replicated"), (4, 2, "replicated"),
+                                               (4, 2, "zero3")])
+def test_sharded_model_equals_one_device(seq, data, sharding):
+    batch = _batch(0)
+    _, mesh1, g1, s1, _, _ = _setup(1, 1)
+    _, mesh, g, s, _, _ = _setup(seq, data, param_sharding=sharding)
+    logits1 = jax.jit(_logits, static_argnums=0)(g1, s1["params"], batch)
+    logits = jax.jit(_logits, static_argnums=0)(g, s["params"], batch)
+    chex.assert_trees_all_close(logits, logits1, atol=1e-5, rtol=1e-5)
+    loss1, grads1 = _loss_and_grads(g1, s1, batch, mesh1)
+    loss, grads = _loss_and_grads(g, s, batch, mesh)
+    _rel_close(loss, loss1, 1e-4)
+    _rel_close(grads, grads1, 1e-4)
+    assert float(loss) > 0
+
+
+def test_ten_steps_same_loss_curve():
+    curves = {}
+    for seq in (1, 4):
+        cfg, mesh, g, state, sh, tx = _setup(seq, 1)
+        step = make_train_step(cfg, mesh, g, tx, sh)
+        curve = []
+        for i in range(10):
+            state, metrics = step(state, _batch(100 + i % 3))
+            curve.append(float(metrics["loss"]))
+        curves[seq] = np.array(curve)
+    np.testing.assert_allclose(curves[4], curves[1], rtol=1e-4)
+    assert curves[1][-1] < curves[1][0] - 0.05, curves[1]  # it actually learns
+
+
+def test_causal_prefix_invariance():
+    _, mesh, g, s, _, _ = _setup(4, 1)
+    batch = _batch(3, docs=False)
+    longer = {k: np.concatenate([v, _batch(4, docs=False)[k]], axis=1) for k, v in batch.items()}
+    longer["positions"] = np.broadcast_to(np.arange(128, dtype=np.int32), (2, 128))
+    short_logits = jax.jit(_logits, static_argnums=0)(g, s["params"], batch)
+    long_logits = jax.jit(_logits, static_argnums=0)(g, s["params"], longer)
+    chex.assert_trees_all_close(long_logits[:, :64], short_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_batch_equals_documents_alone():
+    """A row holding three documents gives the token-weighted loss of the three run alone."""
+    _, mesh, g, s, _, _ = _setup(4, 1)
+    packed = _batch(5, b=1)
+    seg = packed["segment_ids"][0]
+    total, count = 0.0, 0.0
+    for doc in np.unique(seg):
+        idx = np.where(seg == doc)[0]
+        n = len(idx)
+        pad = (-n) % 4  # each document alone, padded to a multiple of P, padding masked
+        alone = {k: np.pad(v[:, idx], ((0, 0), (0, pad))) for k, v in packed.items()}
+        alone["positions"] = np.arange(n + pad, dtype=np.int32)[None]
+        alone["segment_ids"] = np.pad(np.ones((1, n), np.int32), ((0, 0), (0, pad)))
+        loss, c = jax.jit(loss_fn, static_argnums=(0, 3))(g, s["params"], alone, mesh)
+        total += float(loss) * float(c)
+        count += float(c)
+    assert count > 0
+    packed_loss, packed_count = jax.jit(loss_fn, static_argnums=(0, 3))(g, s["params"], packed, mesh)
+    assert float(packed_count) == count
+    np.testing.assert_allclose(float(packed_loss), total / count, rtol=1e-5)
+
+
+def test_positions_matter_and_are_global():
+    """Positions reach RoPE as given, identically sharded and unsharded (no per-shard offset).
+
+    RoPE sees only position differences, so the test uses strided positions (distances x7),
+    and checks that shard-local positions (the off-by-shard bug) would give other logits."""
+    batch = _batch(6, docs=False)
+    shifted = dict(batch, positions=batch["positions"] * 7 + 1000)
+    local = dict(batch, positions=batch["positions"] % 16)  # what a shard-local RoPE would use
+    big = {"model.init_std": 0.5}  # large weights so attention scores, hence RoPE, matter
+    _, _, g1, s1, _, _ = _setup(1, 1, **big)
+    _, _, g4, s4, _, _ = _setup(4, 1, **big)
+    f = jax.jit(_logits, static_argnums=0)
+    a1, a4 = f(g1, s1["params"], shifted), f(g4, s4["params"], shifted)
+    _rel_close(a4, a1, 1e-5)  # relative to the largest logit: these weights make logits large
+    assert not np.allclose(np.asarray(a1), np.asarray(f(g1, s1["params"], batch)), atol=1e-2)
+    a_local = f(g1, s1["params"], local)
+    assert not np.allclose(np.asarray(a_local), np.asarray(f(g4, s4["params"], batch)), atol=1e-2)
+
+
+def test_chunked_loss_equals_plain_loss():
+    _, mesh, g, s, _, _ = _setup(4, 2)
+    batch = _batch(7, b=2)
+
+    def plain(p):
+        return plain_cross_entropy(_logits(g, p, batch), batch["targets"], batch["loss_mask"])
+
+    def chunked(p):
+        model = nnx.merge(g, p)
+        h = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+        return chunked_cross_entropy(h, model.head_weight(), batch["targets"],
+                                     batch["loss_mask"], mesh=mesh, chunk=4)[0]
+
+    lp, gp = jax.jit(jax.value_and_grad(plain))(s["params"])
+    lc, gc = jax.jit(jax.value_and_grad(chunked))(s["params"])
+    np.testing.assert_allclose(float(lc), float(lp), rtol=1e-5)
+    _rel_close(gc, gp, 1e-4)
+
+
+def test_compiled_step_holds_no_full_logits():
+    """No fp32 [B, S/P, V] logits buffer in the compiled step: per-device temp memory stays
+    below that buffer's size and no f32 array in the HLO is that large; the same model with
+    the plain loss exceeds it (so this test can fail). Sizes make the logits dominate."""
+    vocab, b, s, seq = 32768, 1, 512, 4
+    over = {"model.vocab_size": vocab, "seq_len": s, "batch_size": b, "model.loss_chunk": 16,
+            "model.d_model": 16, "model.ffn_dim": 32, "model.n_layers": 1, "model.n_heads": 4,
+            "model.n_kv_heads": 4, "model.head_dim": 8}
+    cfg, mesh, g, state, sh, tx = _setup(seq, 1, **over)
+    batch = _batch(8, b=b, s=s)
+    logits_elems = b * (s // seq) * vocab
+    compiled = make_train_step(cfg, mesh, g, tx, sh).lower(state, batch).compile()
+    chunked_temp = compiled.memory_analysis().temp_size_in_bytes
+    f32_sizes = [np.prod([int(d) for d in dims.split(",")])
+                 for dims in re.findall(r"f32\[([\d,]+)\]", compiled.as_text())]
+    assert f32_sizes and max(f32_sizes) < logits_elems, max(f32_sizes)
+
+    def plain_grads(p):
+        return jax.grad(lambda p: plain_cross_entropy(_logits(g, p, batch), batch["targets"],
+                                                      batch["loss_mask"]))(p)
+
+    plain_temp = jax.jit(plain_grads).lower(state["params"]).compile().memory_analysis() \
+        .temp_size_in_bytes
+    assert chunked_temp < logits_elems * 4 < plain_temp, (chunked_temp, logits_elems * 4,
+                                                          plain_temp)
+
+
+@pytest.mark.parametrize("heads,kv,seq", [(8, 2, 4), (8, 1, 4), (8, 1, 8)])
+def test_gqa_and_mqa_train(heads, kv, seq):
+    cfg, mesh, g, state, sh, tx = _setup(seq, 1, **{"model.n_heads": heads,
+                                                    "model.n_kv_heads": kv, "optimizer.lr": 1e-2})
+    step = make_train_step(cfg, mesh, g, tx, sh)
+    batch = _batch(9)
+    losses = []
+    for _ in range(6):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+def test_remat_does_not_change_numbers(remat):
+    batch = _batch(10)
+    _, mesh, g, s, _, _ = _setup(2, 1)
+    _, _, gr, sr, _, _ = _setup(2, 1, **{"model.remat": remat})
+    l0, g0 = _loss_and_grads(g, s, batch, mesh)
+    l1, g1 = _loss_and_grads(gr, sr, batch, mesh)
+    _rel_close(l1, l0, 1e-5)
+    _rel_close(g1, g0, 1e-5)
+
+
+def test_bfloat16_compute_close_to_float32():
+    batch = _batch(11)
+    _, mesh, g, s, _, _ = _setup(2, 1)
+    _, _, gb, sb, _, _ = _setup(2, 1, **{"model.dtype": "bfloat16"})
+    l32 = _loss_and_grads(g, s, batch, mesh)[0]
+    l16 = _loss_and_grads(gb, sb, batch, mesh)[0]
+    np.testing.assert_allclose(float(l16), float(l32), rtol=1e-2)

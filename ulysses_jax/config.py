@@ -1,0 +1,171 @@
+"""Typed run configuration: frozen dataclasses, YAML presets, dotted key=value overrides.
+
+OmegaConf does the parsing: it rejects unknown keys and values of the wrong type. ``validate``
+then checks the combinations that only make sense together (heads vs ``mesh.seq``, batch vs
+``mesh.data``, ...) and raises ``ConfigError`` with the keys and numbers involved.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full", "save_dots")
+PARAM_SHARDING = ("replicated", "zero3")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the keys and numbers."""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    seq: int = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 257
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    ffn_dim: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+    dtype: str = "float32"          # compute dtype; parameters are always float32
+    remat: str = "none"             # none | full | save_dots
+    attn_impl: str = "auto"         # see ulysses_jax.kernels.resolve_impl
+    loss_chunk: int = 1024          # tokens per device per cross-entropy chunk
+    init_std: float = 0.02
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    schedule_steps: Optional[int] = None  # length of the cosine schedule; None = steps
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"          # "stdlib" or comma-separated .txt/.md/.jsonl files/dirs/globs
+    tokenizer: Optional[str] = None  # None = bytes; a tokenizer.json (or a dir holding one)
+    heldout_fraction: float = 0.02
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    steps: int = 100
+    seq_len: int = 256
+    batch_size: int = 8             # global batch, in sequences
+    log_every: int = 10
+    eval_every: int = 0             # 0 = only at the end
+    eval_batches: int = 2
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    param_sharding: str = "replicated"  # replicated | zero3 (over data x seq devices)
+    init_from: Optional[str] = None     # Hugging Face checkpoint dir
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Builds a Config from defaults, an optional YAML preset and ``key=value`` overrides.
+
+    Raises:
+      ConfigError: unknown keys, wrong types, malformed overrides or impossible combinations.
+    """
+    try:
+        cfg = OmegaConf.structured(Config)
+        if path is not None:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        result = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe(e)) from None
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {e.filename}") from None
+    validate(result)
+    return result
+
+
+def _describe(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).splitlines()[0]
+    return f"config key {key!r}: {msg}" if key else msg
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+    """Checks combinations; ``num_devices`` (if known) bounds the mesh size."""
+    m, mesh = cfg.model, cfg.mesh
+    errors = []
+    positive = {"steps": cfg.steps, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+                "log_every": cfg.log_every, "mesh.data": mesh.data, "mesh.seq": mesh.seq,
+                "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
+                "model.n_kv_heads": m.n_kv_heads, "model.head_dim": m.head_dim,
+                "model.d_model": m.d_model, "model.ffn_dim": m.ffn_dim,
+                "model.vocab_size": m.vocab_size, "model.loss_chunk": m.loss_chunk,
+                "keep_checkpoints": cfg.keep_checkpoints}
+    errors += [f"{k} must be positive, got {v}" for k, v in positive.items() if v < 1]
+    for key, value, allowed in (("model.dtype", m.dtype, DTYPES), ("model.remat", m.remat, REMAT),
+                                ("param_sharding", cfg.param_sharding, PARAM_SHARDING)):
+        if value not in allowed:
+            errors.append(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+    if errors:
+        raise ConfigError("; ".join(errors))
+    if cfg.seq_len % mesh.seq:
+        errors.append(f"seq_len {cfg.seq_len} is not divisible by mesh.seq {mesh.seq}")
+    if cfg.batch_size % mesh.data:
+        errors.append(f"batch_size {cfg.batch_size} is not divisible by mesh.data {mesh.data}")
+    if m.n_heads % mesh.seq:
+        errors.append(f"model.n_heads {m.n_heads} is not divisible by mesh.seq {mesh.seq}")
+    if m.n_heads % m.n_kv_heads:
+        errors.append(f"model.n_heads {m.n_heads} is not divisible by model.n_kv_heads "
+                      f"{m.n_kv_heads}")
+    if m.n_kv_heads % mesh.seq and mesh.seq % m.n_kv_heads:
+        errors.append(f"model.n_kv_heads {m.n_kv_heads} and mesh.seq {mesh.seq}: kv heads must "
+                      f"be a multiple of mesh.seq or divide it")
+    if num_devices is not None and mesh.data * mesh.seq > num_devices:
+        errors.append(f"mesh.data {mesh.data} x mesh.seq {mesh.seq} = {mesh.data * mesh.seq} "
+                      f"devices, but only {num_devices} are available")
+    if cfg.optimizer.schedule_steps is not None and cfg.optimizer.schedule_steps < 1:
+        errors.append(f"optimizer.schedule_steps must be positive, got "
+                      f"{cfg.optimizer.schedule_steps}")
+    if not 0.0 <= cfg.data.heldout_fraction < 1.0:
+        errors.append(f"data.heldout_fraction must be in [0, 1), got {cfg.data.heldout_fraction}")
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_json(cfg: Config) -> str:
+    return json.dumps(to_dict(cfg), sort_keys=True)

@@ -1,0 +1,72 @@
+"""Token-weighted cross-entropy over sequence shards, computed in chunks.
+
+Targets arrive pre-shifted (each position carries its own next token), so nothing crosses a
+shard edge. Each device computes the loss of its own tokens in chunks of ``chunk`` positions:
+a chunk's fp32 logits [B, C, V] exist only while that chunk runs (and are recomputed in the
+backward pass), so the [B, S, V] fp32 logits of a long sequence never exist. The mean is over
+all real tokens of the global batch (sum of losses / number of tokens, both summed across
+devices), not a mean of per-shard means.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from .mesh import DATA, SEQ
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(c for c in range(1, min(n, limit) + 1) if n % c == 0)
+
+
+def token_losses(logits, targets):
+    """Per-token cross-entropy from fp32 logits [..., V] and int targets [...]."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return lse - picked
+
+
+def plain_cross_entropy(logits, targets, loss_mask):
+    """Reference: mean loss over masked tokens from full logits [B, S, V]."""
+    losses = token_losses(logits.astype(jnp.float32), targets)
+    return jnp.sum(losses * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+
+
+def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int = 1024):
+    """Mean next-token loss without materialising the logits.
+
+    Args:
+      hidden: [B, S, D] final hidden states, sharded P("data", "seq", None).
+      w_head: [D, V] output projection (any dtype; logits are accumulated in fp32).
+      targets: [B, S] int next-token ids; loss_mask: [B, S] float weights (0 = ignore).
+      mesh: the ("data", "seq") mesh.
+      chunk: positions per device per chunk.
+
+    Returns:
+      (mean loss, number of counted tokens), both fp32 scalars.
+    """
+    axes = tuple(a for a in (DATA, SEQ) if a in mesh.axis_names)
+    batch_axis = DATA if DATA in mesh.axis_names else None
+
+    def body(h, w, t, m):
+        # h: [B/D, S/P, D]; w: [D, V]; t, m: [B/D, S/P]
+        b, s, d = h.shape
+        c = _largest_divisor_at_most(s, chunk)
+        as_chunks = lambda x: jnp.moveaxis(x.reshape(b, s // c, c, *x.shape[2:]), 1, 0)
+
+        @jax.checkpoint  # keep only the chunk's inputs; recompute its logits in the backward pass
+        def chunk_loss(args):
+            hc, tc, mc = args                                                 # hc: [B, C, D]
+            logits = jnp.einsum("BCD,DV->BCV", hc, w.astype(hc.dtype),
+                                preferred_element_type=jnp.float32)          # [B, C, V]
+            return jnp.sum(token_losses(logits, tc) * mc)
+
+        sums = jax.lax.map(chunk_loss, (as_chunks(h), as_chunks(t), as_chunks(m)))  # [S/P/C]
+        total = jax.lax.psum(jnp.sum(sums), axes)
+        count = jax.lax.psum(jnp.sum(m), axes)
+        return total / jnp.maximum(count, 1.0), count
+
+    act, tok = P(batch_axis, SEQ, None), P(batch_axis, SEQ)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(), tok, tok), out_specs=(P(), P()))
+    return fn(hidden, w_head, targets, loss_mask.astype(jnp.float32))

@@ -1,0 +1,188 @@
+"""Flax NNX decoder of the Llama 3 / Qwen3 family with Ulysses sequence-parallel attention.
+
+Einsum letters: B batch, T query positions, S key positions (and the sequence in general),
+N query heads, K kv heads, G group (N // K), H head dim, D model dim, F ffn dim, V vocab,
+L layers.
+
+Layout: activations are [B, S, D] sharded P("data", "seq", None): every device holds S/P
+tokens, and only attention (``ulysses_attention``) ever sees a whole sequence, for N/P heads.
+Norms, projections, the MLP, the embedding and the loss are all token-local.
+
+RoPE runs before the exchange, on each device's own tokens, with the global (or per-document)
+position of every token carried in the batch (``positions`` [B, S], sharded like the tokens).
+Rotating before the exchange needs no knowledge of which shard a token came from, and the
+exchange moves rotated q/k, which is all attention needs.
+
+Weights use an [in, out] layout per projection (``wq`` [D, N, H], ``wo`` [N, H, D],
+``w_gate`` [D, F] ...), so a Hugging Face Linear weight [out, in] maps by a transpose and a
+reshape. Transformer blocks are stacked on a leading L axis and run with ``jax.lax.scan``, so
+compile time does not grow with depth.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .config import ModelConfig
+from .mesh import DATA, SEQ, shard
+from .ulysses import ulysses_attention
+
+ACT_BSD = P(DATA, SEQ, None)
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing inside a block: recompute all of it
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _gathered(w: jax.Array, dtype, mesh: Mesh | None) -> jax.Array:
+    """A weight in the compute dtype, replicated at its point of use.
+
+    With ZeRO-3 sharding the stored weight is split over the devices; constraining the cast
+    copy to be replicated makes XLA all-gather it here (and reduce-scatter its gradient),
+    instead of moving activations to the weight. With replicated weights it is a no-op.
+    """
+    w = w.astype(dtype)
+    return w if mesh is None else jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, half-split convention (as Llama/Qwen in transformers).
+
+    Args:
+      x: [B, S, N, H]; positions: [B, S] ints.
+    Returns:
+      [B, S, N, H] in x's dtype.
+    """
+    h = x.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)          # [H/2]
+    angles = positions.astype(jnp.float32)[:, :, None] * inv_freq                   # [B, S, H/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]            # [B, S, 1, H]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        init = nnx.initializers.normal(cfg.init_std)
+        out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.wq = nnx.Param(init(rngs.params(), (d, n, h)))
+        self.wk = nnx.Param(init(rngs.params(), (d, k, h)))
+        self.wv = nnx.Param(init(rngs.params(), (d, k, h)))
+        self.wo = nnx.Param(out_init(rngs.params(), (n, h, d)))
+        self.q_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
+        self.cfg, self.mesh = cfg, mesh
+
+    def __call__(self, x, positions, segment_ids):
+        dt, mesh, cfg = x.dtype, self.mesh, self.cfg
+        q = jnp.einsum("BSD,DNH->BSNH", x, _gathered(self.wq[...], dt, mesh))
+        k = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wk[...], dt, mesh))
+        v = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wv[...], dt, mesh))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(q, positions, cfg.rope_theta)                                       # [B, S, N, H]
+        k = rope(k, positions, cfg.rope_theta)                                       # [B, S, K, H]
+        o = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
+                              impl=cfg.attn_impl)                                    # [B, S, N, H]
+        return jnp.einsum("BSNH,NHD->BSD", o, _gathered(self.wo[...], dt, mesh))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.ffn_dim
+        init = nnx.initializers.normal(cfg.init_std)
+        self.w_gate = nnx.Param(init(rngs.params(), (d, f)))
+        self.w_up = nnx.Param(init(rngs.params(), (d, f)))
+        self.w_down = nnx.Param(nnx.initializers.normal(
+            cfg.init_std / (2 * cfg.n_layers) ** 0.5)(rngs.params(), (f, d)))
+        self.mesh = mesh
+
+    def __call__(self, x):
+        dt, mesh = x.dtype, self.mesh
+        gate = jnp.einsum("BSD,DF->BSF", x, _gathered(self.w_gate[...], dt, mesh))
+        up = jnp.einsum("BSD,DF->BSF", x, _gathered(self.w_up[...], dt, mesh))
+        return jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate) * up,
+                          _gathered(self.w_down[...], dt, mesh))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, mesh, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg, mesh, rngs=rngs)
+        self.mesh = mesh
+
+    def __call__(self, x, positions, segment_ids):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        x = x + self.mlp(self.mlp_norm(x))
+        return x if self.mesh is None else shard(x, self.mesh, ACT_BSD)
+
+
+class Decoder(nnx.Module):
+    """Decoder-only LM. ``model(tokens)`` -> fp32 logits [B, S, V]."""
+
+    def __init__(self, cfg: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+        self.cfg, self.mesh = cfg, mesh
+        self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(
+            rngs.params(), (cfg.vocab_size, cfg.d_model)))                          # [V, D]
+        keys = jax.random.split(rngs.params(), cfg.n_layers)
+        self.layers = nnx.vmap(lambda key: Block(cfg, mesh, rngs=nnx.Rngs(key)))(keys)  # [L, ...]
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nnx.Param(
+            nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cfg.dtype)
+
+    def head_weight(self) -> jax.Array:
+        """The output projection [D, V] in float32 (the transposed embedding when tied)."""
+        return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+
+    def hidden(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        """Final-normed hidden states [B, S, D] in the compute dtype.
+
+        Args:
+          tokens: [B, S] int32.
+          positions: [B, S] ints (default 0..S-1 in every row).
+          segment_ids: [B, S] ints for packed documents, or None.
+        """
+        b, s = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)  # [B, S, D]
+        x = shard(x, self.mesh, ACT_BSD)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x, state):
+            return nnx.merge(graphdef, state)(x, positions, segment_ids), None
+
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat],
+                                   prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, stacked)
+        return self.final_norm(x)
+
+    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        h = self.hidden(tokens, positions, segment_ids)
+        w = _gathered(self.head_weight(), self.dtype, self.mesh)
+        return jnp.einsum("BSD,DV->BSV", h, w, preferred_element_type=jnp.float32)

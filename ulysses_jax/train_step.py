@@ -1,0 +1,142 @@
+"""Optimizer, parameter layout and the jitted sequence-parallel train step.
+
+The train state is a plain pytree ``{"step", "params", "opt_state"}`` (params as a nested
+dict of float32 arrays), so Orbax saves it and optax updates it with no wrappers. Parameters
+are either replicated or, with ``param_sharding="zero3"``, each split along one axis over all
+data x seq devices (ZeRO-3 as DeepSpeed-Ulysses runs); the optimizer state follows the
+parameters. The model gathers each weight where it is used.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .config import Config, OptimizerConfig
+from .loss import chunked_cross_entropy
+from .mesh import DATA, SEQ
+from .model import Decoder
+
+BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+
+
+def make_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
+    """Linear warmup to ``lr`` then cosine decay to ``lr * min_lr_ratio`` at schedule_steps."""
+    total = opt.schedule_steps or steps
+    warmup = min(opt.warmup_steps, max(total - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=opt.lr, warmup_steps=warmup,
+        decay_steps=max(total, warmup + 1), end_value=opt.lr * opt.min_lr_ratio)
+
+
+def make_optimizer(opt: OptimizerConfig, steps: int) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping; no weight decay on vectors (norm scales)."""
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(opt.clip_norm),
+        optax.adamw(make_schedule(opt, steps), b1=opt.b1, b2=opt.b2,
+                    weight_decay=opt.weight_decay, mask=decay_mask))
+
+
+def param_spec(shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
+    """Replicated, or (zero3) split over all data x seq devices along the largest axis that
+    divides evenly; arrays with no such axis stay replicated."""
+    n = math.prod(mesh.shape.values())
+    if mode != "zero3" or n == 1:
+        return P()
+    axes = [i for i in sorted(range(len(shape)), key=lambda i: -shape[i]) if shape[i] % n == 0]
+    if not axes:
+        return P()
+    spec = [None] * len(shape)
+    spec[axes[0]] = (DATA, SEQ)
+    return P(*spec)
+
+
+def build_model(cfg: Config, mesh: Mesh, seed: int | None = None) -> Decoder:
+    return Decoder(cfg.model, mesh=mesh, rngs=nnx.Rngs(cfg.seed if seed is None else seed))
+
+
+def state_layout(cfg: Config, mesh: Mesh):
+    """Returns (graphdef, abstract state, state shardings, optimizer) without allocating."""
+    tx = make_optimizer(cfg.optimizer, cfg.steps)
+
+    def init():
+        graphdef, params = nnx.split(build_model(cfg, mesh))
+        params = nnx.to_pure_dict(params)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    abstract = jax.eval_shape(init)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, mesh)))
+    params_sh = jax.tree.map(
+        lambda a: NamedSharding(mesh, param_spec(a.shape, mesh, cfg.param_sharding)),
+        abstract["params"])
+    replicated = NamedSharding(mesh, P())
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], params_sh,
+                                   transform_non_params=lambda _: replicated)
+    shardings = {"step": replicated, "params": params_sh, "opt_state": opt_sh}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, shardings)
+    return graphdef, abstract, shardings, tx
+
+
+def init_state(cfg: Config, mesh: Mesh, params: dict | None = None):
+    """Creates the train state directly in its sharded layout.
+
+    Args:
+      params: optional initial parameters (e.g. imported from Hugging Face) to start from.
+    Returns:
+      (graphdef, state, state shardings, optimizer).
+    """
+    graphdef, _, shardings, tx = state_layout(cfg, mesh)
+
+    def init(params):
+        if params is None:
+            params = nnx.to_pure_dict(nnx.split(build_model(cfg, mesh))[1])
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    state = jax.jit(init, out_shardings=shardings)(params)
+    return graphdef, state, shardings, tx
+
+
+def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
+    return {k: NamedSharding(mesh, P(DATA, SEQ)) for k in BATCH_KEYS}
+
+
+def loss_fn(graphdef, params, batch, mesh: Mesh):
+    """Mean next-token loss of ``batch`` (dict of [B, S] arrays) and its token count."""
+    model = nnx.merge(graphdef, params)
+    hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    return chunked_cross_entropy(hidden, model.head_weight(), batch["targets"],
+                                 batch["loss_mask"], mesh=mesh, chunk=model.cfg.loss_chunk)
+
+
+def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callable:
+    """Jitted ``step(state, batch) -> (state, metrics)``; the old state is donated."""
+    schedule = make_schedule(cfg.optimizer, cfg.steps)
+
+    def step(state, batch):
+        (loss, count), grads = jax.value_and_grad(
+            lambda p: loss_fn(graphdef, p, batch, mesh), has_aux=True)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads),
+                   "lr": schedule(state["step"])}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    return jax.jit(step, in_shardings=(shardings, batch_shardings(mesh)),
+                   out_shardings=(shardings, None), donate_argnums=0)
+
+
+def make_eval_step(mesh: Mesh, graphdef, shardings) -> Callable:
+    """Jitted ``eval(params, batch) -> (mean loss, tokens)``."""
+    return jax.jit(lambda params, batch: loss_fn(graphdef, params, batch, mesh),
+                   in_shardings=(shardings["params"], batch_shardings(mesh)))
+
+
+def param_count(params: Any) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
