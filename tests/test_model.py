@@ -19,7 +19,7 @@ V = 257
 
 def _cfg(seq=1, data=1, **over):
     items = {"mesh.seq": seq, "mesh.data": data, "seq_len": 64, "batch_size": 2,
-             "model.loss_chunk": 8, "model.qk_norm": True, "optimizer.warmup_steps": 2, "model.attn_impl": "xla", **over}
+             "model.loss_chunk": 8, "model.qk_norm": True, "optimizer.warmup_steps": 2, **over}
     return load_config(None, [f"{k}={v}" for k, v in items.items()])
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "xla", "cudnn")
+from .chunked import chunked_attention
+
+IMPLS = ("auto", "xla", "cudnn", "chunked")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -49,10 +51,10 @@ def reference_attention(q, k, v, causal: bool = True, segment_ids=None, scale: f
 
 
 def resolve_impl(impl: str, dtype, head_dim: int, backend: str | None = None) -> str:
-    """Turns ``impl`` ("auto", "xla", "cudnn") into the kernel that will run.
+    """Turns ``impl`` ("auto", "xla", "cudnn", "chunked") into the kernel that will run.
 
     "auto" picks cuDNN flash attention on a GPU for bf16/fp16 with a head dim it supports
-    (multiple of 8, at most 128), and XLA's dense attention otherwise.
+    (multiple of 8, at most 128), and the memory-linear "chunked" kernel otherwise.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {', '.join(IMPLS)}")
@@ -68,7 +70,7 @@ def resolve_impl(impl: str, dtype, head_dim: int, backend: str | None = None) ->
                 f"of 8 and at most 128; got dtype {jnp.dtype(dtype).name}, head dim {head_dim}")
         return "cudnn"
     if impl == "auto":
-        return "cudnn" if cudnn_ok else "xla"
+        return "cudnn" if cudnn_ok else "chunked"
     return impl
 
 
@@ -79,11 +81,13 @@ def local_attention(q, k, v, *, causal: bool, segment_ids=None, impl: str = "xla
       q: [B, T, N, H]; k, v: [B, S, K, H] with N a multiple of K.
       causal: causal masking.
       segment_ids: optional [B, S] ints (packed documents).
-      impl: a resolved kernel name, "xla" or "cudnn".
+      impl: a resolved kernel name, "xla", "cudnn" or "chunked".
 
     Returns:
       [B, T, N, H].
     """
+    if impl == "chunked":
+        return chunked_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]

@@ -1,0 +1,216 @@
+"""train.py end to end: configs, CLI errors, training, resume, preemption, NaN, multi-process."""
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import DEVICES
+from ulysses_jax.checkpoint import Checkpointer
+from ulysses_jax.config import load_config
+from ulysses_jax.plot import plot_metrics
+from ulysses_jax.trainer import TrainingDiverged, dry_run, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+# A model small enough that each test run compiles and trains in seconds on 2 cores.
+SMALL = ["seq_len=64", "batch_size=2", "model.d_model=32", "model.n_layers=1",
+         "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=8", "model.ffn_dim=64",
+         "model.loss_chunk=16", "log_every=1", "eval_batches=1", "optimizer.warmup_steps=2"]
+
+pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
+                                reason="trainer tests run on fake CPU devices")
+
+
+def _cfg(*over):
+    return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL + list(over))
+
+
+def _metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _losses(workdir):
+    return {m["step"]: m["loss"] for m in _metrics(workdir) if "loss" in m}
+
+
+def test_every_preset_loads():
+    assert len(PRESETS) >= 4
+    for path in PRESETS:
+        cfg = load_config(path)
+        assert cfg.seq_len % cfg.mesh.seq == 0
+
+
+@pytest.mark.parametrize("name", ["llama3-8b-128k", "qwen3-8b-128k", "llama-1b-32k"])
+def test_big_presets_compile_reduced(name):
+    """Full widths, one layer, a short sequence: the presets compile and the plan reports
+    memory, FLOPs and the Ulysses all-to-alls."""
+    cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"),
+                      ["seq_len=1024", "model.n_layers=1"])
+    plan = dry_run(cfg)
+    assert plan["peak_bytes_per_device"] > 0 and plan["flops_per_device"] > 0
+    assert plan["collectives"]["all-to-all"] >= 4, plan["collectives"]
+
+
+@pytest.mark.parametrize("args,match", [
+    (["foo.bar=1"], "config key 'foo'"),
+    (["steps=many"], "config key 'steps'"),
+    (["mesh.seq=3"], "seq_len 512 is not divisible by mesh.seq 3"),
+    (["model.n_heads=12", "mesh.seq=8"], "model.n_heads 12 is not divisible by mesh.seq 8"),
+    (["model.n_kv_heads=3", "model.n_heads=24", "mesh.seq=2"], "model.n_kv_heads 3 and mesh.seq 2"),
+    (["batch_size=3", "mesh.data=2", "mesh.seq=4"], "batch_size 3 is not divisible by mesh.data 2"),
+    (["mesh.seq=8", "mesh.data=2", "batch_size=4"], "16 devices, but only 8 are available"),
+    (["model.dtype=float8"], "model.dtype must be one of float32, bfloat16"),
+    (["steps"], "override 'steps' is not of the form key=value"),
+])
+def test_cli_rejects_bad_config(args, match, capsys):
+    sys.path.insert(0, ROOT)
+    import train as cli
+    rc = cli.main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--dry-run", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and match in err and "Traceback" not in err, err
+
+
+def test_cli_no_traceback_subprocess(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.yaml",
+                          "--workdir", str(tmp_path), "mesh.seq=5"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "seq_len 512 is not divisible by mesh.seq 5" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_short_run_loss_falls(tmp_path):
+    cfg = _cfg("steps=25", "optimizer.lr=0.01", "eval_every=25", "checkpoint_every=10")
+    summary = train(cfg, str(tmp_path), progress=False)
+    metrics = _metrics(tmp_path)
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert summary["status"] == "done" and summary["step"] == 25
+    assert np.mean(losses[-5:]) < losses[0] - 0.5, losses
+    for key in ("step", "loss", "tokens_per_sec", "lr", "grad_norm", "step_time"):
+        assert key in metrics[0], metrics[0]
+    assert any("eval_loss" in m and np.isfinite(m["eval_loss"]) for m in metrics)
+    assert os.path.exists(tmp_path / "config.yaml")
+    assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 25
+    png = plot_metrics(str(tmp_path))
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("resume_mesh", [("4", "1"), ("2", "2")])
+def test_resume_equals_uninterrupted(tmp_path, resume_mesh):
+    common = ["optimizer.schedule_steps=6", "checkpoint_every=3", "mesh.seq=4", "mesh.data=1"]
+    train(_cfg("steps=6", *common), str(tmp_path / "full"), progress=False)
+    train(_cfg("steps=3", *common), str(tmp_path / "split"), progress=False)
+    seq, data = resume_mesh
+    train(_cfg("steps=6", *common, f"mesh.seq={seq}", f"mesh.data={data}"),
+          str(tmp_path / "split"), progress=False)
+    full, split = _losses(tmp_path / "full"), _losses(tmp_path / "split")
+    assert sorted(split) == sorted(full) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([split[s] for s in range(1, 7)], [full[s] for s in range(1, 7)],
+                               rtol=1e-5 if resume_mesh == ("4", "1") else 1e-4)
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path):
+    # A huge learning rate with no clipping blows the weights up within a few steps.
+    cfg = _cfg("steps=30", "optimizer.lr=1e12", "optimizer.clip_norm=1e30",
+               "optimizer.warmup_steps=0", "checkpoint_every=1")
+    with pytest.raises(TrainingDiverged, match=r"loss is (nan|inf) at step (\d+)") as err:
+        train(cfg, str(tmp_path), progress=False)
+    bad_step = int(str(err.value).split("at step ")[1].split(";")[0])
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+    assert ckpt.latest_step() == bad_step - 1
+    losses = _losses(tmp_path)
+    assert all(np.isfinite(v) for v in losses.values()) and bad_step not in losses
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--workdir", str(tmp_path),
+         "--no-progress", *SMALL, "steps=100000", "checkpoint_every=0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    step = Checkpointer(str(tmp_path / "checkpoints")).latest_step()
+    assert step is not None and 2 <= step < 100000, out
+    assert f"SIGTERM: saved step {step}" in out
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(tmp_path):
+    """2 processes x 4 CPU devices (gloo) give the loss curve of 1 process x 8 devices."""
+    over = [*SMALL, "steps=4", "mesh.seq=4", "mesh.data=2", "batch_size=4",
+            "checkpoint_every=2", "eval_batches=0"]
+    train(_cfg(*over[len(SMALL):]), str(tmp_path / "one"), progress=False)
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    procs = [subprocess.Popen(
+        [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--workdir",
+         str(tmp_path / "two"), "--no-progress", "--coordinator", f"127.0.0.1:{port}",
+         "--num-processes", "2", "--process-id", str(i), *over],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=1e-5)
+    assert Checkpointer(str(tmp_path / "two" / "checkpoints")).latest_step() == 4
+
+
+def test_cli_loss_curve_same_at_seq4_and_seq1(tmp_path):
+    """The model issue's acceptance: same seed, mesh.seq=4 and mesh.seq=1, same loss curve."""
+    for seq in (1, 4):
+        train(_cfg("steps=8", f"mesh.seq={seq}", "checkpoint_every=0", "eval_batches=0"),
+              str(tmp_path / f"seq{seq}"), progress=False)
+    one, four = _losses(tmp_path / "seq1"), _losses(tmp_path / "seq4")
+    assert sorted(one) == sorted(four) == list(range(1, 9))
+    np.testing.assert_allclose([four[s] for s in one], [one[s] for s in one], rtol=1e-4)
+
+
+def test_init_from_hugging_face_checkpoint(tmp_path):
+    """init_from=DIR starts from the checkpoint's weights: step 1's loss is the imported
+    model's loss on the first batch, computed independently here."""
+    torch = pytest.importorskip("torch", reason="torch is not installed (requirements-baseline.txt)")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    import jax
+    from ulysses_jax import data as data_lib, make_mesh
+    from ulysses_jax.hf import from_pretrained
+    from ulysses_jax.loss import plain_cross_entropy
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      vocab_size=300, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf")
+    cfg = _cfg("steps=2", f"init_from={tmp_path / 'hf'}", "mesh.seq=2", "checkpoint_every=0",
+               "eval_batches=0", "optimizer.warmup_steps=0")
+    train(cfg, str(tmp_path / "run"), progress=False)
+    first = _losses(tmp_path / "run")[1]
+
+    rows, _ = data_lib.build_rows("stdlib", data_lib.ByteTokenizer(), cfg.seq_len,
+                                  cfg.data.heldout_fraction, cfg.seed)
+    batch = next(data_lib.BatchIterator(rows, cfg.batch_size, cfg.seed))
+    model = from_pretrained(str(tmp_path / "hf"), mesh=make_mesh(seq=1, data=1,
+                                                                 devices=jax.devices()[:1]))
+    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    expected = float(plain_cross_entropy(logits, batch["targets"], batch["loss_mask"]))
+    np.testing.assert_allclose(first, expected, rtol=1e-5)

@@ -1,0 +1,277 @@
+"""Chunked (flash-style) local attention in plain JAX: linear memory on any backend.
+
+Letters as in model.py: B batch, T query positions, S key positions, N query heads, K kv heads,
+G = N // K query heads per kv head, H head dim; Tb and Sb are the query and key block sizes,
+nq and nk the numbers of blocks.
+
+Forward (FlashAttention-2 order). Queries are cut into nq blocks of Tb rows. For each query
+block a loop walks over key blocks and keeps, per row, a running max m, a running sum l of
+exp(score - m) and an unnormalised output accumulator, all fp32. A new key block rescales the
+old sum and accumulator by exp(m_old - m_new) before adding its own terms (online softmax), so
+only one [B, K, G, Tb, Sb] score tile lives at a time; the [T, S] score matrix never exists.
+Key block 0 (seen by every query block) seeds the running state instead of a -inf/zeros init.
+GQA/MQA reshape q to [B, T, K, G, H] and read each kv head once; K/V are never repeated.
+
+Causal skipping. The key loop is a ``lax.fori_loop`` whose upper bound depends on the query
+block index (a traced value, so it lowers to a while loop with a dynamic trip count): query
+block i visits key blocks 0 .. ceil(min((i+1)*Tb, T) / Sb) - 1 only. Blocks above the diagonal
+are never computed, not computed-and-masked; the diagonal blocks apply the position mask.
+
+Backward (custom_vjp). The residuals are q, k, v, out and the per-row logsumexp (O(S) extra).
+One scan walks over key blocks j; an inner fori_loop walks over the query blocks that can see
+block j (from floor(j*Sb / Tb) when causal, from 0 otherwise), recomputes the score tile,
+P = exp(S - lse), and with delta = rowsum(dO * O) forms dS = P * (dP - delta). dK_j and dV_j
+accumulate in the inner carry; dQ accumulates into one fp32 [nq, B, Tb, K, G, H] buffer in the
+scan carry (updated in place). Backward memory is O(S * H + Tb * Sb) per head, never S x S.
+The backward is not itself differentiable (no second derivatives).
+
+Ragged lengths. T and S are padded up to multiples of the (clamped) block sizes; padded keys are
+masked out, padded query rows are computed and dropped (their cotangent is zero, so they add
+nothing to dK/dV). A row that sees no key gets output 0, not NaN.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_F32 = jnp.float32
+
+
+def _pad_to(x, axis: int, size: int):
+    """Pads ``x`` with zeros along ``axis`` up to ``size``."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static block geometry shared by forward and backward (hashable: a custom_vjp static)."""
+    t: int          # query length
+    s: int          # key length
+    bq: int         # query block, already clamped to t
+    bk: int         # key block, already clamped to s
+    causal: bool
+
+    @property
+    def nq(self) -> int:
+        return -(-self.t // self.bq)
+
+    @property
+    def nk(self) -> int:
+        return -(-self.s // self.bk)
+
+    def key_hi(self, i):
+        """One past the last key block that query block ``i`` must visit."""
+        if not self.causal:
+            return self.nk
+        last_row = jnp.minimum((i + 1) * self.bq, self.t)
+        return jnp.minimum((last_row + self.bk - 1) // self.bk, self.nk)
+
+    def query_lo(self, j):
+        """First query block that can see key block ``j``."""
+        return (j * self.bk) // self.bq if self.causal else 0
+
+    def mask(self, i, j, seg_q, seg_k):
+        """Boolean [B|1, 1, 1, Tb, Sb] mask for tile (i, j), or None when nothing is masked."""
+        qpos = i * self.bq + jnp.arange(self.bq)                          # [Tb]
+        kpos = j * self.bk + jnp.arange(self.bk)                          # [Sb]
+        m = None
+        if self.nk * self.bk != self.s:
+            m = jnp.broadcast_to(kpos[None, :] < self.s, (self.bq, self.bk))
+        if self.causal:
+            c = qpos[:, None] >= kpos[None, :]                            # [Tb, Sb]
+            m = c if m is None else m & c
+        if m is not None:
+            m = m[None]                                                   # [1, Tb, Sb]
+        if seg_q is not None:
+            sq = lax.dynamic_slice_in_dim(seg_q, i * self.bq, self.bq, 1)  # [B, Tb]
+            sk = lax.dynamic_slice_in_dim(seg_k, j * self.bk, self.bk, 1)  # [B, Sb]
+            e = sq[:, :, None] == sk[:, None, :]                          # [B, Tb, Sb]
+            m = e if m is None else m & e
+        return None if m is None else m[:, None, None]
+
+
+def _scores(plan, scale, q_i, k, i, j, seg_q, seg_k):
+    """Scaled, masked fp32 scores of query block i against key block j.
+
+    Returns (scores [B, K, G, Tb, Sb] with masked entries -inf, k_j [B, Sb, K, H]).
+    """
+    k_j = lax.dynamic_slice_in_dim(k, j * plan.bk, plan.bk, 1)            # [B, Sb, K, H]
+    s = jnp.einsum("btkgh,bskh->bkgts", q_i, k_j, preferred_element_type=_F32) * scale
+    mask = plan.mask(i, j, seg_q, seg_k)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    return s, k_j
+
+
+def _forward(q, k, v, seg, plan: _Plan, scale: float):
+    """Blocked forward pass on padded inputs.
+
+    Args:
+      q: [B, nq*Tb, N, H]; k, v: [B, nk*Sb, K, H]; seg: padded [B, nq*Tb] ints or None.
+
+    Returns:
+      out [B, nq*Tb, N, H] in q's dtype, lse [nq, B, K, G, Tb] fp32, and the number of
+      (query block, key block) tiles computed, an int32 scalar.
+    """
+    b, _, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    q_blocks = q.reshape(b, plan.nq, plan.bq, kh, g, h).swapaxes(0, 1)    # [nq, B, Tb, K, G, H]
+
+    def one_query_block(visits, xs):
+        i, q_i = xs                                                       # q_i: [B, Tb, K, G, H]
+
+        def tile(j):
+            """Softmax stats of one key block on its own: local max, sum, unnormalised P @ V."""
+            s, _ = _scores(plan, scale, q_i, k, i, j, seg, seg)           # [B, K, G, Tb, Sb]
+            v_j = lax.dynamic_slice_in_dim(v, j * plan.bk, plan.bk, 1)    # [B, Sb, K, H]
+            m = s.max(-1)                                                 # [B, K, G, Tb]
+            # A fully masked row has m = -inf; shifting by 0 keeps exp(-inf) = 0, not NaN.
+            p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None])  # [B, K, G, Tb, Sb]
+            pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v_j,
+                            preferred_element_type=_F32)                  # [B, K, G, Tb, H]
+            return m, p.sum(-1), pv
+
+        def merge(j, carry):
+            """Online softmax: rescale both partial results to their common running max."""
+            m, l, acc, visits = carry
+            m_j, l_j, pv_j = tile(j)
+            m_new = jnp.maximum(m, m_j)                                   # [B, K, G, Tb]
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            a, c = jnp.exp(m - shift), jnp.exp(m_j - shift)               # [B, K, G, Tb]
+            return m_new, a * l + c * l_j, a[..., None] * acc + c[..., None] * pv_j, visits + 1
+
+        # Key block 0 is visited by every query block; it seeds the carry, so the carry is
+        # computed from the inputs (inside shard_map it then varies over the same mesh axes as
+        # the loop body's output, which a jnp.zeros init would not).
+        m, l, acc = tile(0)
+        m, l, acc, visits = lax.fori_loop(1, plan.key_hi(i), merge, (m, l, acc, visits + 1))
+        seen = l > 0
+        out = acc / jnp.where(seen, l, 1.0)[..., None]                    # [B, K, G, Tb, H]
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # [B, K, G, Tb]
+        return visits, (out.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse)
+
+    visits, (out, lse) = lax.scan(one_query_block, jnp.int32(0), (jnp.arange(plan.nq), q_blocks))
+    # out: [nq, B, Tb, K, G, H]
+    out = out.swapaxes(0, 1).reshape(b, plan.nq * plan.bq, n, h)          # [B, nq*Tb, N, H]
+    return out, lse, visits
+
+
+def _backward(q, k, v, seg, out, lse, d_out, plan: _Plan, scale: float):
+    """Blocked FlashAttention-2 backward on padded inputs (shapes as in ``_forward``).
+
+    Returns:
+      dq, dk, dv in the dtypes of q, k, v, and the number of tiles recomputed.
+    """
+    b, tp, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    blocks = lambda x: x.reshape(b, plan.nq, plan.bq, kh, g, h).swapaxes(0, 1)
+    q_blocks, do_blocks = blocks(q), blocks(d_out)                        # [nq, B, Tb, K, G, H]
+    delta = jnp.einsum("nbtkgh,nbtkgh->nbkgt", blocks(out).astype(_F32),
+                       do_blocks.astype(_F32))                            # [nq, B, K, G, Tb]
+
+    def one_key_block(carry, j):
+        dq_acc, visits = carry                                            # [nq, B, Tb, K, G, H], []
+        v_j = lax.dynamic_slice_in_dim(v, j * plan.bk, plan.bk, 1)        # [B, Sb, K, H]
+
+        def one_query_block(i, inner):
+            dk_j, dv_j, dq_acc, visits = inner
+            q_i, do_i = q_blocks[i], do_blocks[i]                         # [B, Tb, K, G, H]
+            s, k_j = _scores(plan, scale, q_i, k, i, j, seg, seg)         # [B, K, G, Tb, Sb]
+            p = jnp.exp(s - lse[i][..., None])                            # [B, K, G, Tb, Sb]
+            dv_j += jnp.einsum("bkgts,btkgh->bskh", p.astype(do_i.dtype), do_i,
+                               preferred_element_type=_F32)               # [B, Sb, K, H]
+            dp = jnp.einsum("btkgh,bskh->bkgts", do_i, v_j, preferred_element_type=_F32)
+            # Masked entries have p == 0, hence ds == 0: no second mask needed.
+            ds = (p * (dp - delta[i][..., None])).astype(q.dtype)         # [B, K, G, Tb, Sb]
+            dq_i = jnp.einsum("bkgts,bskh->btkgh", ds, k_j, preferred_element_type=_F32)
+            dq_acc = dq_acc.at[i].add(dq_i)                   # XLA updates the carry in place
+            dk_j += jnp.einsum("bkgts,btkgh->bskh", ds, q_i, preferred_element_type=_F32)
+            return dk_j, dv_j, dq_acc, visits + 1
+
+        zeros = jnp.zeros_like(delta, shape=(b, plan.bk, kh, h))          # see init below
+        dk_j, dv_j, dq_acc, visits = lax.fori_loop(
+            plan.query_lo(j), plan.nq, one_query_block, (zeros, zeros, dq_acc, visits))
+        return (dq_acc, visits), (dk_j * scale, dv_j)
+
+    # zeros_like(delta): delta depends on every input, so inside shard_map the zeros vary over
+    # the same mesh axes as the loop bodies' outputs (a plain jnp.zeros would not).
+    init = (jnp.zeros_like(delta, shape=(plan.nq, b, plan.bq, kh, g, h)), jnp.int32(0))
+    (dq, visits), (dk, dv) = lax.scan(one_key_block, init, jnp.arange(plan.nk))
+    dq = (dq * scale).swapaxes(0, 1).reshape(b, tp, n, h)                 # [B, nq*Tb, N, H]
+    dk = dk.swapaxes(0, 1).reshape(b, plan.nk * plan.bk, kh, h)           # [B, nk*Sb, K, H]
+    dv = dv.swapaxes(0, 1).reshape(b, plan.nk * plan.bk, kh, h)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), visits
+
+
+def _pad_inputs(q, k, v, seg, plan: _Plan):
+    """Pads q to nq*Tb and k, v to nk*Sb positions (zeros); returns (q, k, v, seg) padded."""
+    tp, sp = plan.nq * plan.bq, plan.nk * plan.bk
+    q, k, v = _pad_to(q, 1, tp), _pad_to(k, 1, sp), _pad_to(v, 1, sp)
+    if seg is not None:
+        seg = _pad_to(seg, 1, max(tp, sp))  # T == S here; padded keys are masked by position
+    return q, k, v, seg
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, seg, plan, scale):
+    out, _, _ = _forward(*_pad_inputs(q, k, v, seg, plan), plan, scale)
+    return out[:, :plan.t]
+
+
+def _attention_fwd(q, k, v, seg, plan, scale):
+    qp, kp, vp, segp = _pad_inputs(q, k, v, seg, plan)
+    out, lse, _ = _forward(qp, kp, vp, segp, plan, scale)
+    return out[:, :plan.t], (qp, kp, vp, segp, out, lse)
+
+
+def _attention_bwd(plan, scale, res, d_out):
+    qp, kp, vp, segp, out, lse = res
+    d_out = _pad_to(d_out, 1, qp.shape[1])
+    dq, dk, dv, _ = _backward(qp, kp, vp, segp, out, lse, d_out, plan, scale)
+    return dq[:, :plan.t], dk[:, :plan.s], dv[:, :plan.s], None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def chunked_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int = 512,
+                      block_k: int = 512, scale: float | None = None):
+    """Memory-linear attention: online softmax over key blocks, recomputing backward.
+
+    Args:
+      q: [B, T, N, H] queries.
+      k, v: [B, S, K, H] keys and values; N must be a multiple of K (GQA/MQA).
+      causal: mask keys after each query and skip key blocks above the diagonal (T == S).
+      segment_ids: optional [B, S] ints; a query only sees keys with the same id (T == S).
+      block_q, block_k: query / key block sizes, clamped to T and S; need not divide them.
+      scale: logit scale (a Python float), default 1/sqrt(H).
+
+    Returns:
+      [B, T, N, H] in q's dtype.
+    """
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != h:
+        raise ValueError(f"k {k.shape} and v {v.shape} must be [B, S, K, H] matching q {q.shape}")
+    if n % kh:
+        raise ValueError(f"query heads {n} not divisible by kv heads {kh}")
+    if (causal or segment_ids is not None) and t != s:
+        raise ValueError(f"causal or segment masks need T == S, got T {t}, S {s}")
+    if segment_ids is not None and tuple(segment_ids.shape) != (b, s):
+        raise ValueError(f"segment_ids must be [B, S] = {(b, s)}, got {tuple(segment_ids.shape)}")
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"block sizes must be positive, got block_q {block_q}, block_k {block_k}")
+    scale = float(h ** -0.5 if scale is None else scale)
+    plan = _Plan(t, s, min(block_q, t), min(block_k, s), causal)
+    return _attention(q, k, v, segment_ids, plan, scale)

@@ -1,0 +1,336 @@
+"""Hugging Face checkpoint import and export for the Llama / Mistral / Qwen3 family.
+
+A checkpoint is a local directory with ``config.json`` and ``model.safetensors`` (or a
+``model.safetensors.index.json`` with shards), as ``transformers`` writes it. Import reads the
+tensors with safetensors' numpy API (torch is never imported), maps each Linear weight
+[out, in] to our [in, ..., out] layout, stacks the layers on a leading L axis and places every
+array straight onto its sharding on the mesh, one parameter at a time, so host memory holds at
+most one stacked parameter beyond what the devices hold.
+
+Conventions checked against transformers' modeling code (Llama, Mistral, Qwen2, Qwen3):
+half-split RoPE with inv_freq = theta^(-2i/head_dim); RMSNorm in fp32 times the weight; q/k
+RMSNorm over head_dim before RoPE (Qwen3); GQA query head n reads kv head n // (N/K); logits
+scale head_dim^-0.5; SiLU-gated MLP; ``lm_head`` = embedding when ``tie_word_embeddings``.
+What our Decoder cannot express (projection biases, scaled RoPE, a sliding window shorter
+than the sequence, other activations) is refused with a ValueError, never silently dropped.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  registers numpy's "bfloat16" so safetensors can read bf16 files
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from .config import DTYPES, PARAM_SHARDING, ModelConfig
+from .mesh import make_mesh
+from .model import Decoder
+
+ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# Our parameter path -> (HF tensor name, number of leading "in" dims of our array).
+# An HF Linear weight W [out, in] maps to ours as W.T.reshape(our shape): q_proj [N*H, D]
+# -> wq [D, N, H] (1 "in" dim), o_proj [D, N*H] -> wo [N, H, D] (2 "in" dims). 0 = copy as is.
+_LAYER = {
+    ("attn_norm", "scale"): ("input_layernorm.weight", 0),
+    ("attn", "wq"): ("self_attn.q_proj.weight", 1),
+    ("attn", "wk"): ("self_attn.k_proj.weight", 1),
+    ("attn", "wv"): ("self_attn.v_proj.weight", 1),
+    ("attn", "wo"): ("self_attn.o_proj.weight", 2),
+    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", 0),
+    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", 0),
+    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", 0),
+    ("mlp", "w_gate"): ("mlp.gate_proj.weight", 1),
+    ("mlp", "w_up"): ("mlp.up_proj.weight", 1),
+    ("mlp", "w_down"): ("mlp.down_proj.weight", 1),
+}
+_GLOBAL = {("embed",): ("model.embed_tokens.weight", 0),
+           ("final_norm", "scale"): ("model.norm.weight", 0),
+           ("lm_head",): ("lm_head.weight", 1)}
+# Non-persistent RoPE buffers that old transformers versions saved; recomputed from the config.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Class defaults of transformers' configs that differ from "all heads" / hidden // heads, used
+# when config.json omits the key (an explicit null still means the generic default).
+_ARCH_DEFAULTS = {"mistral": {"num_key_value_heads": 8},
+                  "qwen3": {"num_key_value_heads": 32, "head_dim": 128}}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+
+
+def _sliding_window(hf: dict) -> int | None:
+    """The attention window transformers would apply (defaults as its config classes), or None."""
+    if hf["model_type"] == "mistral":  # MistralConfig defaults to 4096 when the key is absent
+        return hf.get("sliding_window", 4096)
+    if hf["model_type"] != "qwen3" or not hf.get("use_sliding_window", False):
+        return None  # Llama never slides; Qwen3 only with use_sliding_window
+    window, n = hf.get("sliding_window", 4096), hf["num_hidden_layers"]
+    kinds = hf.get("layer_types") or ["full_attention" if i < hf.get("max_window_layers", 28)
+                                      else "sliding_attention" for i in range(n)]
+    return window if "sliding_attention" in kinds else None
+
+
+def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None = None,
+                   **overrides) -> ModelConfig:
+    """Translates a transformers ``config.json`` dict to a ModelConfig.
+
+    Args:
+      hf: the parsed config.json (model_type llama, mistral or qwen3).
+      dtype: compute dtype, float32 or bfloat16 (parameters stay float32).
+      max_seq_len: the longest sequence the model will see; required only when the checkpoint
+        has a sliding window (Mistral), which must then cover it.
+      **overrides: other ModelConfig fields (remat, attn_impl, loss_chunk, ...).
+    Returns:
+      The ModelConfig of an equivalent Decoder.
+    Raises:
+      ValueError: for a feature our Decoder does not implement; the message names it.
+    """
+    mt = hf.get("model_type")
+    if mt == "qwen2":
+        raise ValueError("Qwen2 checkpoints are not supported: Qwen2 has q/k/v projection biases "
+                         "(transformers' Qwen2Attention uses bias=True) and ulysses_jax's Decoder "
+                         "has no projection biases")
+    if mt not in ARCHS:
+        raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(ARCHS)}")
+    problems = []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r} (only silu is implemented)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            problems.append(f"{key}=true (the Decoder has no projection biases)")
+    # transformers >= 5 writes rope_parameters; older files have rope_theta / rope_scaling.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        problems.append(f"RoPE scaling {rope_type!r} (only unscaled RoPE is implemented)")
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append("partial_rotary_factor != 1 (RoPE on the whole head_dim only)")
+    window = _sliding_window(hf)
+    if window is not None and (max_seq_len is None or max_seq_len > window):
+        problems.append(f"sliding_window {window} (the Decoder attends to the whole causal "
+                        f"prefix; pass max_seq_len <= {window} to load it, got {max_seq_len})")
+    if problems:
+        raise ValueError(f"cannot import this {mt} checkpoint: " + "; ".join(problems))
+    try:
+        dtype = jnp.dtype(dtype).name
+    except TypeError:
+        pass  # not a dtype at all; reported below like any other unsupported one
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    missing = [k for k in _REQUIRED if k not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}")
+    hf = {**_ARCH_DEFAULTS.get(mt, {}), **hf}
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_dim=hf["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=mt == "qwen3",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype, **overrides)
+
+
+def config_to_hf(cfg: ModelConfig, arch: str | None = None,
+                 max_position_embeddings: int = 4096) -> dict:
+    """The transformers config.json dict of a Decoder.
+
+    Args:
+      cfg: the Decoder's config.
+      arch: llama, mistral or qwen3; None = qwen3 with QK-norm, else llama.
+      max_position_embeddings: written for transformers' RoPE cache; our model has no limit.
+    Returns:
+      A dict for config.json (both the transformers >= 5 and the older RoPE keys).
+    """
+    arch = arch or ("qwen3" if cfg.qk_norm else "llama")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    if cfg.qk_norm != (arch == "qwen3"):
+        raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen3' else 'has no'} q/k RMSNorm "
+                         f"but the model has qk_norm={cfg.qk_norm}; use arch="
+                         f"{'qwen3' if cfg.qk_norm else 'llama'!r}")
+    hf = {"architectures": [ARCHS[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
+          "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
+          "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+          "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+          "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+          "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+          "max_position_embeddings": max_position_embeddings,
+          "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+          "attention_dropout": 0.0, "torch_dtype": "float32", "dtype": "float32"}
+    if arch == "llama":
+        hf["mlp_bias"] = False
+    else:
+        hf["sliding_window"] = None
+    if arch == "qwen3":
+        hf.update(use_sliding_window=False, layer_types=["full_attention"] * cfg.n_layers)
+    return hf
+
+
+def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
+    """HF shape of one (unstacked) parameter of ours: [out, in] for Linear weights."""
+    return shape if n_in == 0 else (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+
+
+def _hf_names(keys: tuple[str, ...], n_layers: int) -> tuple[list[str], int]:
+    """HF tensor names (one per layer for stacked parameters) and n_in of our parameter path."""
+    if keys[0] != "layers":
+        name, n_in = _GLOBAL[keys]
+        return [name], n_in
+    name, n_in = _LAYER[keys[1:]]
+    return [f"model.layers.{i}.{name}" for i in range(n_layers)], n_in
+
+
+def _tensor_index(path: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file holding it."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, framework="np") as f:
+        return {k: single for k in f.keys()}
+
+
+def read_config(path: str) -> dict:
+    config = os.path.join(path, "config.json")
+    if not os.path.exists(config):
+        raise ValueError(f"{path} has no config.json")
+    with open(config) as f:
+        return json.load(f)
+
+
+def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
+                dtype: Any = "float32", max_seq_len: int | None = None, **overrides):
+    """Reads a Hugging Face checkpoint into float32 parameters sharded on ``mesh``.
+
+    Args:
+      path: local directory with config.json and safetensors weights.
+      mesh: the ("data", "seq") mesh the parameters are placed on.
+      param_sharding: "replicated" or "zero3", as ``train_step.param_spec`` lays them out.
+      dtype, max_seq_len, **overrides: as in ``config_from_hf``.
+    Returns:
+      (ModelConfig, params): params is the Decoder's pure dict (``nnx.to_pure_dict`` layout).
+    Raises:
+      ValueError: unsupported config, missing, unexpected or wrongly shaped tensors.
+    """
+    from .train_step import param_spec  # deferred: train_step pulls in optax and the loss
+
+    if param_sharding not in PARAM_SHARDING:
+        raise ValueError(f"param_sharding must be one of {PARAM_SHARDING}, got {param_sharding!r}")
+    cfg = config_from_hf(read_config(path), dtype=dtype, max_seq_len=max_seq_len, **overrides)
+    abstract = nnx.to_pure_dict(nnx.state(
+        nnx.eval_shape(lambda: Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0)))))
+    paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)]
+    wanted = {n for keys in paths for n in _hf_names(keys, cfg.n_layers)[0]}
+    files = _tensor_index(path)
+    # Checked before reading anything: a tensor we would drop changes the model's function.
+    unused = sorted(k for k in set(files) - wanted if not k.endswith(_IGNORED_SUFFIXES)
+                    and not (cfg.tie_embeddings and k == "lm_head.weight"))
+    if unused:
+        raise ValueError(f"checkpoint {path} has tensors the Decoder has no place for "
+                         f"(biases or another architecture?): {unused[:8]}"
+                         f"{' ...' if len(unused) > 8 else ''}")
+    missing = sorted(wanted - set(files))
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensors {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    with contextlib.ExitStack() as stack:
+        handles = {}
+
+        def read(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="np"))
+            x = handles[file].get_tensor(name)
+            if tuple(x.shape) != shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}, expected {shape}")
+            return x.astype(np.float32)
+
+        def load(keys: tuple[str, ...], leaf) -> jax.Array:
+            names, n_in = _hf_names(keys, cfg.n_layers)
+            stacked = keys[0] == "layers"
+            shape = leaf.shape[1:] if stacked else leaf.shape
+            # [out, in] -> [in, out] -> our head-split shape; one layer at a time, then stack.
+            arrays = [read(n, _hf_shape(shape, n_in)) for n in names]
+            arrays = [a if n_in == 0 else a.T.reshape(shape) for a in arrays]
+            host = np.stack(arrays) if stacked else arrays[0]
+            spec = param_spec(leaf.shape, mesh, param_sharding)
+            return jax.device_put(host, NamedSharding(mesh, spec))
+
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, leaf: load(tuple(k.key for k in p), leaf), abstract)
+    return cfg, params
+
+
+def from_pretrained(path: str, mesh: Mesh | None = None, dtype: Any = jnp.float32, *,
+                    param_sharding: str = "replicated", max_seq_len: int | None = None,
+                    **overrides) -> Decoder:
+    """Builds a Decoder from a local Hugging Face checkpoint, weights already on the mesh.
+
+    Args:
+      path: directory with config.json and model.safetensors (or a sharded index).
+      mesh: the mesh to run on; default a one-device mesh.
+      dtype: compute dtype (float32 or bfloat16); parameters stay float32.
+      param_sharding: "replicated" or "zero3".
+      max_seq_len, **overrides: as in ``config_from_hf``.
+    Returns:
+      The Decoder; ``model(tokens [B, S] int32)`` -> float32 logits [B, S, V].
+    """
+    mesh = make_mesh(seq=1, data=1, devices=jax.devices()[:1]) if mesh is None else mesh
+    cfg, params = load_params(path, mesh, param_sharding, dtype=dtype, max_seq_len=max_seq_len,
+                              **overrides)
+    # Built abstractly, so no random initialisation is ever allocated; then filled in place.
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """Our pure-dict parameters as transformers' float32 state dict (the inverse of import).
+
+    Args:
+      cfg: the Decoder's config.
+      params: ``nnx.to_pure_dict`` of its state (any sharding; gathered to host here).
+    Returns:
+      HF tensor name -> contiguous float32 numpy array.
+    """
+    out = {}
+
+    def put(keys: tuple[str, ...], x):
+        names, n_in = _hf_names(keys, cfg.n_layers)
+        x = np.asarray(jax.device_get(x), np.float32)
+        for name, layer in zip(names, x if keys[0] == "layers" else [x], strict=True):
+            hf = layer if n_in == 0 else layer.reshape(math.prod(layer.shape[:n_in]), -1).T
+            out[name] = np.ascontiguousarray(hf)
+
+    jax.tree_util.tree_map_with_path(lambda p, x: put(tuple(k.key for k in p), x), params)
+    return out
+
+
+def save_pretrained(model: Decoder, out_dir: str, arch: str | None = None) -> None:
+    """Writes config.json and model.safetensors (float32) that transformers can load.
+
+    Args:
+      model: a Decoder (parameters on any mesh, single process).
+      out_dir: created if missing; only these two files are written.
+      arch: llama, mistral or qwen3; None = qwen3 when the model has QK-norm, else llama.
+    """
+    hf = config_to_hf(model.cfg, arch)
+    tensors = to_hf_tensors(model.cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+    # transformers checks this metadata key to know the file holds a torch-style state dict.
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

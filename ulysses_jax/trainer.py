@@ -1,0 +1,323 @@
+"""The training loop behind train.py: data, sharded state, checkpoints, metrics, dry runs.
+
+``train(cfg, workdir)`` runs (or resumes) a run in ``workdir``: ``checkpoints/`` holds Orbax
+checkpoints (train state + data-iterator position), ``metrics.jsonl`` one JSON object per
+logged step, ``config.yaml`` the resolved config. A run resumes from its latest checkpoint,
+also on a different mesh (the state is restored straight into the new layout). SIGTERM saves a
+checkpoint and returns; a non-finite loss stops the run before anything is saved after it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import data as data_lib
+from .checkpoint import Checkpointer
+from .config import Config, ConfigError, to_dict, to_yaml, validate
+from .hlo import collective_counts
+from .mesh import make_mesh
+from .train_step import (BATCH_KEYS, init_state, make_eval_step, make_train_step,
+                         param_count, state_layout)
+
+# Dense bf16 peak FLOP/s per device, for MFU. Unknown devices report no MFU.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+def _is_main() -> bool:
+    return jax.process_index() == 0
+
+
+def _log(msg: str) -> None:
+    if _is_main():
+        print(msg, flush=True)
+
+
+def _scalar(x) -> float:
+    """A float from a replicated global array (works when it spans several processes)."""
+    return float(np.asarray(x.addressable_data(0)))
+
+
+def peak_flops(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
+def resolve_init_from(cfg: Config) -> Config:
+    """With ``init_from``, the model's shape comes from the checkpoint's config.json (the
+    run's ``model.dtype``, ``remat``, ``attn_impl``, ``loss_chunk`` are kept) and its
+    tokenizer.json is used unless ``data.tokenizer`` names another."""
+    if not cfg.init_from:
+        return cfg
+    from .hf import config_from_hf, read_config  # lazy: only fine-tuning needs it
+    m = cfg.model
+    try:
+        model = config_from_hf(read_config(cfg.init_from), dtype=m.dtype, max_seq_len=cfg.seq_len,
+                               remat=m.remat, attn_impl=m.attn_impl, loss_chunk=m.loss_chunk,
+                               init_std=m.init_std)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"init_from {cfg.init_from!r}: {e}") from None
+    data = cfg.data
+    tokenizer_json = os.path.join(cfg.init_from, "tokenizer.json")
+    if data.tokenizer is None and os.path.exists(tokenizer_json):
+        data = dataclasses.replace(data, tokenizer=tokenizer_json)
+    cfg = dataclasses.replace(cfg, model=model, data=data)
+    validate(cfg)
+    return cfg
+
+
+def build_mesh(cfg: Config):
+    devices = jax.devices()
+    validate(cfg, num_devices=len(devices))
+    return make_mesh(seq=cfg.mesh.seq, data=cfg.mesh.data, devices=devices)
+
+
+def _abstract_batch(cfg: Config, mesh):
+    sharding = NamedSharding(mesh, P("data", "seq"))
+    shape = (cfg.batch_size, cfg.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
+                                    sharding=sharding) for k in BATCH_KEYS}
+
+
+def dry_run(cfg: Config) -> dict:
+    """Compiles the train step for the configured mesh without allocating or training.
+
+    Returns:
+      A dict with ``peak_bytes_per_device`` (XLA's memory analysis), ``flops_per_device``
+      (XLA's cost analysis of the partitioned step), ``collectives`` (op -> count in the
+      compiled HLO) and the parts of the memory estimate.
+    """
+    cfg = resolve_init_from(cfg)
+    mesh = build_mesh(cfg)
+    graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
+    step = make_train_step(cfg, mesh, graphdef, tx, shardings)
+    t0 = time.time()
+    compiled = step.lower(abstract, _abstract_batch(cfg, mesh)).compile()
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    live = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes)
+    return {
+        "peak_bytes_per_device": int(max(getattr(mem, "peak_memory_in_bytes", 0) or 0, live)),
+        "flops_per_device": float(cost.get("flops", 0.0)),
+        "collectives": collective_counts(compiled.as_text()),
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "params": param_count(abstract["params"]),
+        "mesh": {"data": cfg.mesh.data, "seq": cfg.mesh.seq},
+        "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+        "compile_seconds": round(time.time() - t0, 2),
+    }
+
+
+def _load_data(cfg: Config):
+    tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
+                          f"{cfg.model.vocab_size}")
+    train_rows, held_rows = data_lib.build_rows(cfg.data.source, tokenizer, cfg.seq_len,
+                                                cfg.data.heldout_fraction, cfg.seed)
+    return train_rows, held_rows
+
+
+def _evaluate(eval_step, params, held_rows, cfg: Config, mesh) -> float | None:
+    if held_rows is None or cfg.eval_batches < 1:
+        return None
+    total, count = 0.0, 0.0
+    for batch in data_lib.eval_batches(held_rows, cfg.batch_size, cfg.eval_batches):
+        loss, n = eval_step(params, data_lib.shard_batch(batch, mesh))
+        total += _scalar(loss) * _scalar(n)
+        count += _scalar(n)
+    return total / count if count else None
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = None
+
+    def __enter__(self):
+        try:
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no signal handling
+            self._old = None
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
+    """Trains (or resumes) up to ``cfg.steps`` optimizer steps in ``workdir``.
+
+    Returns:
+      A summary dict: ``status`` ("done", "preempted"), ``step``, ``loss``, ``eval_loss``.
+
+    Raises:
+      ConfigError: a config that cannot run on these devices.
+      TrainingDiverged: the loss became NaN or infinite (the last checkpoint is left intact).
+    """
+    cfg = resolve_init_from(cfg)
+    mesh = build_mesh(cfg)
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    _log(f"resolved config:\n{to_yaml(cfg)}")
+    if _is_main():
+        with open(os.path.join(workdir, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
+    train_rows, held_rows = _load_data(cfg)
+    batches = data_lib.BatchIterator(train_rows, cfg.batch_size, cfg.seed)
+    _log(f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"
+         f"{'' if held_rows is None else f', {held_rows.num_rows} held-out rows'}; "
+         f"mesh data={cfg.mesh.data} x seq={cfg.mesh.seq} on {jax.device_count()} "
+         f"{jax.devices()[0].platform} devices")
+
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints,
+                        save_every=cfg.checkpoint_every if cfg.checkpoint_every > 0 else None)
+    graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
+    start = ckpt.latest_step()
+    if start is not None:
+        state, extra = ckpt.restore(abstract)
+        batches.set_state(extra["data"])
+        _log(f"resumed from step {start} ({ckpt.directory})")
+    else:
+        params = _initial_params(cfg, mesh)
+        graphdef, state, shardings, tx = init_state(cfg, mesh, params)
+        start = 0
+    _log(f"model: {param_count(state['params']) / 1e6:.2f}M parameters")
+
+    step_fn = make_train_step(cfg, mesh, graphdef, tx, shardings)
+    eval_fn = make_eval_step(mesh, graphdef, shardings)
+    flops = _step_flops(step_fn, state, batches, mesh)
+    peak = peak_flops(jax.devices()[0])
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
+
+    def save(step, force=False):
+        return ckpt.save(step, state, {"data": batches.get_state(), "config": to_dict(cfg)},
+                         force=force)
+
+    bar = _progress(cfg.steps, start, enabled=progress and _is_main())
+    try:
+        with _Preemption() as preempt:
+            last_time, last_step = time.time(), start
+            for step in range(start + 1, cfg.steps + 1):
+                state, metrics = step_fn(state, batches.next_global(mesh))
+                loss = _scalar(metrics["loss"])  # also waits for the step: honest timings
+                if not math.isfinite(loss):
+                    raise TrainingDiverged(
+                        f"loss is {loss} at step {step}; stopping. The last good checkpoint "
+                        f"(step {ckpt.latest_step()}) in {ckpt.directory} is intact: lower "
+                        f"optimizer.lr or raise optimizer.warmup_steps and run again")
+                summary.update(step=step, loss=loss)
+                bar.update(1)
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    now = time.time()
+                    dt = (now - last_time) / (step - last_step)
+                    record = {"step": step, "loss": loss, "tokens_per_sec": tokens_per_step / dt,
+                              "step_time": dt, "lr": _scalar(metrics["lr"]),
+                              "grad_norm": _scalar(metrics["grad_norm"]),
+                              "tokens": _scalar(metrics["tokens"])}
+                    if flops and peak:
+                        record["mfu"] = flops / dt / peak
+                    record.update(_memory_in_use())
+                    if cfg.eval_every and step % cfg.eval_every == 0:
+                        record["eval_loss"] = _evaluate(eval_fn, state["params"], held_rows,
+                                                        cfg, mesh)
+                    _write_metrics(metrics_path, record)
+                    bar.set_postfix(loss=f"{loss:.4f}",
+                                    tok_s=f"{record['tokens_per_sec']:.0f}")
+                    last_time, last_step = time.time(), step
+                if preempt.requested:
+                    save(step, force=True)
+                    ckpt.wait()
+                    _log(f"SIGTERM: saved step {step} to {ckpt.directory}; exiting")
+                    summary["status"] = "preempted"
+                    return summary
+                save(step)
+            save(cfg.steps, force=True)
+        summary["eval_loss"] = _evaluate(eval_fn, state["params"], held_rows, cfg, mesh)
+        if summary["eval_loss"] is not None:
+            _write_metrics(metrics_path, {"step": cfg.steps, "eval_loss": summary["eval_loss"]})
+        _log(f"done: step {summary['step']}, loss {summary['loss']}, "
+             f"held-out loss {summary['eval_loss']}")
+        return summary
+    finally:
+        bar.close()
+        ckpt.close()
+
+
+def _initial_params(cfg: Config, mesh):
+    if not cfg.init_from:
+        return None
+    from .hf import load_params  # imported lazily: only fine-tuning needs it
+    m = cfg.model
+    _, params = load_params(cfg.init_from, mesh, cfg.param_sharding, dtype=m.dtype,
+                            max_seq_len=cfg.seq_len, remat=m.remat, attn_impl=m.attn_impl,
+                            loss_chunk=m.loss_chunk, init_std=m.init_std)
+    _log(f"initialised from Hugging Face checkpoint {cfg.init_from}")
+    return params
+
+
+def _step_flops(step_fn, state, batches, mesh) -> float | None:
+    """FLOPs of one step per device from XLA's cost analysis (None if unavailable)."""
+    try:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                               sharding=x.sharding), state)
+        cfg_shape = (batches.batch_size, batches.rows.seq_len)
+        sharding = NamedSharding(mesh, P("data", "seq"))
+        batch = {k: jax.ShapeDtypeStruct(cfg_shape, np.float32 if k == "loss_mask" else np.int32,
+                                         sharding=sharding) for k in BATCH_KEYS}
+        cost = step_fn.lower(abstract, batch).cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        return float(cost.get("flops", 0.0)) or None
+    except Exception:  # cost analysis is best-effort metadata, never a reason to fail a run
+        return None
+
+
+def _memory_in_use() -> dict:
+    stats = jax.local_devices()[0].memory_stats()
+    if not stats or "bytes_in_use" not in stats:
+        return {}
+    out = {"memory_bytes_in_use": int(stats["bytes_in_use"])}
+    if "peak_bytes_in_use" in stats:
+        out["memory_peak_bytes"] = int(stats["peak_bytes_in_use"])
+    return out
+
+
+def _write_metrics(path: str, record: dict) -> None:
+    if _is_main():
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class _NoBar:
+    def update(self, n): pass
+    def set_postfix(self, **kw): pass
+    def close(self): pass
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
