@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 DTYPES = ("float32", "bfloat16")
-REMAT = ("none", "full", "save_dots")
+REMAT = ("none", "full", "save_dots", "offload")
 PARAM_SHARDING = ("replicated", "zero3")
 
 
@@ -41,11 +41,13 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     qk_norm: bool = False
+    qkv_bias: bool = False          # biases on the q/k/v projections (Qwen2)
     tie_embeddings: bool = True
     dtype: str = "float32"          # compute dtype; parameters are always float32
-    remat: str = "none"             # none | full | save_dots
+    remat: str = "none"             # none | full | save_dots | offload (dots to host memory)
     attn_impl: str = "auto"         # see ulysses_jax.kernels.resolve_impl
     loss_chunk: int = 1024          # tokens per device per cross-entropy chunk
+    mlp_chunk: int = 0              # tokens per device per MLP chunk (TiledMLP); 0 = untiled
     init_std: float = 0.02
 
 
@@ -129,6 +131,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                 "model.vocab_size": m.vocab_size, "model.loss_chunk": m.loss_chunk,
                 "keep_checkpoints": cfg.keep_checkpoints}
     errors += [f"{k} must be positive, got {v}" for k, v in positive.items() if v < 1]
+    if m.mlp_chunk < 0:
+        errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
     for key, value, allowed in (("model.dtype", m.dtype, DTYPES), ("model.remat", m.remat, REMAT),
                                 ("param_sharding", cfg.param_sharding, PARAM_SHARDING)):
         if value not in allowed:

@@ -1,17 +1,18 @@
-"""Hugging Face checkpoint import and export for the Llama / Mistral / Qwen3 family.
+"""Hugging Face checkpoint import and export for the Llama / Mistral / Qwen2 / Qwen3 family.
 
 A checkpoint is a local directory with ``config.json`` and ``model.safetensors`` (or a
 ``model.safetensors.index.json`` with shards), as ``transformers`` writes it. Import reads the
 tensors with safetensors' numpy API (torch is never imported), maps each Linear weight
-[out, in] to our [in, ..., out] layout, stacks the layers on a leading L axis and places every
+[out, in] to our [in, ..., out] layout (a bias [N*H] to [N, H]), stacks the layers on a leading L axis and places every
 array straight onto its sharding on the mesh, one parameter at a time, so host memory holds at
 most one stacked parameter beyond what the devices hold.
 
 Conventions checked against transformers' modeling code (Llama, Mistral, Qwen2, Qwen3):
 half-split RoPE with inv_freq = theta^(-2i/head_dim); RMSNorm in fp32 times the weight; q/k
-RMSNorm over head_dim before RoPE (Qwen3); GQA query head n reads kv head n // (N/K); logits
+RMSNorm over head_dim before RoPE (Qwen3); q/k/v projection biases added before RoPE, none on
+o_proj (Qwen2); GQA query head n reads kv head n // (N/K); logits
 scale head_dim^-0.5; SiLU-gated MLP; ``lm_head`` = embedding when ``tie_word_embeddings``.
-What our Decoder cannot express (projection biases, scaled RoPE, a sliding window shorter
+What our Decoder cannot express (an o_proj or MLP bias, scaled RoPE, a sliding window shorter
 than the sequence, other activations) is refused with a ValueError, never silently dropped.
 """
 from __future__ import annotations
@@ -35,17 +36,23 @@ from .config import DTYPES, PARAM_SHARDING, ModelConfig
 from .mesh import make_mesh
 from .model import Decoder
 
-ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # Our parameter path -> (HF tensor name, number of leading "in" dims of our array).
 # An HF Linear weight W [out, in] maps to ours as W.T.reshape(our shape): q_proj [N*H, D]
-# -> wq [D, N, H] (1 "in" dim), o_proj [D, N*H] -> wo [N, H, D] (2 "in" dims). 0 = copy as is.
+# -> wq [D, N, H] (1 "in" dim), o_proj [D, N*H] -> wo [N, H, D] (2 "in" dims). 0 = copy as is;
+# _FLAT = a bias, HF [N*H] <-> ours [N, H] by a reshape.
+_FLAT = -1
 _LAYER = {
     ("attn_norm", "scale"): ("input_layernorm.weight", 0),
     ("attn", "wq"): ("self_attn.q_proj.weight", 1),
     ("attn", "wk"): ("self_attn.k_proj.weight", 1),
     ("attn", "wv"): ("self_attn.v_proj.weight", 1),
     ("attn", "wo"): ("self_attn.o_proj.weight", 2),
+    ("attn", "bq"): ("self_attn.q_proj.bias", _FLAT),
+    ("attn", "bk"): ("self_attn.k_proj.bias", _FLAT),
+    ("attn", "bv"): ("self_attn.v_proj.bias", _FLAT),
     ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", 0),
     ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", 0),
     ("mlp_norm", "scale"): ("post_attention_layernorm.weight", 0),
@@ -61,7 +68,14 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Class defaults of transformers' configs that differ from "all heads" / hidden // heads, used
 # when config.json omits the key (an explicit null still means the generic default).
 _ARCH_DEFAULTS = {"mistral": {"num_key_value_heads": 8},
+                  "qwen2": {"num_key_value_heads": 32},
                   "qwen3": {"num_key_value_heads": 32, "head_dim": 128}}
+# Config keys that would add biases our Decoder lacks, per model type. Llama's and Qwen3's
+# attention_bias biases o_proj too, Llama's mlp_bias the MLP. Mistral (and Qwen3's MLP) ignore
+# them in transformers; a file that sets them anyway is refused rather than guessed at. Qwen2
+# always has exactly the q/k/v biases (qkv_bias) and reads neither key.
+_BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "mistral": ("attention_bias", "mlp_bias"),
+              "qwen2": (), "qwen3": ("attention_bias", "mlp_bias")}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
 
@@ -70,8 +84,8 @@ def _sliding_window(hf: dict) -> int | None:
     """The attention window transformers would apply (defaults as its config classes), or None."""
     if hf["model_type"] == "mistral":  # MistralConfig defaults to 4096 when the key is absent
         return hf.get("sliding_window", 4096)
-    if hf["model_type"] != "qwen3" or not hf.get("use_sliding_window", False):
-        return None  # Llama never slides; Qwen3 only with use_sliding_window
+    if hf["model_type"] not in ("qwen2", "qwen3") or not hf.get("use_sliding_window", False):
+        return None  # Llama never slides; Qwen2 / Qwen3 only with use_sliding_window
     window, n = hf.get("sliding_window", 4096), hf["num_hidden_layers"]
     kinds = hf.get("layer_types") or ["full_attention" if i < hf.get("max_window_layers", 28)
                                       else "sliding_attention" for i in range(n)]
@@ -83,7 +97,7 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
     """Translates a transformers ``config.json`` dict to a ModelConfig.
 
     Args:
-      hf: the parsed config.json (model_type llama, mistral or qwen3).
+      hf: the parsed config.json (model_type llama, mistral, qwen2 or qwen3).
       dtype: compute dtype, float32 or bfloat16 (parameters stay float32).
       max_seq_len: the longest sequence the model will see; required only when the checkpoint
         has a sliding window (Mistral), which must then cover it.
@@ -94,18 +108,15 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
       ValueError: for a feature our Decoder does not implement; the message names it.
     """
     mt = hf.get("model_type")
-    if mt == "qwen2":
-        raise ValueError("Qwen2 checkpoints are not supported: Qwen2 has q/k/v projection biases "
-                         "(transformers' Qwen2Attention uses bias=True) and ulysses_jax's Decoder "
-                         "has no projection biases")
     if mt not in ARCHS:
         raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(ARCHS)}")
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} (only silu is implemented)")
-    for key in ("attention_bias", "mlp_bias"):
+    for key in _BIAS_KEYS[mt]:
         if hf.get(key):
-            problems.append(f"{key}=true (the Decoder has no projection biases)")
+            problems.append(f"{key}=true (the Decoder has biases on q/k/v only, and only for "
+                            f"qwen2)")
     # transformers >= 5 writes rope_parameters; older files have rope_theta / rope_scaling.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -137,6 +148,7 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
         ffn_dim=hf["intermediate_size"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=mt == "qwen3",
+        qkv_bias=mt == "qwen2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype, **overrides)
 
 
@@ -146,18 +158,25 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
 
     Args:
       cfg: the Decoder's config.
-      arch: llama, mistral or qwen3; None = qwen3 with QK-norm, else llama.
+      arch: llama, mistral, qwen2 or qwen3; None = qwen3 with QK-norm, qwen2 with q/k/v
+        biases, else llama.
       max_position_embeddings: written for transformers' RoPE cache; our model has no limit.
     Returns:
       A dict for config.json (both the transformers >= 5 and the older RoPE keys).
     """
-    arch = arch or ("qwen3" if cfg.qk_norm else "llama")
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ValueError("no supported arch has both q/k RMSNorm and q/k/v biases (Qwen3's "
+                         "attention_bias also biases o_proj); qk_norm=True, qkv_bias=True")
+    fits = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    arch = arch or fits
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
     if cfg.qk_norm != (arch == "qwen3"):
         raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen3' else 'has no'} q/k RMSNorm "
-                         f"but the model has qk_norm={cfg.qk_norm}; use arch="
-                         f"{'qwen3' if cfg.qk_norm else 'llama'!r}")
+                         f"but the model has qk_norm={cfg.qk_norm}; use arch={fits!r}")
+    if cfg.qkv_bias != (arch == "qwen2"):
+        raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen2' else 'has no'} q/k/v biases "
+                         f"but the model has qkv_bias={cfg.qkv_bias}; use arch={fits!r}")
     hf = {"architectures": [ARCHS[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
           "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -165,20 +184,38 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
           "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
           "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
           "max_position_embeddings": max_position_embeddings,
-          "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+          "tie_word_embeddings": cfg.tie_embeddings,
           "attention_dropout": 0.0, "torch_dtype": "float32", "dtype": "float32"}
+    if arch != "qwen2":  # Qwen2Config has no such key: its q/k/v biases are always there
+        hf["attention_bias"] = False
     if arch == "llama":
         hf["mlp_bias"] = False
     else:
         hf["sliding_window"] = None
-    if arch == "qwen3":
+    if arch in ("qwen2", "qwen3"):
         hf.update(use_sliding_window=False, layer_types=["full_attention"] * cfg.n_layers)
     return hf
 
 
 def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
     """HF shape of one (unstacked) parameter of ours: [out, in] for Linear weights."""
+    if n_in == _FLAT:
+        return (math.prod(shape),)
     return shape if n_in == 0 else (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+
+
+def _from_hf(x: np.ndarray, shape: tuple[int, ...], n_in: int) -> np.ndarray:
+    """One HF tensor in our layout ``shape``: [out, in] -> [in, out] -> head-split."""
+    if n_in == 0:
+        return x
+    return x.reshape(shape) if n_in == _FLAT else x.T.reshape(shape)
+
+
+def _to_hf(x: np.ndarray, n_in: int) -> np.ndarray:
+    """One (unstacked) parameter of ours in HF layout; the inverse of ``_from_hf``."""
+    if n_in == 0:
+        return x
+    return x.reshape(-1) if n_in == _FLAT else x.reshape(math.prod(x.shape[:n_in]), -1).T
 
 
 def _hf_names(keys: tuple[str, ...], n_layers: int) -> tuple[list[str], int]:
@@ -262,9 +299,8 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
             names, n_in = _hf_names(keys, cfg.n_layers)
             stacked = keys[0] == "layers"
             shape = leaf.shape[1:] if stacked else leaf.shape
-            # [out, in] -> [in, out] -> our head-split shape; one layer at a time, then stack.
-            arrays = [read(n, _hf_shape(shape, n_in)) for n in names]
-            arrays = [a if n_in == 0 else a.T.reshape(shape) for a in arrays]
+            # One layer at a time into our layout, then stack.
+            arrays = [_from_hf(read(n, _hf_shape(shape, n_in)), shape, n_in) for n in names]
             host = np.stack(arrays) if stacked else arrays[0]
             spec = param_spec(leaf.shape, mesh, param_sharding)
             return jax.device_put(host, NamedSharding(mesh, spec))
@@ -312,8 +348,7 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
         names, n_in = _hf_names(keys, cfg.n_layers)
         x = np.asarray(jax.device_get(x), np.float32)
         for name, layer in zip(names, x if keys[0] == "layers" else [x], strict=True):
-            hf = layer if n_in == 0 else layer.reshape(math.prod(layer.shape[:n_in]), -1).T
-            out[name] = np.ascontiguousarray(hf)
+            out[name] = np.ascontiguousarray(_to_hf(layer, n_in))
 
     jax.tree_util.tree_map_with_path(lambda p, x: put(tuple(k.key for k in p), x), params)
     return out
@@ -325,7 +360,8 @@ def save_pretrained(model: Decoder, out_dir: str, arch: str | None = None) -> No
     Args:
       model: a Decoder (parameters on any mesh, single process).
       out_dir: created if missing; only these two files are written.
-      arch: llama, mistral or qwen3; None = qwen3 when the model has QK-norm, else llama.
+      arch: llama, mistral, qwen2 or qwen3; None = qwen3 when the model has QK-norm, qwen2
+        when it has q/k/v biases, else llama.
     """
     hf = config_to_hf(model.cfg, arch)
     tensors = to_hf_tensors(model.cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)))

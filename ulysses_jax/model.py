@@ -34,7 +34,15 @@ ACT_BSD = P(DATA, SEQ, None)
 _REMAT_POLICIES = {
     "full": None,  # save nothing inside a block: recompute all of it
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Save the weight matmul outputs, but in host memory, copied back for the backward pass.
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
+
+
+def _token_spec(mesh: Mesh, *trailing) -> P:
+    """Token-major layout [B, S, ...] for this mesh (sequence over "ring" x "seq" if present)."""
+    seq = ("ring", SEQ) if "ring" in mesh.axis_names and mesh.shape["ring"] > 1 else SEQ
+    return P(DATA, seq, *trailing)
 
 
 def _gathered(w: jax.Array, dtype, mesh: Mesh | None) -> jax.Array:
@@ -87,6 +95,10 @@ class Attention(nnx.Module):
         self.wk = nnx.Param(init(rngs.params(), (d, k, h)))
         self.wv = nnx.Param(init(rngs.params(), (d, k, h)))
         self.wo = nnx.Param(out_init(rngs.params(), (n, h, d)))
+        zeros = lambda *shape: nnx.Param(jnp.zeros(shape, jnp.float32))
+        self.bq = zeros(n, h) if cfg.qkv_bias else None
+        self.bk = zeros(k, h) if cfg.qkv_bias else None
+        self.bv = zeros(k, h) if cfg.qkv_bias else None
         self.q_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
         self.cfg, self.mesh = cfg, mesh
@@ -96,6 +108,10 @@ class Attention(nnx.Module):
         q = jnp.einsum("BSD,DNH->BSNH", x, _gathered(self.wq[...], dt, mesh))
         k = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wk[...], dt, mesh))
         v = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wv[...], dt, mesh))
+        if self.bq is not None:
+            q = q + _gathered(self.bq[...], dt, mesh)
+            k = k + _gathered(self.bk[...], dt, mesh)
+            v = v + _gathered(self.bv[...], dt, mesh)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope(q, positions, cfg.rope_theta)                                       # [B, S, N, H]
@@ -113,14 +129,40 @@ class MLP(nnx.Module):
         self.w_up = nnx.Param(init(rngs.params(), (d, f)))
         self.w_down = nnx.Param(nnx.initializers.normal(
             cfg.init_std / (2 * cfg.n_layers) ** 0.5)(rngs.params(), (f, d)))
-        self.mesh = mesh
+        self.cfg, self.mesh = cfg, mesh
+
+    @staticmethod
+    def _mlp(x, w_gate, w_up, w_down):
+        gate = jnp.einsum("BSD,DF->BSF", x, w_gate)                                # [B, S, F]
+        up = jnp.einsum("BSD,DF->BSF", x, w_up)
+        return jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate) * up, w_down)
 
     def __call__(self, x):
-        dt, mesh = x.dtype, self.mesh
-        gate = jnp.einsum("BSD,DF->BSF", x, _gathered(self.w_gate[...], dt, mesh))
-        up = jnp.einsum("BSD,DF->BSF", x, _gathered(self.w_up[...], dt, mesh))
-        return jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate) * up,
-                          _gathered(self.w_down[...], dt, mesh))
+        dt, mesh, chunk = x.dtype, self.mesh, self.cfg.mlp_chunk
+        weights = [_gathered(w[...], dt, mesh) for w in (self.w_gate, self.w_up, self.w_down)]
+        if not chunk or mesh is None:
+            return self._mlp(x, *weights)
+        return _tiled_mlp(x, weights, mesh, chunk)
+
+
+def _tiled_mlp(x, weights, mesh: Mesh, chunk: int):
+    """The MLP over sequence chunks of each device's tokens (ALST's TiledMLP).
+
+    Each device maps the MLP over its own tokens ``chunk`` at a time, recomputing each chunk
+    in the backward pass, so the [B, S/P, F] intermediates never exist whole: only one
+    [B, C, F] chunk at a time.
+    """
+    act = _token_spec(mesh, None)
+
+    def body(x, w_gate, w_up, w_down):
+        b, s, d = x.shape                                                  # x: [B/D, S/P, D]
+        c = max(n for n in range(1, min(s, chunk) + 1) if s % n == 0)
+        xs = jnp.moveaxis(x.reshape(b, s // c, c, d), 1, 0)               # [S/P/C, B, C, D]
+        step = jax.checkpoint(lambda xc: MLP._mlp(xc, w_gate, w_up, w_down))
+        return jnp.moveaxis(jax.lax.map(step, xs), 0, 1).reshape(b, s, d)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(), P(), P()), out_specs=act)
+    return fn(x, *weights)
 
 
 class Block(nnx.Module):
