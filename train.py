@@ -27,6 +27,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+# XLA flags for GPU runs: the latency-hiding scheduler orders independent work so that
+# collectives (the Ulysses all-to-alls, ZeRO-3 weight gathers) run asynchronously under
+# compute. Only added when a CUDA plugin is installed; XLA_FLAGS set by the user win.
+GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
+
+
+def _has_cuda_plugin() -> bool:
+    import importlib.util
+    for name in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
+                 "jax_plugins.xla_cuda12"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ModuleNotFoundError:  # the parent package is absent
+            continue
+    return False
+
+
 def _launched_by_scheduler() -> bool:
     return any(int(os.environ.get(k, "1")) > 1
                for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
@@ -45,9 +63,12 @@ def main(argv=None) -> int:
     # Only the CPU platform reads this flag, so it is harmless where GPUs exist; it must be
     # set before JAX initialises its backends.
     per_process = max(1, -(-cfg.mesh.data * cfg.mesh.seq // nproc))
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={per_process}")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        flags += f" --xla_force_host_platform_device_count={per_process}"
+    if cfg.gpu_overlap and _has_cuda_plugin():
+        flags += "".join(f" {f}" for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags)
+    os.environ["XLA_FLAGS"] = flags.strip()
     import jax
     if args.coordinator or _launched_by_scheduler():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

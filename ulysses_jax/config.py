@@ -83,6 +83,7 @@ class Config:
     keep_checkpoints: int = 3
     param_sharding: str = "replicated"  # replicated | zero3 (over data x seq devices)
     init_from: Optional[str] = None     # Hugging Face checkpoint dir
+    gpu_overlap: bool = True        # GPU: XLA latency-hiding scheduler (see train.py)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
