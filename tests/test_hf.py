@@ -1,9 +1,10 @@
 """Hugging Face import/export against transformers' own models (torch, fp32, eager attention).
 
-Tiny random Llama / Qwen3 / Mistral checkpoints are written by transformers itself (single file,
-sharded index, bf16), loaded by ``ulysses_jax.hf`` on 1, 2 and 4 sequence-parallel devices, and
-their logits compared with transformers' on the same tokens. Every weight, norms included, is
-redrawn at random so a swapped or mis-transposed tensor cannot hide behind an init of ones.
+Tiny random Llama / Qwen2 / Qwen3 / Mistral checkpoints are written by transformers itself
+(single file, sharded index, bf16), loaded by ``ulysses_jax.hf`` on 1, 2 and 4 sequence-parallel
+devices, and their logits compared with transformers' on the same tokens. Every weight, norms
+and biases included, is redrawn at random so a swapped or mis-transposed tensor cannot hide
+behind an init of ones or zeros.
 """
 import dataclasses
 import json
@@ -20,7 +21,7 @@ from flax import nnx
 from conftest import need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig
-from ulysses_jax.hf import (config_from_hf, config_to_hf, from_pretrained, load_params,
+from ulysses_jax.hf import (ARCHS, config_from_hf, config_to_hf, from_pretrained, load_params,
                             save_pretrained)
 from ulysses_jax.model import Decoder
 
@@ -37,6 +38,7 @@ CHECKPOINTS = {
                    {}, {}),
     "qwen3_untied": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=False,
                                          rope_theta=500000.0), {}, {}),
+    "qwen2_untied": ("Qwen2Config", dict(tie_word_embeddings=False, rope_theta=100000.0), {}, {}),
     "qwen3_sharded": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True),
                       dict(max_shard_size="40KB"), {}),
     "llama_bf16": ("LlamaConfig", dict(head_dim=16, tie_word_embeddings=False), {"bf16": True}, {}),
@@ -46,12 +48,16 @@ CHECKPOINTS = {
 
 
 def _randomize(module, seed: int) -> None:
-    """Redraws every parameter: norm weights around 1, matrices with std 0.08."""
+    """Redraws every parameter: norm weights around 1, biases around 0 with std 0.3 (transformers
+    inits them to zeros), matrices with std 0.08."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in module.parameters():
+        for name, p in module.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            p.copy_(1.0 + 0.3 * noise if p.ndim == 1 else 0.08 * noise)
+            if name.endswith(".bias"):
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(1.0 + 0.3 * noise if p.ndim == 1 else 0.08 * noise)
 
 
 def _hf_load(path):
@@ -97,7 +103,8 @@ def checkpoints(tmp_path_factory):
 
 # Every P for the two main shapes (P=4 > 2 kv heads: kv repeated); the file-format and window
 # variants only at the largest P.
-IMPORT_CASES = [(n, p) for n in ("llama_tied", "qwen3_untied") for p in (1, 2, 4)] + [
+IMPORT_CASES = [(n, p) for n in ("llama_tied", "qwen3_untied", "qwen2_untied")
+                for p in (1, 2, 4)] + [
     (n, 4) for n in ("qwen3_sharded", "llama_bf16", "mistral_window")]
 
 
@@ -124,6 +131,21 @@ def test_checkpoint_kinds_are_what_they_claim(checkpoints):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     cfg = config_from_hf(json.load(open(os.path.join(checkpoints["qwen3_untied"], "config.json"))))
     assert (cfg.qk_norm, cfg.head_dim, cfg.tie_embeddings, cfg.rope_theta) == (True, 24, False, 5e5)
+    # Qwen2: random (not zero) q/k/v biases, none on o_proj, and they land in bq / bk / bv.
+    path = checkpoints["qwen2_untied"]
+    cfg = config_from_hf(json.load(open(os.path.join(path, "config.json"))))
+    assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim, cfg.rope_theta) == (True, False, 16, 1e5)
+    with safe_open(os.path.join(path, "model.safetensors"), "np") as f:
+        biases = {k: f.get_tensor(k) for k in f.keys() if k.endswith(".bias")}
+    assert sorted(k.split(".")[-2] for k in biases) == ["k_proj", "k_proj", "q_proj", "q_proj",
+                                                        "v_proj", "v_proj"]
+    assert min(float(np.std(b)) for b in biases.values()) > 0.1
+    _, params = load_params(path, make_mesh(seq=1, data=1, devices=need_devices(1)))
+    attn = params["layers"]["attn"]
+    assert (attn["bq"].shape, attn["bk"].shape, attn["bv"].shape) == ((2, 4, 16), (2, 2, 16),
+                                                                      (2, 2, 16))
+    np.testing.assert_array_equal(np.asarray(attn["bk"][1]).reshape(-1),
+                                  biases["model.layers.1.self_attn.k_proj.bias"])
 
 
 def test_zero3_load_params_lands_sharded(checkpoints):
@@ -139,22 +161,38 @@ def test_zero3_load_params_lands_sharded(checkpoints):
     assert _rel(_our_logits(model, tokens), _hf_logits(path, tokens)) <= TOL
 
 
-@pytest.mark.parametrize("arch,qk_norm,tie", [("llama", False, True), ("qwen3", True, False),
-                                              ("mistral", False, False)])
-def test_export_round_trip(tmp_path, arch, qk_norm, tie):
+def _redraw(p, x, keys):
+    """Norm scales start at ones and biases at zeros; redraw them so their export is checked."""
+    names = [str(getattr(k, "key", k)) for k in p]
+    if "scale" in names:
+        return 1 + 0.3 * jax.random.normal(next(keys), x.shape)
+    if {"bq", "bk", "bv"} & set(names):
+        return 0.3 * jax.random.normal(next(keys), x.shape)
+    return x
+
+
+@pytest.mark.parametrize("arch,qk_norm,qkv_bias,tie", [
+    ("llama", False, False, True), ("qwen3", True, False, False), ("mistral", False, False, False),
+    ("qwen2", False, True, False)])
+def test_export_round_trip(tmp_path, arch, qk_norm, qkv_bias, tie):
     cfg = ModelConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24,
                       ffn_dim=128, rope_theta=20000.0, norm_eps=1e-5, qk_norm=qk_norm,
-                      tie_embeddings=tie, attn_impl="xla", init_std=0.08)
+                      qkv_bias=qkv_bias, tie_embeddings=tie, attn_impl="xla", init_std=0.08)
     mesh = make_mesh(seq=2, data=1, devices=need_devices(2))
     model = Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(3))
-    # Norm scales start at ones; redraw them so their export is checked too.
     state = nnx.state(model, nnx.Param)
     keys = iter(jax.random.split(jax.random.key(4), 16))
-    nnx.update(model, jax.tree_util.tree_map_with_path(
-        lambda p, x: 1 + 0.3 * jax.random.normal(next(keys), x.shape)
-        if "scale" in jax.tree_util.keystr(p) else x, state))
+    nnx.update(model, jax.tree_util.tree_map_with_path(lambda p, x: _redraw(p, x, keys), state))
     save_pretrained(model, str(tmp_path), arch=arch)
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    hf = json.load(open(tmp_path / "config.json"))
+    assert (hf["model_type"], hf["architectures"]) == (arch, [ARCHS[arch]])
+    if qkv_bias:  # the exported biases are the redrawn ones, and transformers holds them
+        bq = np.asarray(model.layers.attn.bq[...])                               # [L, N, H]
+        assert float(np.std(bq)) > 0.1
+        loaded = _hf_load(str(tmp_path)).model.layers[1].self_attn
+        np.testing.assert_array_equal(loaded.q_proj.bias.detach().numpy(), bq[1].reshape(-1))
+        assert loaded.o_proj.bias is None
     tokens = _tokens(11)
     ours = _our_logits(model, tokens)
     assert _rel(ours, _hf_logits(str(tmp_path), tokens)) <= TOL
@@ -175,7 +213,6 @@ def _hf_config(**over):
 
 
 @pytest.mark.parametrize("over,kw,reason", [
-    (dict(model_type="qwen2"), {}, "Qwen2 has q/k/v projection biases"),
     (dict(model_type="gemma"), {}, "model_type 'gemma' is not supported"),
     (dict(attention_bias=True), {}, "attention_bias=true"),
     (dict(mlp_bias=True), {}, "mlp_bias=true"),
@@ -189,6 +226,9 @@ def _hf_config(**over):
     (dict(model_type="mistral"), dict(max_seq_len=8192), "sliding_window 4096"),
     (dict(model_type="qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=0),
      dict(max_seq_len=32), "sliding_window 8"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+     dict(max_seq_len=32), "sliding_window 8"),
+    (dict(model_type="qwen3", attention_bias=True), {}, "attention_bias=true"),
 ])
 def test_unsupported_configs_are_refused(over, kw, reason):
     with pytest.raises(ValueError, match=reason):
@@ -200,14 +240,30 @@ def test_config_translation():
     assert (cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.qk_norm) == (2, 16, 1e6, False)
     # A Qwen3 window that transformers would not apply (use_sliding_window false) is accepted.
     assert config_from_hf(_hf_config(model_type="qwen3", sliding_window=8)).qk_norm
+    # Qwen2 likewise; a window only on layers >= max_window_layers (none of 2 here) is no window;
+    # Qwen2's modeling reads no attention_bias key (its q/k/v biases are always there).
+    for over in (dict(sliding_window=8), dict(use_sliding_window=True, sliding_window=8),
+                 dict(attention_bias=True)):
+        cfg = config_from_hf(_hf_config(model_type="qwen2", **over))
+        assert (cfg.qkv_bias, cfg.qk_norm) == (True, False), over
+    assert not config_from_hf(_hf_config()).qkv_bias
     assert config_from_hf(_hf_config(model_type="mistral", sliding_window=64),
                           max_seq_len=64).vocab_size == V
     assert config_from_hf(_hf_config(), dtype=jnp.bfloat16).dtype == "bfloat16"
-    for qk, arch in ((True, "qwen3"), (False, "llama"), (False, "mistral")):
-        cfg = ModelConfig(qk_norm=qk, tie_embeddings=not qk, rope_theta=123.0, norm_eps=1e-5)
+    for qk, bias, arch in ((True, False, "qwen3"), (False, False, "llama"),
+                           (False, False, "mistral"), (False, True, "qwen2")):
+        cfg = ModelConfig(qk_norm=qk, qkv_bias=bias, tie_embeddings=not qk, rope_theta=123.0,
+                          norm_eps=1e-5)
         assert config_from_hf(config_to_hf(cfg, arch)) == cfg
+        assert config_to_hf(cfg)["model_type"] == {"mistral": "llama"}.get(arch, arch)
     with pytest.raises(ValueError, match="qk_norm=True; use arch='qwen3'"):
         config_to_hf(ModelConfig(qk_norm=True), "llama")
+    with pytest.raises(ValueError, match="qkv_bias=True; use arch='qwen2'"):
+        config_to_hf(ModelConfig(qkv_bias=True), "llama")
+    with pytest.raises(ValueError, match="qkv_bias=False; use arch='llama'"):
+        config_to_hf(ModelConfig(), "qwen2")
+    with pytest.raises(ValueError, match="both q/k RMSNorm and q/k/v biases"):
+        config_to_hf(ModelConfig(qk_norm=True, qkv_bias=True))
     with pytest.raises(ValueError, match="arch must be one of"):
         config_to_hf(ModelConfig(), "gpt2")
 
@@ -239,6 +295,29 @@ def test_bad_tensors_are_refused(checkpoints, tmp_path):
         load_params(src, mesh, "fsdp")
 
 
+def test_qwen2_biases_must_match(checkpoints, tmp_path):
+    """An o_proj bias (which we cannot add) or a missing q/k/v bias is refused by name."""
+    from safetensors.numpy import load_file, save_file
+    src = checkpoints["qwen2_untied"]
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
+    cases = {
+        r"no place for.*o_proj.bias": {**tensors, "model.layers.0.self_attn.o_proj.bias":
+                                       np.full(64, 0.5, np.float32)},
+        r"lacks tensors \['model.layers.1.self_attn.v_proj.bias'\]":
+            {k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.v_proj.bias"},
+        r"has shape \(32,\), expected \(64,\)":
+            {**tensors, "model.layers.0.self_attn.q_proj.bias": np.ones(32, np.float32)},
+    }
+    for i, (reason, case) in enumerate(cases.items()):
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "config.json").write_text(open(os.path.join(src, "config.json")).read())
+        save_file(case, str(d / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=reason):
+            load_params(str(d), mesh)
+
+
 def test_import_does_not_need_torch(checkpoints):
     """Loading runs in a process where torch cannot be imported at all."""
     code = ("import sys; sys.modules['torch'] = None\n"
@@ -263,20 +342,22 @@ def test_compare_hf_cli(checkpoints, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(compare, "HF_TOLERANCE", 0.0)
     _, passed = compare.compare_hf(checkpoints["llama_tied"], seqs=(1,), seq_len=S)
     assert not passed
-    (tmp_path / "config.json").write_text(json.dumps(_hf_config(model_type="qwen2")))
+    (tmp_path / "config.json").write_text(json.dumps(_hf_config(attention_bias=True)))
     assert compare.main(["hf", "--model-path", str(tmp_path)]) == compare.EXIT_BAD_ARGS
-    assert "Qwen2 has q/k/v projection biases" in capsys.readouterr().err
+    assert "attention_bias=true" in capsys.readouterr().err
 
 
 def test_config_defaults_follow_transformers():
     """Keys a config.json may omit take the value transformers' config class gives them."""
-    for model_type in ("llama", "mistral", "qwen3"):
+    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
         hf = {k: v for k, v in _hf_config(model_type=model_type, sliding_window=None).items()
               if k != "num_key_value_heads"}
         theirs = transformers.AutoConfig.for_model(**hf)
+        # Qwen2Config has no head_dim field; its attention then uses hidden_size // heads.
+        head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // 4
         ours = config_from_hf(hf)
         assert (ours.n_kv_heads, ours.head_dim, ours.norm_eps, ours.rope_theta,
-                ours.tie_embeddings) == (theirs.num_key_value_heads, theirs.head_dim,
+                ours.tie_embeddings) == (theirs.num_key_value_heads, head_dim,
                                          theirs.rms_norm_eps, 10000.0,
                                          theirs.tie_word_embeddings), model_type
     with pytest.raises(ValueError, match="lacks"):

@@ -253,3 +253,15 @@ def test_offload_remat_same_numbers():
     l1, g1 = _loss_and_grads(go, so, batch, mesh)
     _rel_close(l1, l0, 1e-5)
     _rel_close(g1, g0, 1e-5)
+
+
+def test_weight_decay_spares_norms_and_biases():
+    """Stacked layers make norm scales [L, D]; decay must still skip them (by name)."""
+    from ulysses_jax.train_step import _decays
+    cfg, mesh, g, state, sh, tx = _setup(1, 1, **{"model.qkv_bias": True})
+    flags = {"/".join(str(getattr(k, "key", k)) for k in path): _decays(path, leaf)
+             for path, leaf in jax.tree_util.tree_leaves_with_path(state["params"])}
+    assert flags["layers/attn/wq"] and flags["embed"] and flags["layers/mlp/w_down"]
+    for name in ("layers/attn_norm/scale", "layers/mlp_norm/scale", "final_norm/scale",
+                 "layers/attn/q_norm/scale", "layers/attn/bq"):
+        assert flags[name] is False, name

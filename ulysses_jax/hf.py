@@ -3,9 +3,9 @@
 A checkpoint is a local directory with ``config.json`` and ``model.safetensors`` (or a
 ``model.safetensors.index.json`` with shards), as ``transformers`` writes it. Import reads the
 tensors with safetensors' numpy API (torch is never imported), maps each Linear weight
-[out, in] to our [in, ..., out] layout (a bias [N*H] to [N, H]), stacks the layers on a leading L axis and places every
-array straight onto its sharding on the mesh, one parameter at a time, so host memory holds at
-most one stacked parameter beyond what the devices hold.
+[out, in] to our [in, ..., out] layout (a bias [N*H] to [N, H]), stacks the layers on a
+leading L axis and places every array straight onto its sharding on the mesh, one parameter at
+a time, so host memory holds at most one stacked parameter beyond what the devices hold.
 
 Conventions checked against transformers' modeling code (Llama, Mistral, Qwen2, Qwen3):
 half-split RoPE with inv_freq = theta^(-2i/head_dim); RMSNorm in fp32 times the weight; q/k

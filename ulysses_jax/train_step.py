@@ -34,9 +34,16 @@ def make_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
         decay_steps=max(total, warmup + 1), end_value=opt.lr * opt.min_lr_ratio)
 
 
+def _decays(path, _) -> bool:
+    """Weight decay for weight matrices and embeddings only: norm scales and biases are
+    spared. Decided by name, since stacked layers give a norm scale [L, D] two dims."""
+    names = [str(getattr(k, "key", k)) for k in path]
+    return not any("norm" in n or n in ("bq", "bk", "bv") for n in names)
+
+
 def make_optimizer(opt: OptimizerConfig, steps: int) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; no weight decay on vectors (norm scales)."""
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    """AdamW with global-norm clipping; no weight decay on norm scales and biases."""
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(_decays, params)
     return optax.chain(
         optax.clip_by_global_norm(opt.clip_norm),
         optax.adamw(make_schedule(opt, steps), b1=opt.b1, b2=opt.b2,

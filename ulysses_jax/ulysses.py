@@ -9,6 +9,9 @@ the transpose of an all-to-all is an all-to-all, the backward pass two more.
 GQA/MQA: if K % P == 0 the kv heads are split like the query heads. If P % K == 0 each kv head
 is repeated P/K times before the exchange (a local copy, no communication), so the device that
 gets query heads [i*N/P, (i+1)*N/P) also gets the one kv head they read.
+
+On a mesh with a "ring" axis of size R > 1, ``ulysses_attention`` hands over to ``ring.py``
+(hybrid Ulysses x Ring); this module's own path and its one shard_map site serve R == 1.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from . import kernels
-from .mesh import DATA, SEQ, axis_size, shard
+from .mesh import DATA, RING, SEQ, axis_size, shard
 
 
 def seq_to_heads(x: jax.Array, axis_name: str = SEQ) -> jax.Array:
@@ -32,12 +35,17 @@ def heads_to_seq(x: jax.Array, axis_name: str = SEQ) -> jax.Array:
 
 # ----------------------------------------------------------------------------- validators
 
-def kv_repeats(num_q_heads: int, num_kv_heads: int, p: int) -> int:
-    """How many copies of each kv head the exchange needs (1 = none); raises on bad combos."""
+def kv_repeats(num_q_heads: int, num_kv_heads: int, p: int, ring: int = 1) -> int:
+    """How many copies of each kv head the exchange needs (1 = none); raises on bad combos.
+
+    ``p`` is the all-to-all degree (the seq axis size U); the ring axis never splits heads,
+    ``ring`` only enters the messages.
+    """
+    note = "" if ring == 1 else f" (the ring axis size {ring} does not split heads)"
     if num_q_heads % p:
         raise ValueError(
             f"query heads {num_q_heads} not divisible by the seq axis size {p}: Ulysses gives "
-            f"each device query heads / seq heads")
+            f"each device query heads / seq heads{note}")
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"query heads {num_q_heads} not divisible by kv heads {num_kv_heads} (GQA needs a "
@@ -48,11 +56,15 @@ def kv_repeats(num_q_heads: int, num_kv_heads: int, p: int) -> int:
         return p // num_kv_heads
     raise ValueError(
         f"kv heads {num_kv_heads} and seq axis size {p} are incompatible: kv heads must be a "
-        f"multiple of the seq axis size (split) or divide it (replicated)")
+        f"multiple of the seq axis size (split) or divide it (replicated){note}")
 
 
-def validate(q, k, v, segment_ids, mesh: Mesh) -> int:
-    """Checks shapes against the mesh; returns the kv repeat factor."""
+def validate(q, k, v, segment_ids, mesh: Mesh, chunks: int = 1) -> int:
+    """Checks shapes against the mesh; returns the kv repeat factor.
+
+    The sequence must split into ``chunks`` pieces per ring rank and seq device: 1 for
+    Ulysses and contiguous ring, 2 for the zigzag ring layout.
+    """
     if SEQ not in mesh.axis_names:
         raise ValueError(f"mesh has no {SEQ!r} axis (axes: {mesh.axis_names}); build it with make_mesh")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -65,14 +77,20 @@ def validate(q, k, v, segment_ids, mesh: Mesh) -> int:
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     b, s, n, _ = q.shape
-    p, d = axis_size(mesh, SEQ), axis_size(mesh, DATA)
-    if s % p:
-        raise ValueError(f"sequence length {s} is not divisible by the seq axis size {p}")
+    p, r, d = axis_size(mesh, SEQ), axis_size(mesh, RING), axis_size(mesh, DATA)
+    if s % (chunks * r * p):
+        if chunks == r == 1:
+            raise ValueError(f"sequence length {s} is not divisible by the seq axis size {p}")
+        zig = "" if chunks == 1 else "2 zigzag chunks x "
+        raise ValueError(
+            f"sequence length {s} is not divisible by {zig}ring x seq = "
+            f"{chunks * r * p} (ring axis size R={r}, seq axis size U={p}"
+            f"{', zigzag layout' if chunks > 1 else ''})")
     if b % d:
         raise ValueError(f"batch size {b} is not divisible by the data axis size {d}")
     if segment_ids is not None and tuple(segment_ids.shape) != (b, s):
         raise ValueError(f"segment_ids must be [B, S] = {(b, s)}, got {tuple(segment_ids.shape)}")
-    return kv_repeats(n, k.shape[2], p)
+    return kv_repeats(n, k.shape[2], p, r)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -111,7 +129,15 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=N
 
     Returns:
       [B, S, N, H], sharded P("data", "seq").
+
+    With a "ring" mesh axis of size R > 1 this runs hybrid Ulysses x Ring attention instead
+    (``ring.hybrid_attention`` with ``layout="natural"``): inputs and output are then sharded
+    P("data", ("ring", "seq")) in natural token order, heads need only divide by the seq size.
     """
+    if axis_size(mesh, RING) > 1:
+        from .ring import hybrid_attention  # ring.py builds on this module's exchange
+        return hybrid_attention(q, k, v, mesh=mesh, causal=causal, segment_ids=segment_ids,
+                                impl=impl, layout="natural")
     reps = validate(q, k, v, segment_ids, mesh)
     kernel = kernels.resolve_impl(impl, q.dtype, q.shape[3])
     p = axis_size(mesh, SEQ)

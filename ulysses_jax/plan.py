@@ -1,0 +1,207 @@
+"""Longest sequence that fits a per-device memory budget, for each Ulysses degree P.
+
+    python -m ulysses_jax.plan --config configs/llama-1b-32k.yaml --memory-gb 80 --p 1,2,4,8 \
+        [--granularity 1024] [--max-seq-len 1048576] [key=value ...]
+
+For each P the planner compiles the full train step abstractly (``trainer.dry_run``: nothing is
+allocated, no step runs) and reads XLA's per-device peak. It doubles the length from one
+``unit`` (the least common multiple of the granularity and P, so every probe is a legal
+``seq_len``) until a probe no longer fits, then bisects between the last fit and the first
+miss. That needs about 2·log2(L / unit) compiles per P, each taking seconds, so a progress line
+is printed per probe.
+
+Assumption: peak memory does not decrease as the sequence grows (true for this model: every
+activation is [B, S/P, ...] or [B, S, N/P, ...]). The answer is XLA's estimate of the program's
+own buffers; the runtime needs some room on top (allocator fragmentation, cuDNN workspaces, and
+on GPU JAX preallocates only 75% of memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
+otherwise), so plan with a budget below the physical size.
+
+GB here means GiB (2**30 bytes), as ``nvidia-smi`` and JAX's ``memory_stats`` count.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Callable
+
+from .config import Config, ConfigError, load_config, validate
+
+GIB = 2 ** 30
+DEFAULT_P = (1, 2, 4, 8)
+DEFAULT_MAX_SEQ_LEN = 1 << 20  # 1M tokens: past this the search stops and says so
+
+
+def peak_bytes(cfg: Config) -> int:
+    """Per-device peak bytes of one compiled train step (XLA's memory analysis)."""
+    from .trainer import dry_run  # imported here: the CLI sets XLA_FLAGS before JAX starts
+    return dry_run(cfg)["peak_bytes_per_device"]
+
+
+def search_unit(seq: int, granularity: int) -> int:
+    """Step of the search: the smallest length that is a multiple of both P and granularity."""
+    return math.lcm(seq, granularity)
+
+
+def longest_fitting_seq_len(cfg: Config, memory_bytes: int, *, granularity: int = 1024,
+                            max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+                            measure: Callable[[Config], int] | None = None,
+                            progress: Callable[[str], None] | None = None) -> int | None:
+    """Longest ``seq_len`` whose compiled train step fits ``memory_bytes`` per device.
+
+    Only ``cfg.seq_len`` changes between probes; the mesh, batch, model and remat policy are
+    taken from ``cfg`` as they are.
+
+    Args:
+      cfg: the run configuration (``cfg.mesh.seq`` is P).
+      memory_bytes: per-device budget in bytes.
+      granularity: candidate lengths are multiples of lcm(granularity, P).
+      max_seq_len: longest length considered; if it still fits, it (rounded down to the
+        unit) is the answer.
+      measure: cfg -> per-device peak bytes; default ``peak_bytes`` (an abstract compile).
+      progress: called with one line per probe (e.g. ``print``); None = silent.
+
+    Returns:
+      The length, or None when even one unit does not fit.
+
+    Raises:
+      ValueError: a non-positive budget, granularity or maximum, a maximum below one unit.
+      ConfigError: a config that cannot run at these lengths (heads vs P, devices, ...).
+    """
+    if memory_bytes <= 0:
+        raise ValueError(f"memory budget must be positive, got {memory_bytes} bytes")
+    if granularity < 1:
+        raise ValueError(f"granularity must be a positive integer, got {granularity}")
+    p = cfg.mesh.seq
+    unit = search_unit(p, granularity)
+    if max_seq_len < unit:
+        raise ValueError(f"max_seq_len {max_seq_len} is below the search unit {unit} "
+                         f"(lcm of granularity {granularity} and mesh.seq {p})")
+    measure = measure or peak_bytes
+    say = progress or (lambda _msg: None)
+    at = lambda k: dataclasses.replace(cfg, seq_len=k * unit)
+    validate(at(1))  # fail on heads/P/batch rules before the first (slow) compile
+
+    def fits(k: int) -> bool:
+        t0 = time.perf_counter()
+        peak = measure(at(k))
+        ok = peak <= memory_bytes
+        say(f"  P={p} seq_len={k * unit:>8}: {peak / GIB:8.3f} GiB "
+            f"{'fits' if ok else 'over'} ({time.perf_counter() - t0:.1f} s)")
+        return ok
+
+    # Counted in units: lo always fits, hi never does (or lies past max_seq_len).
+    k_max = max_seq_len // unit
+    lo, k = 0, 1
+    while k <= k_max and fits(k):
+        lo, k = k, 2 * k
+    if lo == 0:
+        return None
+    hi = min(k, k_max + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * unit
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _parse_ps(text: str) -> list[int]:
+    try:
+        ps = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--p must be comma-separated positive integers, got {text!r}") from None
+    if not ps or any(p < 1 for p in ps):
+        raise ValueError(f"--p must be comma-separated positive integers, got {text!r}")
+    return sorted(set(ps))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ulysses_jax.plan",
+        description="Longest sequence whose compiled train step fits a per-device memory "
+                    "budget, for each Ulysses degree P (abstract compiles; nothing runs).")
+    p.add_argument("--config", required=True, help="YAML preset (configs/*.yaml)")
+    p.add_argument("--memory-gb", type=float, required=True,
+                   help="per-device budget in GiB (2**30 bytes); leave headroom for the runtime")
+    p.add_argument("--p", default=",".join(map(str, DEFAULT_P)),
+                   help="Ulysses degrees to plan for, comma-separated (default 1,2,4,8)")
+    p.add_argument("--granularity", type=int, default=1024,
+                   help="lengths are multiples of lcm(granularity, P) (default 1024)")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
+                   help=f"stop searching here (default {DEFAULT_MAX_SEQ_LEN})")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. batch_size=1")
+    return p
+
+
+def _plan_configs(args) -> tuple[Config, dict[int, Config]]:
+    """The base config and one config per P, all validated before JAX starts."""
+    if not (args.memory_gb > 0 and math.isfinite(args.memory_gb)):
+        raise ValueError(f"--memory-gb must be a positive number, got {args.memory_gb}")
+    if args.granularity < 1:
+        raise ValueError(f"--granularity must be a positive integer, got {args.granularity}")
+    cfg = load_config(args.config, args.overrides)
+    per_p = {}
+    for p in _parse_ps(args.p):
+        c = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, seq=p))
+        unit = search_unit(p, args.granularity)
+        if args.max_seq_len < unit:
+            raise ValueError(f"--max-seq-len {args.max_seq_len} is below the search unit {unit} "
+                             f"for P={p} (lcm of --granularity {args.granularity} and P)")
+        try:
+            validate(dataclasses.replace(c, seq_len=unit))
+        except ConfigError as e:
+            raise ConfigError(f"P={p}: {e}") from None
+        per_p[p] = c
+    return cfg, per_p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg, per_p = _plan_configs(args)
+    except ValueError as e:  # ConfigError included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Enough fake CPU devices for the largest mesh; only the CPU platform reads the flag, and
+    # only if JAX has not started yet (true when run as a module).
+    need = max(c.mesh.data * c.mesh.seq for c in per_p.values())
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={max(8, need)}")
+    import jax
+
+    m = cfg.model
+    budget = int(args.memory_gb * GIB)
+    print(f"plan: {args.config}  d_model={m.d_model} layers={m.n_layers} heads={m.n_heads}/"
+          f"{m.n_kv_heads} dtype={m.dtype} remat={m.remat} param_sharding={cfg.param_sharding} "
+          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}; budget {args.memory_gb:g} GiB "
+          f"per device; {jax.device_count()} {jax.devices()[0].platform} devices", flush=True)
+    results = {}
+    for p, c in per_p.items():
+        print(f"P={p}: searching multiples of {search_unit(p, args.granularity)}", flush=True)
+        try:
+            results[p] = longest_fitting_seq_len(
+                c, budget, granularity=args.granularity, max_seq_len=args.max_seq_len,
+                progress=lambda line: print(line, flush=True))
+        except ValueError as e:  # e.g. more devices than this machine has
+            print(f"error: P={p}: {e}", file=sys.stderr)
+            return 2
+    print(f"\n{'P':>3}  {'longest seq_len':>16}  note")
+    for p, length in results.items():
+        unit = search_unit(p, args.granularity)
+        note = ("even one unit does not fit" if length is None else
+                f"reached --max-seq-len {args.max_seq_len}; longer may fit"
+                if length + unit > args.max_seq_len else "")
+        print(f"{p:>3}  {'-' if length is None else length:>16}  {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""Hybrid Ulysses x Ring attention (USP-style) on a ("data", "ring", "seq") mesh.
+
+Letters as in model.py: B batch, T query positions, S key positions (and the sequence), N query
+heads, K kv heads, G = N // K, H head dim; U the seq axis size, R the ring axis size, L = S/(R*U)
+the tokens per device, C the chunk length, nc the chunks per ring rank (1 or 2).
+
+Layout. Tokens are split over ("ring", "seq"), ring major: device (r, u) holds shard r*U + u.
+1. Ulysses inside each ring rank: one U-way all-to-all on "seq" (q, k, v packed in one message,
+   kv heads replicated when U > K, as in ulysses.py). Device (r, u) then holds ring block r, all
+   its S/R tokens, for heads block u. Heads need only divide by U, not by U*R.
+2. Ring over "ring": the R devices with the same u form a ring. K/V (and the kv segment ids)
+   move r -> r+1 by ppermute R-1 times; at step t device r holds the block of rank r-t. Each
+   (q chunk, kv chunk) pair gives a partial output and its logsumexp, merged into a running fp32
+   (output, logsumexp) pair by online softmax. The kv chunk index needs no message: it follows
+   from r - t.
+3. The reverse all-to-all restores the [B, L, N, H] sequence split.
+
+Zigzag. Causal attention on contiguous blocks is unbalanced: ring rank r has r+1 kv blocks of
+work (rank 0 one, rank R-1 all R), and every ring step waits for the busiest rank. Cut the
+sequence into 2R chunks of C = S/(2R) and give ring rank i chunks i and 2R-1-i, one early and
+one late: every rank then has 2R+1 unmasked (q chunk, kv chunk) pairs. "Zigzag order" is the
+sequence permuted so that the ordinary ("ring", "seq") split hands each rank its two chunks:
+``x[:, zigzag_permutation(S, R)]``. The data loader can emit batches (tokens, targets, positions,
+segment ids) in that order, so the model never reorders; ``layout="natural"`` reorders here.
+
+Masking works per (q chunk, kv chunk) pair with true global chunk indices: a pair whose kv
+chunk comes after its q chunk is skipped by ``lax.cond`` (never computed), the diagonal pair
+gets the triangular mask, earlier chunks only the segment mask. The contiguous layout uses one
+chunk of S/R per rank, zigzag two of S/(2R). Within a pair the block is dense: a [C, C] score
+tile per head, fp32.
+
+Backward: a custom VJP in FlashAttention-2 form, not autodiff through the loop (which would
+save every step's K/V block and running output, O(S/U) per device). Residuals are the local q,
+k, v, output and logsumexp, O(S/R) per device. A second ring pass recomputes each unskipped tile;
+dK/dV accumulators (fp32) travel with their K/V block and reach their owner after one more
+ppermute (R in all); dQ stays local. The backward is not itself differentiable.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from . import kernels
+from .mesh import DATA, RING, SEQ, axis_size, shard
+from .ulysses import _pack_qkv, _unpack_qkv, heads_to_seq, seq_to_heads, validate
+
+_F32 = jnp.float32
+LAYOUTS = ("zigzag", "contiguous", "natural")
+_FLAT = (RING, SEQ)  # the sequence axes, flattened ring major
+
+
+# ----------------------------------------------------------------------------- zigzag order
+
+def zigzag_permutation(seq_len: int, ring: int) -> np.ndarray:
+    """Natural -> zigzag order: ``x_zigzag = x[:, perm]``.
+
+    Args:
+      seq_len: S, a multiple of 2 * ring.
+      ring: R, the ring axis size.
+
+    Returns:
+      int [S]: zigzag position j holds natural token perm[j]; chunks of S/(2R) tokens in the
+      order 0, 2R-1, 1, 2R-2, ..., R-1, R.
+    """
+    if ring < 1 or seq_len % (2 * ring):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x ring = {2 * ring}")
+    c = seq_len // (2 * ring)
+    chunks = np.array([j for i in range(ring) for j in (i, 2 * ring - 1 - i)])
+    return (chunks[:, None] * c + np.arange(c)[None, :]).reshape(-1)
+
+
+def inverse_zigzag_permutation(seq_len: int, ring: int) -> np.ndarray:
+    """Zigzag -> natural order: ``x = x_zigzag[:, inv]``."""
+    return np.argsort(zigzag_permutation(seq_len, ring))
+
+
+def _half_shard_moves(num_shards: int, ring: int, to_zigzag: bool):
+    """Static plan that reorders a sequence split over ``num_shards`` devices, in half shards.
+
+    A half shard never straddles a zigzag chunk (chunk = U half shards), so the reorder is a
+    permutation of half shards. Returns {(src half, dst half): [(src device, dst device)]}.
+    """
+    perm = zigzag_permutation(2 * num_shards, ring)  # zigzag unit z is natural unit perm[z]
+    moves: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for z, e in enumerate(perm):
+        src, dst = (int(e), z) if to_zigzag else (z, int(e))
+        moves.setdefault((src % 2, dst % 2), []).append((src // 2, dst // 2))
+    return moves
+
+
+def _reorder(x, moves, num_shards: int):
+    """Moves half shards inside shard_map: [B, L, ...] -> [B, L, ...] in the other order.
+
+    One ppermute per (src half, dst half) kind, at most 4, each moving L/2 tokens per device,
+    so about one shard of traffic in all (one ppermute of whole shards when U is even). A select
+    (not a sum) joins the kinds: exact.
+    """
+    if set(moves) == {(0, 0), (1, 1)} and moves[(0, 0)] == moves[(1, 1)]:
+        return lax.ppermute(x, _FLAT, moves[(0, 0)])  # U even: whole shards move together
+    h = x.shape[1] // 2
+    halves = (x[:, :h], x[:, h:])
+    dev = lax.axis_index(_FLAT)
+    out = []
+    for jd in (0, 1):
+        got, table = [], np.zeros(num_shards, np.int32)
+        for js in (0, 1):
+            pairs = moves.get((js, jd), [])
+            if pairs:
+                got.append(lax.ppermute(halves[js], _FLAT, pairs))
+                table[[d for _, d in pairs]] = len(got) - 1
+        out.append(got[0] if len(got) == 1 else jnp.where(jnp.asarray(table)[dev] == 0, *got))
+    return jnp.concatenate(out, axis=1)
+
+
+# ----------------------------------------------------------------------------- block math
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Static geometry of one ring pass (hashable: a custom_vjp static argument)."""
+    r: int          # ring size R
+    nc: int         # chunks per ring rank: 1 (contiguous) or 2 (zigzag)
+    c: int          # chunk length C
+    causal: bool
+    scale: float
+
+    def chunk(self, rank, a: int):
+        """Global chunk index of local chunk ``a`` of ring rank ``rank`` (may be traced)."""
+        return rank if self.nc == 1 or a == 0 else 2 * self.r - 1 - rank
+
+    def computed(self, cq, ck):
+        """The skip rule: a (q chunk, kv chunk) pair is computed unless all of it is masked."""
+        return True if not self.causal else ck <= cq
+
+    def split(self, x):
+        """[B, T, ...] -> nc arrays [B, C, ...] (static slices)."""
+        return [x[:, a * self.c:(a + 1) * self.c] for a in range(self.nc)]
+
+
+def _scores(g: _Ring, q_a, k_b, seg_a, seg_b, cq, ck):
+    """Scaled fp32 scores of one pair, masked entries -inf: [B, K, G, C, C].
+
+    q_a: [B, C, K, G, H]; k_b: [B, C, K, H]; seg_a, seg_b: [B, C] or None; cq, ck: chunk ids.
+    """
+    s = jnp.einsum("btkgh,bskh->bkgts", q_a, k_b, preferred_element_type=_F32) * g.scale
+    mask = None
+    if g.causal:
+        pos = jnp.arange(g.c)
+        mask = ((cq * g.c + pos)[:, None] >= (ck * g.c + pos)[None, :])[None]   # [1, C, C]
+    if seg_a is not None:
+        same = seg_a[:, :, None] == seg_b[:, None, :]                          # [B, C, C]
+        mask = same if mask is None else mask & same
+    return s if mask is None else jnp.where(mask[:, None, None], s, -jnp.inf)
+
+
+def _merge_block(g, q_a, k_b, v_b, seg_a, seg_b, cq, ck, o, lse):
+    """Online softmax: folds one pair into the running (o [B, K, G, C, H], lse [B, K, G, C])."""
+    s = _scores(g, q_a, k_b, seg_a, seg_b, cq, ck)                             # [B, K, G, C, C]
+    m = s.max(-1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)             # a fully masked row: exp(-inf - 0) = 0
+    p = jnp.exp(s - m[..., None])
+    l = p.sum(-1)                                                              # [B, K, G, C]
+    pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v_b.dtype), v_b,
+                    preferred_element_type=_F32)                               # [B, K, G, C, H]
+    lse_b = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    new = jnp.logaddexp(lse, lse_b)
+    shift = jnp.where(jnp.isfinite(new), new, 0.0)
+    # The block's normalised output is pv / l with weight exp(lse_b - new) = l * exp(m - new).
+    w_old = jnp.exp(lse - shift)
+    w_blk = jnp.where(l > 0, jnp.exp(m - shift), 0.0)
+    return w_old[..., None] * o + w_blk[..., None] * pv, new
+
+
+def _grad_block(g, q_a, k_b, v_b, seg_a, seg_b, cq, ck, do_a, lse_a, delta_a, dq_a, dk_b, dv_b):
+    """FlashAttention-2 backward of one pair; accumulates unscaled fp32 dq_a, dk_b, dv_b.
+
+    do_a: [B, C, K, G, H]; lse_a, delta_a: [B, K, G, C], lse +inf on rows that saw no key.
+    """
+    s = _scores(g, q_a, k_b, seg_a, seg_b, cq, ck)                             # [B, K, G, C, C]
+    p = jnp.exp(s - lse_a[..., None])
+    dv_b = dv_b + jnp.einsum("bkgts,btkgh->bskh", p.astype(do_a.dtype), do_a,
+                             preferred_element_type=_F32)                      # [B, C, K, H]
+    dp = jnp.einsum("btkgh,bskh->bkgts", do_a, v_b, preferred_element_type=_F32)
+    ds = (p * (dp - delta_a[..., None])).astype(q_a.dtype)  # masked: p == 0, so ds == 0
+    dq_a = dq_a + jnp.einsum("bkgts,bskh->btkgh", ds, k_b, preferred_element_type=_F32)
+    dk_b = dk_b + jnp.einsum("bkgts,btkgh->bskh", ds, q_a, preferred_element_type=_F32)
+    return dq_a, dk_b, dv_b
+
+
+def _visit(g: _Ring, cq, ck, fn, state):
+    """Runs ``fn(state)`` for a pair the skip rule keeps; skipped pairs cost one branch."""
+    keep = g.computed(cq, ck)
+    if keep is True:
+        return fn(state)
+    return lax.cond(keep, fn, lambda st: st, state)
+
+
+def _send(tree, r: int):
+    """Passes every array of ``tree`` one step along the ring: rank i -> i + 1."""
+    perm = [(i, (i + 1) % r) for i in range(r)]
+    return jax.tree.map(lambda x: lax.ppermute(x, RING, perm), tree)
+
+
+# ----------------------------------------------------------------------------- ring passes
+
+def _ring_forward(q, k, v, seg, g: _Ring):
+    """Forward ring pass inside shard_map.
+
+    Args:
+      q: [B, T, N', H] with T = S/R, the ring block of this rank for the local heads;
+      k, v: [B, T, K', H]; seg: [B, T] ints or None.
+
+    Returns:
+      out [B, T, N', H] in q's dtype, lse (nc arrays [B, K', G, C] fp32, -inf on rows that saw
+      no key) and the number of pairs computed (int32 scalar).
+    """
+    b, _, n, h = q.shape
+    kh = k.shape[2]
+    rank = lax.axis_index(RING)
+    qs = [x.reshape(b, g.c, kh, n // kh, h) for x in g.split(q)]            # [B, C, K, G, H]
+    seg_q = g.split(seg) if seg is not None else [None] * g.nc
+    # Initial state built from q, so inside shard_map it varies over the same axes as the
+    # loop's outputs (a bare jnp.zeros would not, and fori_loop/cond need them to match).
+    o = [jnp.zeros_like(x, _F32).transpose(0, 2, 3, 1, 4) for x in qs]       # [B, K, G, C, H]
+    lse = [jnp.full_like(x[..., 0], -jnp.inf, _F32).transpose(0, 2, 3, 1) for x in qs]
+    count = jnp.zeros_like(q, jnp.int32, shape=())
+
+    def step(t, acc, kv):
+        o, lse, count = list(acc[0]), list(acc[1]), acc[2]
+        ks, vs = g.split(kv[0]), g.split(kv[1])
+        seg_k = g.split(kv[2]) if seg is not None else [None] * g.nc
+        src = (rank - t) % g.r
+        for a in range(g.nc):
+            for j in range(g.nc):
+                cq, ck = g.chunk(rank, a), g.chunk(src, j)
+
+                def pair(st, a=a, j=j, cq=cq, ck=ck):
+                    o_a, lse_a, n_done = st
+                    o_a, lse_a = _merge_block(g, qs[a], ks[j], vs[j], seg_q[a], seg_k[j], cq, ck,
+                                              o_a, lse_a)
+                    return o_a, lse_a, n_done + 1
+
+                o[a], lse[a], count = _visit(g, cq, ck, pair, (o[a], lse[a], count))
+        return o, lse, count
+
+    def body(t, st):
+        acc, kv = st
+        kv = _send(kv, g.r)                           # now holds rank (r - t)'s block
+        return step(t, acc, kv), kv
+
+    kv = (k, v, seg)
+    (o, lse, count), _ = lax.fori_loop(1, g.r, body, (step(0, (o, lse, count), kv), kv))
+    out = jnp.concatenate([x.transpose(0, 3, 1, 2, 4).reshape(b, g.c, n, h) for x in o], axis=1)
+    return out.astype(q.dtype), lse, count
+
+
+def _ring_backward(q, k, v, seg, out, lse, d_out, g: _Ring):
+    """Backward ring pass inside shard_map (shapes as in ``_ring_forward``).
+
+    Returns:
+      dq, dk, dv in the dtypes of q, k, v, and the number of pairs recomputed.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    rank = lax.axis_index(RING)
+    chunks = lambda x: [y.reshape(b, g.c, kh, n // kh, h) for y in g.split(x)]
+    qs, dos, outs = chunks(q), chunks(d_out), chunks(out)                    # [B, C, K, G, H]
+    seg_q = g.split(seg) if seg is not None else [None] * g.nc
+    delta = [jnp.einsum("btkgh,btkgh->bkgt", o.astype(_F32), do.astype(_F32))
+             for o, do in zip(outs, dos)]                                     # [B, K, G, C]
+    lse = [jnp.where(jnp.isfinite(x), x, jnp.inf) for x in lse]    # unseen rows: p = 0
+    dq = [jnp.zeros_like(x, _F32) for x in qs]                                # [B, C, K, G, H]
+    dkv = (jnp.zeros_like(k, _F32), jnp.zeros_like(v, _F32))                  # [B, T, K, H]
+    count = jnp.zeros_like(q, jnp.int32, shape=())
+
+    def step(t, acc, kv, dkv):
+        dq, count = list(acc[0]), acc[1]
+        ks, vs = g.split(kv[0]), g.split(kv[1])
+        seg_k = g.split(kv[2]) if seg is not None else [None] * g.nc
+        dks, dvs = g.split(dkv[0]), g.split(dkv[1])
+        src = (rank - t) % g.r
+        for a in range(g.nc):
+            for j in range(g.nc):
+                cq, ck = g.chunk(rank, a), g.chunk(src, j)
+
+                def pair(st, a=a, j=j, cq=cq, ck=ck):
+                    dq_a, dk_j, dv_j, n_done = st
+                    dq_a, dk_j, dv_j = _grad_block(g, qs[a], ks[j], vs[j], seg_q[a], seg_k[j],
+                                                   cq, ck, dos[a], lse[a], delta[a],
+                                                   dq_a, dk_j, dv_j)
+                    return dq_a, dk_j, dv_j, n_done + 1
+
+                dq[a], dks[j], dvs[j], count = _visit(g, cq, ck, pair,
+                                                      (dq[a], dks[j], dvs[j], count))
+        dkv = (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
+        return (dq, count), dkv
+
+    kv = (k, v, seg)
+    acc, dkv = step(0, (dq, count), kv, dkv)
+
+    def body(t, st):
+        acc, kv, dkv = st
+        kv, dkv = _send(kv, g.r), _send(dkv, g.r)    # dK/dV travel with their K/V block
+        acc, dkv = step(t, acc, kv, dkv)
+        return acc, kv, dkv
+
+    (dq, count), _, dkv = lax.fori_loop(1, g.r, body, (acc, kv, dkv))
+    dk, dv = _send(dkv, g.r)                          # last hop: rank r-1 -> owner r
+    dq = jnp.concatenate([x.reshape(b, g.c, n, h) for x in dq], axis=1) * g.scale
+    return (dq.astype(q.dtype), (dk * g.scale).astype(k.dtype), dv.astype(v.dtype), count)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring_attention(q, k, v, seg, g):
+    return _ring_forward(q, k, v, seg, g)[0]
+
+
+def _ring_attention_fwd(q, k, v, seg, g):
+    out, lse, _ = _ring_forward(q, k, v, seg, g)
+    return out, (q, k, v, seg, out, lse)
+
+
+def _ring_attention_bwd(g, res, d_out):
+    q, k, v, seg, out, lse = res
+    dq, dk, dv, _ = _ring_backward(q, k, v, seg, out, lse, d_out, g)
+    return dq, dk, dv, None
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+# ----------------------------------------------------------------------------- public API
+
+def hybrid_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
+                     impl: str = "auto", layout: str = "zigzag"):
+    """Hybrid Ulysses x Ring attention over the mesh's ("ring", "seq") axes.
+
+    Args:
+      q: [B, S, N, H] queries, sharded P("data", ("ring", "seq")) or not sharded.
+      k, v: [B, S, K, H] keys and values, same layout; N % K == 0.
+      mesh: a mesh with "ring" and "seq" axes, see ``make_mesh(seq=U, ring=R)``.
+      causal: causal masking over true global positions.
+      segment_ids: optional [B, S] ints in the same token order as q; tokens attend only
+        within their own segment.
+      impl: validated like ``ulysses_attention``'s; the ring runs its own block kernel, which
+        must return the logsumexp that the ring merge needs.
+      layout: the token order of q, k, v, segment_ids and of the result:
+        "zigzag": already in zigzag order, ``x[:, zigzag_permutation(S, R)]`` (S % (2UR) == 0);
+          causal work is balanced and nothing is reordered. The model path.
+        "contiguous": natural order, run as contiguous ring blocks; causal work unbalanced.
+        "natural": natural order; for causal attention with S % (2UR) == 0 the shards are
+          moved to zigzag order and back inside the shard_map (collective-permutes, 1 per array
+          and direction when U is even, up to 4 of half shards when U is odd: about one extra
+          shard of q/k/v traffic in and one of output out per device, no all-gather),
+          otherwise as "contiguous".
+
+    Returns:
+      [B, S, N, H] in the order of ``layout``, sharded P("data", ("ring", "seq")).
+    """
+    return _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, counts=False)
+
+
+def block_counts(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
+                 layout: str = "zigzag") -> np.ndarray:
+    """Debug: pairs (q chunk, kv chunk) each device computed, from the kernels' own counters.
+
+    Runs the same forward and backward ring passes as ``hybrid_attention`` (backward with the
+    output as cotangent) and returns int [D, R, U, 2]: forward and backward counts per device.
+    """
+    fn = jax.jit(lambda q, k, v, seg: _hybrid(q, k, v, mesh, causal, seg, "auto", layout,
+                                              counts=True))
+    return np.asarray(fn(q, k, v, segment_ids))
+
+
+def _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, counts: bool):
+    """The one shard_map site: validation, exchange, ring, exchange back (or block counts)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown ring layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    if RING not in mesh.axis_names:
+        raise ValueError(f"mesh has no {RING!r} axis (axes: {mesh.axis_names}); build it with "
+                         f"make_mesh(seq=U, ring=R)")
+    reps = validate(q, k, v, segment_ids, mesh, chunks=2 if layout == "zigzag" else 1)
+    kernels.resolve_impl(impl, q.dtype, q.shape[3])
+    b, s, n, h = q.shape
+    u, r = axis_size(mesh, SEQ), axis_size(mesh, RING)
+    reorder = layout == "natural" and causal and s % (2 * r * u) == 0
+    zigzag = layout == "zigzag" or reorder
+    nc = 2 if zigzag else 1
+    g = _Ring(r=r, nc=nc, c=s // (r * nc), causal=causal, scale=float(h ** -0.5))
+    n_local, k_local = n // u, k.shape[2] * reps // u
+    fwd_moves = _half_shard_moves(r * u, r, to_zigzag=True) if reorder else None
+    back_moves = _half_shard_moves(r * u, r, to_zigzag=False) if reorder else None
+    batch_axis = DATA if DATA in mesh.axis_names else None
+    spec = P(batch_axis, _FLAT)
+
+    def body(q, k, v, *seg):
+        # q: [B/D, L, N, H]; k, v: [B/D, L, K, H]; seg: [B/D, L]  (L = S/(R*U), local dims)
+        seg = seg[0] if seg else None
+        if reps > 1:
+            k = jnp.repeat(k, reps, axis=2)                              # [B, L, K*reps, H]
+            v = jnp.repeat(v, reps, axis=2)
+        if u > 1 or reorder:
+            qkv = _pack_qkv(q, k, v, u)                                  # [B, L, N+2K, H]
+            if reorder:
+                qkv = _reorder(qkv, fwd_moves, r * u)
+                seg = None if seg is None else _reorder(seg, fwd_moves, r * u)
+            if u > 1:
+                qkv = seq_to_heads(qkv)                                  # [B, S/R, (N+2K)/U, H]
+                seg = None if seg is None else lax.all_gather(seg, SEQ, axis=1, tiled=True)
+            q, k, v = _unpack_qkv(qkv, n_local, k_local)                 # q: [B, S/R, N/U, H]
+        if counts:
+            out, lse, fwd_count = _ring_forward(q, k, v, seg, g)
+            bwd_count = _ring_backward(q, k, v, seg, out, lse, out, g)[3]
+            return jnp.stack([fwd_count, bwd_count]).reshape(1, 1, 1, 2)
+        out = _ring_attention(q, k, v, seg, g)                           # [B, S/R, N/U, H]
+        out = heads_to_seq(out) if u > 1 else out                        # [B, L, N, H]
+        return _reorder(out, back_moves, r * u) if reorder else out
+
+    args = [shard(x, mesh, spec) for x in (q, k, v)]
+    if segment_ids is not None:
+        args.append(shard(segment_ids, mesh, spec))
+    out_specs = P(batch_axis, RING, SEQ) if counts else spec
+    fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(spec for _ in args), out_specs=out_specs)
+    return fn(*args)
