@@ -62,7 +62,7 @@ def main(argv=None) -> int:
                                                      os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
     # Only the CPU platform reads this flag, so it is harmless where GPUs exist; it must be
     # set before JAX initialises its backends.
-    per_process = max(1, -(-cfg.mesh.data * cfg.mesh.seq // nproc))
+    per_process = max(1, -(-cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq // nproc))
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags += f" --xla_force_host_platform_device_count={per_process}"

@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 class MeshConfig:
     data: int = 1
     seq: int = 1
+    ring: int = 1                   # ring-attention degree; the sequence splits over ring x seq
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     m, mesh = cfg.model, cfg.mesh
     errors = []
     positive = {"steps": cfg.steps, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
-                "log_every": cfg.log_every, "mesh.data": mesh.data, "mesh.seq": mesh.seq,
+                "log_every": cfg.log_every, "mesh.data": mesh.data, "mesh.seq": mesh.seq, "mesh.ring": mesh.ring,
                 "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
                 "model.n_kv_heads": m.n_kv_heads, "model.head_dim": m.head_dim,
                 "model.d_model": m.d_model, "model.ffn_dim": m.ffn_dim,
@@ -140,7 +141,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             errors.append(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
     if errors:
         raise ConfigError("; ".join(errors))
-    if cfg.seq_len % mesh.seq:
+    if mesh.ring > 1:
+        # Zigzag load balance cuts each sequence into 2 x ring x seq equal chunks.
+        split = 2 * mesh.ring * mesh.seq
+        if cfg.seq_len % split:
+            errors.append(f"seq_len {cfg.seq_len} is not divisible by 2 x mesh.ring x mesh.seq "
+                          f"= 2 x {mesh.ring} x {mesh.seq} = {split} (zigzag chunks)")
+    elif cfg.seq_len % mesh.seq:
         errors.append(f"seq_len {cfg.seq_len} is not divisible by mesh.seq {mesh.seq}")
     if cfg.batch_size % mesh.data:
         errors.append(f"batch_size {cfg.batch_size} is not divisible by mesh.data {mesh.data}")
@@ -152,8 +159,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.n_kv_heads % mesh.seq and mesh.seq % m.n_kv_heads:
         errors.append(f"model.n_kv_heads {m.n_kv_heads} and mesh.seq {mesh.seq}: kv heads must "
                       f"be a multiple of mesh.seq or divide it")
-    if num_devices is not None and mesh.data * mesh.seq > num_devices:
-        errors.append(f"mesh.data {mesh.data} x mesh.seq {mesh.seq} = {mesh.data * mesh.seq} "
+    need = mesh.data * mesh.ring * mesh.seq
+    if num_devices is not None and need > num_devices:
+        ring = f" x mesh.ring {mesh.ring}" if mesh.ring > 1 else ""
+        errors.append(f"mesh.data {mesh.data}{ring} x mesh.seq {mesh.seq} = {need} "
                       f"devices, but only {num_devices} are available")
     if cfg.optimizer.schedule_steps is not None and cfg.optimizer.schedule_steps < 1:
         errors.append(f"optimizer.schedule_steps must be positive, got "

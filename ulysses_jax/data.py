@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from .mesh import ACT_BS, DATA, SEQ, axis_size
+from .mesh import DATA, RING, SEQ, act_spec, axis_size
 
 FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 Batch = dict  # field name -> np.ndarray [B, S] (or [S] for one row)
@@ -378,9 +378,9 @@ class BatchIterator:
         self.next_row += self.batch_size
         return batch
 
-    def next_global(self, mesh: Mesh) -> dict[str, jax.Array]:
+    def next_global(self, mesh: Mesh, order: np.ndarray | None = None) -> dict[str, jax.Array]:
         """The next batch as global arrays sharded P("data", "seq"); see ``shard_batch``."""
-        batch = shard_batch(self.rows_fn(), mesh, (self.batch_size, self.rows.seq_len))
+        batch = shard_batch(self.rows_fn(), mesh, (self.batch_size, self.rows.seq_len), order)
         self.next_row += self.batch_size
         return batch
 
@@ -400,7 +400,8 @@ def eval_batches(rows: PackedRows, batch_size: int,
 
 
 def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
-                shape: tuple[int, int] | None = None) -> dict[str, jax.Array]:
+                shape: tuple[int, int] | None = None,
+                order: np.ndarray | None = None) -> dict[str, jax.Array]:
     """Global batch arrays [B, S] sharded ``NamedSharding(mesh, P("data", "seq"))``.
 
     Built with ``jax.make_array_from_callback``: each process computes only the row blocks
@@ -413,6 +414,8 @@ def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
         (every process then holds all of it).
       mesh: a mesh with "data" and "seq" axes.
       shape: (B, S); required for a rows_fn, read off a numpy batch.
+      order: optional token order [S] applied to every row (``x[:, order]``), e.g. the zigzag
+        order of ring attention; positions travel with their tokens, so they stay true.
 
     Returns:
       dict of FIELDS, each a jax.Array [B, S].
@@ -425,17 +428,21 @@ def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
     if B % axis_size(mesh, DATA):
         raise ValueError(f"batch size {B} is not divisible by the data axis size "
                          f"{axis_size(mesh, DATA)}")
-    if S % axis_size(mesh, SEQ):
-        raise ValueError(f"sequence length {S} is not divisible by the seq axis size "
-                         f"{axis_size(mesh, SEQ)}")
-    sharding = NamedSharding(mesh, ACT_BS)
+    n_seq = axis_size(mesh, SEQ) * axis_size(mesh, RING)
+    if S % n_seq:
+        raise ValueError(f"sequence length {S} is not divisible by the {n_seq} devices each "
+                         f"sequence is split over")
+    sharding = NamedSharding(mesh, act_spec(mesh))
     blocks: dict[tuple[int, int], Batch] = {}
 
     def block(field, index):
         rows, cols = index
         start, stop, _ = rows.indices(B)
         if (start, stop) not in blocks:
-            blocks[(start, stop)] = source(start, stop)
+            rows_ = source(start, stop)
+            if order is not None:
+                rows_ = {f: v[:, order] for f, v in rows_.items()}
+            blocks[(start, stop)] = rows_
         return blocks[(start, stop)][field][:, cols]
 
     return {f: jax.make_array_from_callback(shape, sharding, lambda i, f=f: block(f, i))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .mesh import DATA, SEQ
+from .mesh import DATA, RING, SEQ, act_spec
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -46,8 +46,7 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
     Returns:
       (mean loss, number of counted tokens), both fp32 scalars.
     """
-    axes = tuple(a for a in (DATA, SEQ) if a in mesh.axis_names)
-    batch_axis = DATA if DATA in mesh.axis_names else None
+    axes = tuple(a for a in (DATA, RING, SEQ) if a in mesh.axis_names)
 
     def body(h, w, t, m):
         # h: [B/D, S/P, D]; w: [D, V]; t, m: [B/D, S/P]
@@ -67,6 +66,6 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
         count = jax.lax.psum(jnp.sum(m), axes)
         return total / jnp.maximum(count, 1.0), count
 
-    act, tok = P(batch_axis, SEQ, None), P(batch_axis, SEQ)
+    act, tok = act_spec(mesh, 1), act_spec(mesh)
     fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(), tok, tok), out_specs=(P(), P()))
     return fn(hidden, w_head, targets, loss_mask.astype(jnp.float32))

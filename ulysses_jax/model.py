@@ -4,8 +4,9 @@ Einsum letters: B batch, T query positions, S key positions (and the sequence in
 N query heads, K kv heads, G group (N // K), H head dim, D model dim, F ffn dim, V vocab,
 L layers.
 
-Layout: activations are [B, S, D] sharded P("data", "seq", None): every device holds S/P
-tokens, and only attention (``ulysses_attention``) ever sees a whole sequence, for N/P heads.
+Layout: activations are [B, S, D] sharded P("data", "seq", None) (P("data", ("ring", "seq"),
+None) on a mesh with a ring axis): every device holds S/P tokens, and only attention
+(``ulysses_attention``, or ``ring.hybrid_attention``) ever sees a whole sequence, for N/P heads.
 Norms, projections, the MLP, the embedding and the loss are all token-local.
 
 RoPE runs before the exchange, on each device's own tokens, with the global (or per-document)
@@ -26,10 +27,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ModelConfig
-from .mesh import DATA, SEQ, shard
+from .mesh import act_spec, axis_size, RING, shard
+from .ring import hybrid_attention
 from .ulysses import ulysses_attention
-
-ACT_BSD = P(DATA, SEQ, None)
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing inside a block: recompute all of it
@@ -39,10 +39,12 @@ _REMAT_POLICIES = {
 }
 
 
-def _token_spec(mesh: Mesh, *trailing) -> P:
-    """Token-major layout [B, S, ...] for this mesh (sequence over "ring" x "seq" if present)."""
-    seq = ("ring", SEQ) if "ring" in mesh.axis_names and mesh.shape["ring"] > 1 else SEQ
-    return P(DATA, seq, *trailing)
+def _attend(q, k, v, mesh, segment_ids, impl, layout):
+    """Ulysses attention, or hybrid Ulysses x Ring on a mesh with a ring axis."""
+    if axis_size(mesh, RING) > 1:
+        return hybrid_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
+                                impl=impl, layout=layout)
+    return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids, impl=impl)
 
 
 def _gathered(w: jax.Array, dtype, mesh: Mesh | None) -> jax.Array:
@@ -87,7 +89,8 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
+                 layout: str = "natural"):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
@@ -101,7 +104,7 @@ class Attention(nnx.Module):
         self.bv = zeros(k, h) if cfg.qkv_bias else None
         self.q_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
-        self.cfg, self.mesh = cfg, mesh
+        self.cfg, self.mesh, self.layout = cfg, mesh, layout
 
     def __call__(self, x, positions, segment_ids):
         dt, mesh, cfg = x.dtype, self.mesh, self.cfg
@@ -116,8 +119,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope(q, positions, cfg.rope_theta)                                       # [B, S, N, H]
         k = rope(k, positions, cfg.rope_theta)                                       # [B, S, K, H]
-        o = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
-                              impl=cfg.attn_impl)                                    # [B, S, N, H]
+        o = _attend(q, k, v, mesh, segment_ids, cfg.attn_impl, self.layout)          # [B, S, N, H]
         return jnp.einsum("BSNH,NHD->BSD", o, _gathered(self.wo[...], dt, mesh))
 
 
@@ -152,7 +154,7 @@ def _tiled_mlp(x, weights, mesh: Mesh, chunk: int):
     in the backward pass, so the [B, S/P, F] intermediates never exist whole: only one
     [B, C, F] chunk at a time.
     """
-    act = _token_spec(mesh, None)
+    act = act_spec(mesh, 1)
 
     def body(x, w_gate, w_up, w_down):
         b, s, d = x.shape                                                  # x: [B/D, S/P, D]
@@ -166,9 +168,10 @@ def _tiled_mlp(x, weights, mesh: Mesh, chunk: int):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
+                 layout: str = "natural"):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, mesh, rngs=rngs)
+        self.attn = Attention(cfg, mesh, rngs=rngs, layout=layout)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg, mesh, rngs=rngs)
         self.mesh = mesh
@@ -176,18 +179,24 @@ class Block(nnx.Module):
     def __call__(self, x, positions, segment_ids):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         x = x + self.mlp(self.mlp_norm(x))
-        return x if self.mesh is None else shard(x, self.mesh, ACT_BSD)
+        return x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))
 
 
 class Decoder(nnx.Module):
-    """Decoder-only LM. ``model(tokens)`` -> fp32 logits [B, S, V]."""
+    """Decoder-only LM. ``model(tokens)`` -> fp32 logits [B, S, V].
 
-    def __init__(self, cfg: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+    ``layout`` matters only on a mesh with a ring axis: "natural" (tokens in order; attention
+    reorders internally) or "zigzag" (the batch is already in ``ring.zigzag_permutation``
+    order, as the training data loader produces it, with true positions).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, layout: str = "natural"):
         self.cfg, self.mesh = cfg, mesh
         self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.vocab_size, cfg.d_model)))                          # [V, D]
         keys = jax.random.split(rngs.params(), cfg.n_layers)
-        self.layers = nnx.vmap(lambda key: Block(cfg, mesh, rngs=nnx.Rngs(key)))(keys)  # [L, ...]
+        self.layers = nnx.vmap(
+            lambda key: Block(cfg, mesh, rngs=nnx.Rngs(key), layout=layout))(keys)   # [L, ...]
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
@@ -212,7 +221,7 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)  # [B, S, D]
-        x = shard(x, self.mesh, ACT_BSD)
+        x = shard(x, self.mesh, act_spec(self.mesh, 1))
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x, state):

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import Config, OptimizerConfig
 from .loss import chunked_cross_entropy
-from .mesh import DATA, SEQ
+from .mesh import act_spec, axis_size, RING
 from .model import Decoder
 
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
@@ -60,12 +60,15 @@ def param_spec(shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
     if not axes:
         return P()
     spec = [None] * len(shape)
-    spec[axes[0]] = (DATA, SEQ)
+    spec[axes[0]] = tuple(mesh.axis_names)
     return P(*spec)
 
 
 def build_model(cfg: Config, mesh: Mesh, seed: int | None = None) -> Decoder:
-    return Decoder(cfg.model, mesh=mesh, rngs=nnx.Rngs(cfg.seed if seed is None else seed))
+    """The training model: on a ring mesh it expects batches in zigzag order (the loader's)."""
+    layout = "zigzag" if axis_size(mesh, RING) > 1 else "natural"
+    return Decoder(cfg.model, mesh=mesh, rngs=nnx.Rngs(cfg.seed if seed is None else seed),
+                   layout=layout)
 
 
 def state_layout(cfg: Config, mesh: Mesh):
@@ -111,14 +114,17 @@ def init_state(cfg: Config, mesh: Mesh, params: dict | None = None):
 
 
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
-    return {k: NamedSharding(mesh, P(DATA, SEQ)) for k in BATCH_KEYS}
+    return {k: NamedSharding(mesh, act_spec(mesh)) for k in BATCH_KEYS}
 
 
 def loss_fn(graphdef, params, batch, mesh: Mesh):
-    """Mean next-token loss of ``batch`` (dict of [B, S] arrays) and its token count."""
+    """Mean next-token loss of ``batch`` (dict of [B, S] arrays) and its token count.
+
+    The output projection enters the loss in the compute dtype: with bf16 compute the
+    replicated copy each device holds of the [D, V] head is half the size."""
     model = nnx.merge(graphdef, params)
     hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
-    return chunked_cross_entropy(hidden, model.head_weight(), batch["targets"],
+    return chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype), batch["targets"],
                                  batch["loss_mask"], mesh=mesh, chunk=model.cfg.loss_chunk)
 
 

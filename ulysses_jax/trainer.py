@@ -17,13 +17,13 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from . import data as data_lib
 from .checkpoint import Checkpointer
 from .config import Config, ConfigError, to_dict, to_yaml, validate
 from .hlo import collective_counts
-from .mesh import make_mesh
+from .mesh import act_spec, make_mesh
 from .train_step import (BATCH_KEYS, init_state, make_eval_step, make_train_step,
                          param_count, state_layout)
 
@@ -80,11 +80,20 @@ def resolve_init_from(cfg: Config) -> Config:
 def build_mesh(cfg: Config):
     devices = jax.devices()
     validate(cfg, num_devices=len(devices))
-    return make_mesh(seq=cfg.mesh.seq, data=cfg.mesh.data, devices=devices)
+    return make_mesh(seq=cfg.mesh.seq, data=cfg.mesh.data, ring=cfg.mesh.ring, devices=devices)
+
+
+def token_order(cfg: Config) -> np.ndarray | None:
+    """The order batches are loaded in: zigzag on a ring mesh (balanced causal work), else
+    natural (None). The loss is a sum over tokens, so the order does not change it."""
+    if cfg.mesh.ring == 1:
+        return None
+    from .ring import zigzag_permutation
+    return zigzag_permutation(cfg.seq_len, cfg.mesh.ring)
 
 
 def _abstract_batch(cfg: Config, mesh):
-    sharding = NamedSharding(mesh, P("data", "seq"))
+    sharding = NamedSharding(mesh, act_spec(mesh))
     shape = (cfg.batch_size, cfg.seq_len)
     return {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
                                     sharding=sharding) for k in BATCH_KEYS}
@@ -116,7 +125,7 @@ def dry_run(cfg: Config) -> dict:
         "argument_bytes": int(mem.argument_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
         "params": param_count(abstract["params"]),
-        "mesh": {"data": cfg.mesh.data, "seq": cfg.mesh.seq},
+        "mesh": {"data": cfg.mesh.data, "ring": cfg.mesh.ring, "seq": cfg.mesh.seq},
         "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
         "compile_seconds": round(time.time() - t0, 2),
     }
@@ -137,7 +146,7 @@ def _evaluate(eval_step, params, held_rows, cfg: Config, mesh) -> float | None:
         return None
     total, count = 0.0, 0.0
     for batch in data_lib.eval_batches(held_rows, cfg.batch_size, cfg.eval_batches):
-        loss, n = eval_step(params, data_lib.shard_batch(batch, mesh))
+        loss, n = eval_step(params, data_lib.shard_batch(batch, mesh, order=token_order(cfg)))
         total += _scalar(loss) * _scalar(n)
         count += _scalar(n)
     return total / count if count else None
@@ -187,7 +196,8 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     batches = data_lib.BatchIterator(train_rows, cfg.batch_size, cfg.seed)
     _log(f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"
          f"{'' if held_rows is None else f', {held_rows.num_rows} held-out rows'}; "
-         f"mesh data={cfg.mesh.data} x seq={cfg.mesh.seq} on {jax.device_count()} "
+         f"mesh data={cfg.mesh.data} x ring={cfg.mesh.ring} x seq={cfg.mesh.seq} on "
+         f"{jax.device_count()} "
          f"{jax.devices()[0].platform} devices")
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints,
@@ -209,6 +219,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     flops = _step_flops(step_fn, state, batches, mesh)
     peak = peak_flops(jax.devices()[0])
     tokens_per_step = cfg.batch_size * cfg.seq_len
+    order = token_order(cfg)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
 
@@ -221,7 +232,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         with _Preemption() as preempt:
             last_time, last_step = time.time(), start
             for step in range(start + 1, cfg.steps + 1):
-                state, metrics = step_fn(state, batches.next_global(mesh))
+                state, metrics = step_fn(state, batches.next_global(mesh, order))
                 loss = _scalar(metrics["loss"])  # also waits for the step: honest timings
                 if not math.isfinite(loss):
                     raise TrainingDiverged(
@@ -284,7 +295,7 @@ def _step_flops(step_fn, state, batches, mesh) -> float | None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                sharding=x.sharding), state)
         cfg_shape = (batches.batch_size, batches.rows.seq_len)
-        sharding = NamedSharding(mesh, P("data", "seq"))
+        sharding = NamedSharding(mesh, act_spec(mesh))
         batch = {k: jax.ShapeDtypeStruct(cfg_shape, np.float32 if k == "loss_mask" else np.int32,
                                          sharding=sharding) for k in BATCH_KEYS}
         cost = step_fn.lower(abstract, batch).cost_analysis()
