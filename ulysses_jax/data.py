@@ -430,8 +430,9 @@ def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
                          f"{axis_size(mesh, DATA)}")
     n_seq = axis_size(mesh, SEQ) * axis_size(mesh, RING)
     if S % n_seq:
-        raise ValueError(f"sequence length {S} is not divisible by the {n_seq} devices each "
-                         f"sequence is split over")
+        what = (f"the seq axis size {n_seq}" if axis_size(mesh, RING) == 1 else
+                f"ring x seq = {axis_size(mesh, RING)} x {axis_size(mesh, SEQ)} = {n_seq}")
+        raise ValueError(f"sequence length {S} is not divisible by {what}")
     sharding = NamedSharding(mesh, act_spec(mesh))
     blocks: dict[tuple[int, int], Batch] = {}
 

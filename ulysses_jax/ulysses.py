@@ -125,7 +125,7 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=N
       mesh: a mesh with a "seq" axis (and usually "data"), see ``make_mesh``.
       causal: causal masking over global positions.
       segment_ids: optional [B, S] ints; tokens attend only within their own segment.
-      impl: local kernel, "auto", "xla" or "cudnn" (see ``kernels.resolve_impl``).
+      impl: local kernel, "auto", "xla", "cudnn" or "chunked" (see ``kernels.resolve_impl``).
 
     Returns:
       [B, S, N, H], sharded P("data", "seq").
