@@ -168,7 +168,7 @@ def formula_bytes(b, s, hq, hkv, d, u, r, itemsize, segments: bool) -> dict:
     cp_fwd = (r - 1) * (2 * blk + seg_msg)
     cp_bwd = (r - 1) * (2 * blk + 2 * blk32 + seg_msg) + 2 * blk32 if r > 1 else 0
     gather = b * t * 4 if segments and u > 1 else 0
-    return {"hkv_effective": hkv_eff,
+    return {"hkv_effective": hkv_eff, "kv_step": 2 * blk + seg_msg,
             "fwd": {"all-to-all": a2a, "collective-permute": cp_fwd, "all-gather": gather},
             "fwd_bwd": {"all-to-all": 2 * a2a, "collective-permute": cp_fwd + cp_bwd,
                         "all-gather": gather}}
@@ -222,12 +222,29 @@ def hlo_bytes(b, s, hq, hkv, d, u, r, dtype, segments: bool) -> dict:
                      "formula_bytes": {op: n for op, n in want[part].items() if n},
                      "loops": [lp for lp in ex["loops"] if lp["collective_permutes_in_body"]],
                      "in_conditional": ex["in_conditional"]}
-        row[part]["match"] = row[part]["executed_bytes"] == row[part]["formula_bytes"]
+        row[part]["status"] = _status(row[part], want, part, r)
         # What reaches another device: all-to-all and all-gather keep a 1/U slice at home.
         keep = (u - 1) / u
         row[part]["link_bytes"] = int(sum(n * (keep if op in ("all-to-all", "all-gather") else 1)
                                           for op, n in ex["bytes"].items()))
     return row
+
+
+def _status(m: dict, want: dict, part: str, r: int) -> str:
+    """"match", "cse" (a known, explained difference) or "MISMATCH".
+
+    With R == 2 there is no loop: the backward's one K/V (and segment-id) permute is the same
+    op on the same operands as the forward's, and XLA's CSE merges the two. With R > 2 they sit
+    in different while loops and both run.
+    """
+    got, formula = m["executed_bytes"], m["formula_bytes"]
+    if got == formula:
+        return "match"
+    merged = dict(formula, **{"collective-permute":
+                              formula.get("collective-permute", 0) - want["kv_step"]})
+    if part == "fwd_bwd" and r == 2 and got == merged:
+        return "cse"
+    return "MISMATCH"
 
 
 def attention_temp(s, hq, hkv, d, u, r) -> dict:
@@ -275,19 +292,26 @@ def memory_table(lengths) -> tuple[list[dict], dict]:
 
 
 def quadratic_fits(rows) -> dict:
-    """Least squares peak = a + b*S + c*S^2 per mesh, and the S^2 share at the longest S."""
+    """Least squares peak = a + b*S + c*S^2 per mesh, and the S^2 share at the longest S.
+
+    Needs at least 4 lengths (3 coefficients and one degree of freedom to show the residual);
+    returns {} with fewer.
+    """
     fits = {}
     for key in sorted({(x["u"], x["r"]) for x in rows}):
         pts = [x for x in rows if (x["u"], x["r"]) == key]
+        if len(pts) < 4:
+            return {}
         s = np.array([x["seq_len"] for x in pts], float)
         y = np.array([x["peak_bytes"] for x in pts], float)
-        coef, *_ = np.linalg.lstsq(np.stack([np.ones_like(s), s, s * s], 1), y, rcond=None)
         top = s.max()
+        design = np.stack([np.ones_like(s), s / top, (s / top) ** 2], 1)   # scaled: well posed
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
         fits[f"{key[0]}x{key[1]}"] = {
-            "const_bytes": coef[0], "bytes_per_token": coef[1], "bytes_per_token2": coef[2],
-            "quadratic_share_at_max": float(coef[2] * top * top / y[s == top][0]),
-            "max_abs_residual_bytes": float(np.max(np.abs(
-                np.stack([np.ones_like(s), s, s * s], 1) @ coef - y)))}
+            "const_bytes": float(coef[0]), "bytes_per_token": float(coef[1] / top),
+            "bytes_per_token_squared": float(coef[2] / top ** 2),
+            "quadratic_share_at_max": float(coef[2] / y[s == top][0]),
+            "max_abs_residual_bytes": float(np.max(np.abs(design @ coef - y)))}
     return fits
 
 
@@ -301,14 +325,14 @@ def _fmt(d: dict) -> str:
 
 def print_bytes(rows) -> None:
     print(f"{'case':<8}{'UxR':>5} {'part':<8} {'HLO text (once)':<32} {'executed (x trips)':<32} "
-          f"{'formula':<32} ok   link bytes")
+          f"{'formula':<32} {'status':<8} link bytes")
     for x in rows:
         case = ("MHA" if x["hq"] == x["hkv"] else "GQA") + ("+seg" if x["segments"] else "")
         for part in ("fwd", "fwd_bwd"):
             m = x[part]
             print(f"{case:<8}{x['u']}x{x['r']:<3} {part:<8} {_fmt(m['static_bytes']):<32} "
                   f"{_fmt(m['executed_bytes']):<32} {_fmt(m['formula_bytes']):<32} "
-                  f"{'yes' if m['match'] else 'NO':<4} {m['link_bytes']}")
+                  f"{m['status']:<8} {m['link_bytes']}")
             for lp in m["loops"]:
                 print(f"{'':<14}while loop, known_trip_count {lp['trip_count']} "
                       f"(code: R-1 = {x['r'] - 1}), {lp['collective_permutes_in_body']} "
@@ -375,13 +399,14 @@ def main(argv=None) -> int:
     print(f"{'seq_len':>8}" + "".join(f"{f'{u}x{r} (P={u * r})':>14}" for u, r in keys))
     for L in lengths:
         print(f"{L:>8}" + "".join(f"{peak[u, r, L] / MIB:>14.1f}" for u, r in keys))
-    print("fit peak = a + b*S + c*S^2 (MiB, KiB/token, share of c*S^2 at the longest S):")
+    print("fit peak = a + b*S + c*S^2 (a MiB, b KiB/token, share of c*S^2 in the peak at the "
+          f"longest S){'' if fits else ': skipped, needs 4 or more lengths'}")
     for k, f in fits.items():
         print(f"  {k}: a {f['const_bytes'] / MIB:8.2f}  b {f['bytes_per_token'] / 1024:7.2f}  "
               f"c*S^2 share {f['quadratic_share_at_max']:.0%}  (max residual "
               f"{f['max_abs_residual_bytes'] / MIB:.2f} MiB)")
 
-    ok = all(x[p]["match"] for x in byte_rows for p in ("fwd", "fwd_bwd"))
+    ok = all(x[p]["status"] != "MISMATCH" for x in byte_rows for p in ("fwd", "fwd_bwd"))
     wall = round(time.time() - t_start, 1)
     result = {"meta": {"command": command_line(argv),
                        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "jax": jax.__version__,
@@ -391,13 +416,13 @@ def main(argv=None) -> int:
               "bytes_shape": {"batch": b, "seq_len": s, "heads": hq, "kv_heads": args.kv_heads,
                               "gqa_kv_heads": args.gqa_kv_heads, "head_dim": d,
                               "dtype": "float32", "causal": True, "layout": "zigzag"},
-              "bytes": byte_rows, "all_formulas_match": ok, "attention_temp": temp_rows,
+              "bytes": byte_rows, "all_explained": ok, "attention_temp": temp_rows,
               "memory": {"preset": "configs/tiny.yaml", "overrides": list(MEMORY_OVERRIDES),
                          "rows": mem_rows, "config_errors": errors, "fits": fits}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\nall executed bytes match the formulas: {ok}; wall {wall} s; wrote {args.out}")
+    print(f"\nexecuted bytes = formula everywhere, or differ only by the R=2 CSE: {ok}; wall {wall} s; wrote {args.out}")
     return 0 if ok else 1
 
 

@@ -286,3 +286,14 @@ def test_ring_mesh_model_matches_one_device():
     loss, grads = _loss_and_grads(g, s, zigzag, mesh)
     _rel_close(loss, loss1, 1e-5)
     _rel_close(grads, grads1, 1e-4)
+
+
+def test_ulysses_head_chunks_do_not_change_numbers():
+    batch = _batch(15)
+    over = {"model.n_kv_heads": 4}
+    _, mesh, g, s, _, _ = _setup(2, 1, **over)
+    _, _, gc, sc, _, _ = _setup(2, 1, **over, **{"ulysses.chunks": 2})
+    l0, g0 = _loss_and_grads(g, s, batch, mesh)
+    l1, g1 = _loss_and_grads(gc, sc, batch, mesh)
+    _rel_close(l1, l0, 1e-5)
+    _rel_close(g1, g0, 1e-5)

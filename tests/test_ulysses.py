@@ -244,3 +244,27 @@ def test_cudnn_bf16_matches_reference(p, kh, segments):
     ref = reference_attention(q, k, v, causal=True, segment_ids=seg)
     chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32),
                                 atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("p,n,kh,chunks", [(4, 16, 8, 2), (2, 8, 8, 4), (2, 8, 4, 2)])
+def test_head_chunks_same_results_more_smaller_exchanges(p, n, kh, chunks):
+    """head_chunks=C: same outputs and gradients as the reference; 2C all-to-alls forward."""
+    mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+    q, k, v, seg, ct = _inputs(40 + chunks, b=2, s=8 * p, n=n, kh=kh, h=8, segments=True)
+    tol = tolerance(q.dtype)
+    fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=seg,
+                                           head_chunks=chunks)
+    out, vjp = jax.vjp(jax.jit(fn), q, k, v)
+    ref, ref_vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, segment_ids=seg), q, k, v)
+    chex.assert_trees_all_close(out, ref, atol=tol, rtol=tol)
+    chex.assert_trees_all_close(vjp(ct), ref_vjp(ct), atol=tol, rtol=tol)
+    counts = collective_counts(jax.jit(fn).lower(q, k, v).compile().as_text())
+    assert counts["all-to-all"] == 2 * chunks, counts
+
+
+def test_head_chunks_must_divide_local_kv_heads():
+    mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
+    q, k, v, _, _ = _inputs(0, 1, 16, 8, 2, 8)
+    with pytest.raises(ValueError, match="head_chunks 2 must be a positive divisor of the kv "
+                                         "heads per device, 1"):
+        ulysses_attention(q, k, v, mesh=mesh, head_chunks=2)

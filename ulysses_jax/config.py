@@ -31,6 +31,13 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class UlyssesConfig:
+    # Split each device's heads into this many groups, each exchanged and attended on its own,
+    # so the all-to-all of one group can overlap the attention of another (GPU).
+    chunks: int = 1
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 257
     d_model: int = 128
@@ -86,6 +93,7 @@ class Config:
     init_from: Optional[str] = None     # Hugging Face checkpoint dir
     gpu_overlap: bool = True        # GPU: XLA latency-hiding scheduler (see train.py)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    ulysses: UlyssesConfig = field(default_factory=UlyssesConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -127,6 +135,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     errors = []
     positive = {"steps": cfg.steps, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
                 "log_every": cfg.log_every, "mesh.data": mesh.data, "mesh.seq": mesh.seq, "mesh.ring": mesh.ring,
+                "ulysses.chunks": cfg.ulysses.chunks,
                 "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
                 "model.n_kv_heads": m.n_kv_heads, "model.head_dim": m.head_dim,
                 "model.d_model": m.d_model, "model.ffn_dim": m.ffn_dim,
@@ -159,6 +168,15 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.n_kv_heads % mesh.seq and mesh.seq % m.n_kv_heads:
         errors.append(f"model.n_kv_heads {m.n_kv_heads} and mesh.seq {mesh.seq}: kv heads must "
                       f"be a multiple of mesh.seq or divide it")
+    chunks = cfg.ulysses.chunks
+    if chunks > 1:
+        kv_local = max(m.n_kv_heads, mesh.seq) // mesh.seq
+        if mesh.ring > 1:
+            errors.append(f"ulysses.chunks {chunks} > 1 is not supported with mesh.ring "
+                          f"{mesh.ring} > 1")
+        elif mesh.seq > 1 and kv_local % chunks:
+            errors.append(f"ulysses.chunks {chunks} must divide the kv heads per device, "
+                          f"{kv_local} (model.n_kv_heads {m.n_kv_heads}, mesh.seq {mesh.seq})")
     need = mesh.data * mesh.ring * mesh.seq
     if num_devices is not None and need > num_devices:
         ring = f" x mesh.ring {mesh.ring}" if mesh.ring > 1 else ""

@@ -39,12 +39,13 @@ _REMAT_POLICIES = {
 }
 
 
-def _attend(q, k, v, mesh, segment_ids, impl, layout):
+def _attend(q, k, v, mesh, segment_ids, impl, layout, head_chunks):
     """Ulysses attention, or hybrid Ulysses x Ring on a mesh with a ring axis."""
     if axis_size(mesh, RING) > 1:
         return hybrid_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
                                 impl=impl, layout=layout)
-    return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids, impl=impl)
+    return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids, impl=impl,
+                             head_chunks=head_chunks)
 
 
 def _gathered(w: jax.Array, dtype, mesh: Mesh | None) -> jax.Array:
@@ -90,7 +91,7 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
-                 layout: str = "natural"):
+                 layout: str = "natural", head_chunks: int = 1):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
@@ -104,7 +105,7 @@ class Attention(nnx.Module):
         self.bv = zeros(k, h) if cfg.qkv_bias else None
         self.q_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
-        self.cfg, self.mesh, self.layout = cfg, mesh, layout
+        self.cfg, self.mesh, self.layout, self.head_chunks = cfg, mesh, layout, head_chunks
 
     def __call__(self, x, positions, segment_ids):
         dt, mesh, cfg = x.dtype, self.mesh, self.cfg
@@ -119,7 +120,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope(q, positions, cfg.rope_theta)                                       # [B, S, N, H]
         k = rope(k, positions, cfg.rope_theta)                                       # [B, S, K, H]
-        o = _attend(q, k, v, mesh, segment_ids, cfg.attn_impl, self.layout)          # [B, S, N, H]
+        o = _attend(q, k, v, mesh, segment_ids, cfg.attn_impl, self.layout,
+                    self.head_chunks)                                                # [B, S, N, H]
         return jnp.einsum("BSNH,NHD->BSD", o, _gathered(self.wo[...], dt, mesh))
 
 
@@ -169,9 +171,9 @@ def _tiled_mlp(x, weights, mesh: Mesh, chunk: int):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
-                 layout: str = "natural"):
+                 layout: str = "natural", head_chunks: int = 1):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, mesh, rngs=rngs, layout=layout)
+        self.attn = Attention(cfg, mesh, rngs=rngs, layout=layout, head_chunks=head_chunks)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg, mesh, rngs=rngs)
         self.mesh = mesh
@@ -187,16 +189,19 @@ class Decoder(nnx.Module):
 
     ``layout`` matters only on a mesh with a ring axis: "natural" (tokens in order; attention
     reorders internally) or "zigzag" (the batch is already in ``ring.zigzag_permutation``
-    order, as the training data loader produces it, with true positions).
+    order, as the training data loader produces it, with true positions). ``head_chunks``:
+    see ``ulysses_attention``.
     """
 
-    def __init__(self, cfg: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, layout: str = "natural"):
+    def __init__(self, cfg: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, layout: str = "natural",
+                 head_chunks: int = 1):
         self.cfg, self.mesh = cfg, mesh
         self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.vocab_size, cfg.d_model)))                          # [V, D]
         keys = jax.random.split(rngs.params(), cfg.n_layers)
         self.layers = nnx.vmap(
-            lambda key: Block(cfg, mesh, rngs=nnx.Rngs(key), layout=layout))(keys)   # [L, ...]
+            lambda key: Block(cfg, mesh, rngs=nnx.Rngs(key), layout=layout,
+                              head_chunks=head_chunks))(keys)                        # [L, ...]
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.d_model, cfg.vocab_size)))

@@ -68,7 +68,7 @@ def build_model(cfg: Config, mesh: Mesh, seed: int | None = None) -> Decoder:
     """The training model: on a ring mesh it expects batches in zigzag order (the loader's)."""
     layout = "zigzag" if axis_size(mesh, RING) > 1 else "natural"
     return Decoder(cfg.model, mesh=mesh, rngs=nnx.Rngs(cfg.seed if seed is None else seed),
-                   layout=layout)
+                   layout=layout, head_chunks=cfg.ulysses.chunks)
 
 
 def state_layout(cfg: Config, mesh: Mesh):

@@ -107,6 +107,15 @@ def _pack_qkv(q, k, v, p: int):
     return jnp.concatenate(parts, axis=3).reshape(b, s, n + 2 * kh, h)
 
 
+def _head_group(x, p: int, chunks: int, c: int):
+    """Group c of C of every destination block: [B, s, heads, H] -> [B, s, heads/C, H].
+
+    Heads stay destination-major (P blocks), so the group packs and exchanges like a whole
+    tensor, and query head j of a group still reads kv head j // G of the same group."""
+    b, s, n, h = x.shape
+    return x.reshape(b, s, p, chunks, n // (p * chunks), h)[:, :, :, c].reshape(b, s, n // chunks, h)
+
+
 def _unpack_qkv(qkv, n_local: int, k_local: int):
     """[B, S, N/P + 2K/P, H] -> q [B, S, N/P, H], k and v [B, S, K/P, H]."""
     return (qkv[:, :, :n_local], qkv[:, :, n_local:n_local + k_local],
@@ -116,7 +125,7 @@ def _unpack_qkv(qkv, n_local: int, k_local: int):
 # ----------------------------------------------------------------------------- public API
 
 def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
-                      impl: str = "auto"):
+                      impl: str = "auto", head_chunks: int = 1):
     """Sequence-parallel attention over the mesh's "seq" axis (DeepSpeed-Ulysses).
 
     Args:
@@ -126,6 +135,9 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=N
       causal: causal masking over global positions.
       segment_ids: optional [B, S] ints; tokens attend only within their own segment.
       impl: local kernel, "auto", "xla", "cudnn" or "chunked" (see ``kernels.resolve_impl``).
+      head_chunks: C > 1 splits each device's heads into C groups, each exchanged and attended
+        on its own (2C all-to-alls of 1/C the size), so XLA can overlap the exchange of one
+        group with the attention of another. C must divide the kv heads per device.
 
     Returns:
       [B, S, N, H], sharded P("data", "seq").
@@ -135,6 +147,9 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=N
     P("data", ("ring", "seq")) in natural token order, heads need only divide by the seq size.
     """
     if axis_size(mesh, RING) > 1:
+        if head_chunks != 1:
+            raise ValueError(f"head_chunks {head_chunks} > 1 is not supported with a ring axis "
+                             f"(ring axis size {axis_size(mesh, RING)})")
         from .ring import hybrid_attention  # ring.py builds on this module's exchange
         return hybrid_attention(q, k, v, mesh=mesh, causal=causal, segment_ids=segment_ids,
                                 impl=impl, layout="natural")
@@ -144,6 +159,18 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=N
     batch_axis = DATA if DATA in mesh.axis_names else None
     spec = P(batch_axis, SEQ)
     n_local, k_local = q.shape[2] // p, k.shape[2] * reps // p
+    chunks = head_chunks if p > 1 else 1
+    if not isinstance(head_chunks, int) or head_chunks < 1 or k_local % chunks:
+        raise ValueError(f"head_chunks {head_chunks} must be a positive divisor of the kv heads "
+                         f"per device, {k_local} (kv heads {k.shape[2]} x {reps} copies / seq "
+                         f"axis size {p})")
+
+    def exchange_and_attend(q, k, v, seg):
+        # q: [B, S/P, N', H]; k, v: [B, S/P, K', H], heads destination-major
+        qkv = seq_to_heads(_pack_qkv(q, k, v, p))                        # [B, S, (N'+2K')/P, H]
+        q, k, v = _unpack_qkv(qkv, q.shape[2] // p, k.shape[2] // p)    # q: [B, S, N'/P, H]
+        out = kernels.local_attention(q, k, v, causal=causal, segment_ids=seg, impl=kernel)
+        return heads_to_seq(out)                                         # [B, S/P, N', H]
 
     def body(q, k, v, *seg):
         # q: [B/D, S/P, N, H]; k, v: [B/D, S/P, K, H]; seg: [B/D, S/P]
@@ -151,13 +178,17 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=N
         if reps > 1:
             k = jnp.repeat(k, reps, axis=2)                              # [B, S/P, K*reps, H]
             v = jnp.repeat(v, reps, axis=2)
-        if p > 1:
-            qkv = seq_to_heads(_pack_qkv(q, k, v, p))                    # [B, S, (N+2K)/P, H]
-            q, k, v = _unpack_qkv(qkv, n_local, k_local)                 # q: [B, S, N/P, H]
-            if seg is not None:
-                seg = jax.lax.all_gather(seg, SEQ, axis=1, tiled=True)  # [B, S]
-        out = kernels.local_attention(q, k, v, causal=causal, segment_ids=seg, impl=kernel)
-        return heads_to_seq(out) if p > 1 else out                       # [B, S/P, N, H]
+        if p == 1:
+            return kernels.local_attention(q, k, v, causal=causal, segment_ids=seg, impl=kernel)
+        if seg is not None:
+            seg = jax.lax.all_gather(seg, SEQ, axis=1, tiled=True)      # [B, S]
+        if chunks == 1:
+            return exchange_and_attend(q, k, v, seg)                     # [B, S/P, N, H]
+        outs = [exchange_and_attend(*(_head_group(x, p, chunks, c) for x in (q, k, v)), seg)
+                for c in range(chunks)]                                  # C x [B, S/P, N/C, H]
+        b, s, _, h = outs[0].shape
+        grouped = jnp.stack([o.reshape(b, s, p, n_local // chunks, h) for o in outs], axis=3)
+        return grouped.reshape(b, s, p * n_local, h)                     # [B, S/P, N, H]
 
     args = [shard(x, mesh, spec) for x in (q, k, v)]
     if segment_ids is not None:
