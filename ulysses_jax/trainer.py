@@ -208,6 +208,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         state, extra = ckpt.restore(abstract)
         batches.set_state(extra["data"])
         _log(f"resumed from step {start} ({ckpt.directory})")
+        if start >= cfg.steps:
+            _log(f"this run already reached step {start} (steps={cfg.steps}); pass a larger "
+                 f"steps=N to train further")
     else:
         params = _initial_params(cfg, mesh)
         graphdef, state, shardings, tx = init_state(cfg, mesh, params)
