@@ -232,6 +232,10 @@ def _ring_forward(q, k, v, seg, g: _Ring):
 
     def step(t, acc, kv):
         o, lse, count = list(acc[0]), list(acc[1]), acc[2]
+        # Tie this step's layer-invariant inputs (segment ids, ring position) to the K/V it
+        # received: otherwise JAX's scan partial evaluation splits their part out of the layer
+        # loop and stacks the masks of every ring step, O(S^2/R) memory. An identity.
+        kv, seg_q_t, t = lax.optimization_barrier((kv, seg_q, t))
         ks, vs = g.split(kv[0]), g.split(kv[1])
         seg_k = g.split(kv[2]) if seg is not None else [None] * g.nc
         src = (rank - t) % g.r
@@ -241,8 +245,8 @@ def _ring_forward(q, k, v, seg, g: _Ring):
 
                 def pair(st, a=a, j=j, cq=cq, ck=ck):
                     o_a, lse_a, n_done = st
-                    o_a, lse_a = _merge_block(g, qs[a], ks[j], vs[j], seg_q[a], seg_k[j], cq, ck,
-                                              o_a, lse_a)
+                    o_a, lse_a = _merge_block(g, qs[a], ks[j], vs[j], seg_q_t[a], seg_k[j], cq,
+                                              ck, o_a, lse_a)
                     return o_a, lse_a, n_done + 1
 
                 o[a], lse[a], count = _visit(g, cq, ck, pair, (o[a], lse[a], count))
