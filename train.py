@@ -52,6 +52,9 @@ def _launched_by_scheduler() -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.coordinator and (args.num_processes is None or args.process_id is None):
+        print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
+        return 2
     from ulysses_jax.config import ConfigError, load_config
     try:
         cfg = load_config(args.config, args.overrides)

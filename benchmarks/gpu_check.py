@@ -1,6 +1,6 @@
 """Every GPU check of the open issues in one run, for a session that is lent a GPU.
 
-    python benchmarks/gpu_check.py --out $OUT [--smoke] [--budget-s 480]
+    python benchmarks/gpu_check.py --out $OUT [--smoke] [--only attention_bf16,throughput,...]
 
 Sections, each timed and written as soon as it finishes (so a timeout keeps what ran):
   1. attention_bf16: cudnn and chunked kernels against the dense reference in bf16 (P=1, and
@@ -60,7 +60,7 @@ def _attention_bf16(smoke: bool) -> dict:
             for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
                 a, b = a.astype(jnp.float32), b.astype(jnp.float32)
                 errs[name] = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-            out[f"{impl}_p{p}"] = {"rel_err": errs, "pass": all(e <= 2e-2 for e in errs.values())}
+            out[f"{impl}_p{p}"] = {"rel_err": errs, "pass": all(e <= 1e-2 for e in errs.values())}
     return out
 
 
@@ -160,7 +160,7 @@ def _longest_8b(smoke: bool) -> dict:
     cfg = load_config("configs/llama3-8b-128k.yaml", over + ["seq_len=1024"])
     # Coarse steps keep this to about ten compiles of the 32-layer step.
     best = longest_fitting_seq_len(cfg, budget, granularity=1024 if smoke else 16384,
-                                   progress=print)
+                                   max_seq_len=1 << 18, progress=print)
     return {"budget_bytes": budget, "longest_seq_len": best, "overrides": over}
 
 

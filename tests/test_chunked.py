@@ -130,6 +130,8 @@ def test_resolve_auto_and_errors():
     assert resolve_impl("auto", jnp.bfloat16, 64, backend="cpu") == "chunked"
     assert resolve_impl("auto", jnp.float32, 64, backend="gpu") == "chunked"
     assert resolve_impl("auto", jnp.bfloat16, 64, backend="gpu") == "cudnn"
+    assert resolve_impl("auto", jnp.bfloat16, 64, backend="gpu", segments=True) == "chunked"
+    assert resolve_impl("cudnn", jnp.bfloat16, 64, backend="gpu", segments=True) == "cudnn"
     assert resolve_impl("chunked", jnp.float32, 64, backend="cpu") == "chunked"
     q, k, v, _, _ = _inputs(4, 1, 8, 12, 4, 2, 8)
     with pytest.raises(ValueError, match="T == S, got T 8, S 12"):

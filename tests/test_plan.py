@@ -5,6 +5,7 @@ measurement (``dry_run``'s peak, keyed by the config actually compiled) between 
 checks and the planner, and caps the search so it needs three compiles in all.
 """
 import dataclasses
+import os
 
 import pytest
 
@@ -12,6 +13,8 @@ from conftest import need_devices
 from ulysses_jax import plan
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.trainer import dry_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SMALL = ["batch_size=1", "mesh.data=1", "mesh.seq=2", "model.n_layers=1", "model.d_model=32",
          "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8", "model.ffn_dim=64",
@@ -31,7 +34,7 @@ def _memo_peak():
 
 def test_answer_fits_and_one_step_longer_does_not():
     need_devices(2)
-    cfg = load_config("configs/tiny.yaml", SMALL)
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL)
     g = 512
     peak, cache = _memo_peak()
     at = lambda n: dataclasses.replace(cfg, seq_len=n)
@@ -55,7 +58,7 @@ def test_answer_fits_and_one_step_longer_does_not():
 
 
 def test_bad_input_raises_and_cli_exits_cleanly(capsys):
-    cfg = load_config("configs/tiny.yaml", SMALL)
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL)
     never = lambda c: pytest.fail("no compile should happen for bad input")
     with pytest.raises(ValueError, match="memory budget must be positive"):
         plan.longest_fitting_seq_len(cfg, 0, measure=never)
@@ -72,7 +75,7 @@ def test_bad_input_raises_and_cli_exits_cleanly(capsys):
         (["--memory-gb", "1", "model.no_such_key=1"], "no_such_key"),
     ]
     for extra, message in cases:
-        code = plan.main(["--config", "configs/tiny.yaml", *extra])
+        code = plan.main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), *extra])
         err = capsys.readouterr().err
         assert code == 2, (extra, err)
         assert message in err and "Traceback" not in err, (extra, err)

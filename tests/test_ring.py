@@ -207,7 +207,7 @@ def test_compiled_collectives_ring(u, r, d, layout):
     fwd, bwd = _compiled(fn, q, k, v, seg)
     fc, bc = collective_counts(fwd), collective_counts(bwd)
     assert fc["all-to-all"] == (2 if u > 1 else 0), fc
-    assert bc["all-to-all"] <= (4 if u > 1 else 0), bc
+    assert (3 if u > 1 else 0) <= bc["all-to-all"] <= (4 if u > 1 else 0), bc
     assert fc["collective-permute"] >= 3 and bc["collective-permute"] >= 3, (fc, bc)  # k, v, seg
     assert "conditional" in fwd and "conditional" in bwd  # causal skip is a real branch
     # The only gather allowed is the small [B, S/R] int segment-id array (over seq, U > 1).

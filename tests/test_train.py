@@ -68,6 +68,7 @@ def test_big_presets_compile_reduced(name):
     (["batch_size=3", "mesh.data=2", "mesh.seq=4"], "batch_size 3 is not divisible by mesh.data 2"),
     (["mesh.seq=8", "mesh.data=2", "batch_size=4"], "16 devices, but only 8 are available"),
     (["model.dtype=float8"], "model.dtype must be one of float32, bfloat16"),
+    (["model.attn_impl=flash"], "model.attn_impl must be one of auto, xla, cudnn, chunked"),
     (["steps"], "override 'steps' is not of the form key=value"),
 ])
 def test_cli_rejects_bad_config(args, match, capsys):
@@ -245,3 +246,24 @@ def test_ring_train_step_memory_grows_linearly():
                                  over + [f"seq_len={s}"]))["peak_bytes_per_device"]
              for s in (4096, 8192)]
     assert peaks[1] < 2.25 * peaks[0], peaks
+
+
+def test_bad_data_settings_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="data.source"):
+        train(_cfg("steps=1", f"data.source={tmp_path}/missing/*.txt"), str(tmp_path / "a"),
+              progress=False)
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        train(_cfg("steps=1", f"data.tokenizer={tmp_path}/no_tokenizer.json"),
+              str(tmp_path / "b"), progress=False)
+
+
+def test_eval_runs_on_its_own_schedule_and_merges_into_records(tmp_path):
+    """eval_every need not be a multiple of log_every; every record keeps step/loss/tok/s."""
+    train(_cfg("steps=6", "log_every=4", "eval_every=3", "checkpoint_every=0"), str(tmp_path),
+          progress=False)
+    metrics = _metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [3, 4, 6]
+    assert [("eval_loss" in m) for m in metrics] == [True, False, True]
+    assert all("loss" in m and "tokens_per_sec" in m for m in metrics)
+    assert not os.path.exists(tmp_path / "checkpoints" / "3")  # checkpoint_every=0: final only
+    assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 6

@@ -174,7 +174,9 @@ def test_compiled_collectives(data, p, kh, segments):
         assert sum(bwd_counts.values()) == 0, bwd_counts
         return
     assert fwd_counts["all-to-all"] == 2, fwd_counts
-    assert bwd_counts["all-to-all"] <= 4, bwd_counts
+    # Forward and backward exchange each way; XLA may drop the forward output exchange when
+    # only gradients are returned, never more than 4.
+    assert 3 <= bwd_counts["all-to-all"] <= 4, bwd_counts
     # The only gather allowed is the small [B, S] int segment-id array.
     qkv_elems = (b // data) * (s // p) * n * h
     for text in (fwd_text, bwd_text):
@@ -243,7 +245,7 @@ def test_cudnn_bf16_matches_reference(p, kh, segments):
                                                      impl="cudnn"))(q, k, v)
     ref = reference_attention(q, k, v, causal=True, segment_ids=seg)
     chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32),
-                                atol=2e-2, rtol=2e-2)
+                                atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("p,n,kh,chunks", [(4, 16, 8, 2), (2, 8, 8, 4), (2, 8, 4, 2)])

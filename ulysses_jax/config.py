@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "offload")
+ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
 
 
@@ -145,6 +146,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.mlp_chunk < 0:
         errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
     for key, value, allowed in (("model.dtype", m.dtype, DTYPES), ("model.remat", m.remat, REMAT),
+                                ("model.attn_impl", m.attn_impl, ATTN_IMPLS),
                                 ("param_sharding", cfg.param_sharding, PARAM_SHARDING)):
         if value not in allowed:
             errors.append(f"{key} must be one of {', '.join(allowed)}, got {value!r}")

@@ -50,11 +50,14 @@ def reference_attention(q, k, v, causal: bool = True, segment_ids=None, scale: f
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def resolve_impl(impl: str, dtype, head_dim: int, backend: str | None = None) -> str:
+def resolve_impl(impl: str, dtype, head_dim: int, backend: str | None = None,
+                 segments: bool = False) -> str:
     """Turns ``impl`` ("auto", "xla", "cudnn", "chunked") into the kernel that will run.
 
     "auto" picks cuDNN flash attention on a GPU for bf16/fp16 with a head dim it supports
-    (multiple of 8, at most 128), and the memory-linear "chunked" kernel otherwise.
+    (multiple of 8, at most 128) and no segment ids, and the memory-linear "chunked" kernel
+    otherwise: jax's cuDNN path turns a segment mask into a dense [B, 1, S, S] bias, which
+    would undo the point of a long sequence. An explicit "cudnn" is honoured either way.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {', '.join(IMPLS)}")
@@ -70,7 +73,7 @@ def resolve_impl(impl: str, dtype, head_dim: int, backend: str | None = None) ->
                 f"of 8 and at most 128; got dtype {jnp.dtype(dtype).name}, head dim {head_dim}")
         return "cudnn"
     if impl == "auto":
-        return "cudnn" if cudnn_ok else "chunked"
+        return "cudnn" if cudnn_ok and not segments else "chunked"
     return impl
 
 

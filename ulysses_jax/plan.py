@@ -41,9 +41,10 @@ def peak_bytes(cfg: Config) -> int:
     return dry_run(cfg)["peak_bytes_per_device"]
 
 
-def search_unit(seq: int, granularity: int) -> int:
-    """Step of the search: the smallest length that is a multiple of both P and granularity."""
-    return math.lcm(seq, granularity)
+def search_unit(seq: int, granularity: int, ring: int = 1) -> int:
+    """Step of the search: the smallest length that is a multiple of the granularity and of
+    what the mesh needs (P, or 2 x ring x seq zigzag chunks on a ring mesh)."""
+    return math.lcm(seq if ring == 1 else 2 * ring * seq, granularity)
 
 
 def longest_fitting_seq_len(cfg: Config, memory_bytes: int, *, granularity: int = 1024,
@@ -76,7 +77,7 @@ def longest_fitting_seq_len(cfg: Config, memory_bytes: int, *, granularity: int 
     if granularity < 1:
         raise ValueError(f"granularity must be a positive integer, got {granularity}")
     p = cfg.mesh.seq
-    unit = search_unit(p, granularity)
+    unit = search_unit(p, granularity, cfg.mesh.ring)
     if max_seq_len < unit:
         raise ValueError(f"max_seq_len {max_seq_len} is below the search unit {unit} "
                          f"(lcm of granularity {granularity} and mesh.seq {p})")
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
         return 2
     # Enough fake CPU devices for the largest mesh; only the CPU platform reads the flag, and
     # only if JAX has not started yet (true when run as a module).
-    need = max(c.mesh.data * c.mesh.seq for c in per_p.values())
+    need = max(c.mesh.data * c.mesh.ring * c.mesh.seq for c in per_p.values())
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={max(8, need)}")

@@ -56,7 +56,7 @@ def peak_flops(device) -> float | None:
 
 def resolve_init_from(cfg: Config) -> Config:
     """With ``init_from``, the model's shape comes from the checkpoint's config.json (the
-    run's ``model.dtype``, ``remat``, ``attn_impl``, ``loss_chunk`` are kept) and its
+    run's ``model.dtype``, ``remat``, ``attn_impl``, ``loss_chunk``, ``mlp_chunk`` are kept) and its
     tokenizer.json is used unless ``data.tokenizer`` names another."""
     if not cfg.init_from:
         return cfg
@@ -65,7 +65,7 @@ def resolve_init_from(cfg: Config) -> Config:
     try:
         model = config_from_hf(read_config(cfg.init_from), dtype=m.dtype, max_seq_len=cfg.seq_len,
                                remat=m.remat, attn_impl=m.attn_impl, loss_chunk=m.loss_chunk,
-                               init_std=m.init_std)
+                               mlp_chunk=m.mlp_chunk, init_std=m.init_std)
     except (OSError, ValueError) as e:
         raise ConfigError(f"init_from {cfg.init_from!r}: {e}") from None
     data = cfg.data
@@ -114,13 +114,11 @@ def dry_run(cfg: Config) -> dict:
     t0 = time.time()
     compiled = step.lower(abstract, _abstract_batch(cfg, mesh)).compile()
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     live = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
             - mem.alias_size_in_bytes)
     return {
         "peak_bytes_per_device": int(max(getattr(mem, "peak_memory_in_bytes", 0) or 0, live)),
-        "flops_per_device": float(cost.get("flops", 0.0)),
+        "flops_per_device": _flops(compiled) or 0.0,
         "collectives": collective_counts(compiled.as_text()),
         "argument_bytes": int(mem.argument_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
@@ -132,13 +130,19 @@ def dry_run(cfg: Config) -> dict:
 
 
 def _load_data(cfg: Config):
-    tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is "
-                          f"{cfg.model.vocab_size}")
-    train_rows, held_rows = data_lib.build_rows(cfg.data.source, tokenizer, cfg.seq_len,
-                                                cfg.data.heldout_fraction, cfg.seed)
-    return train_rows, held_rows
+    """Train and held-out rows; a bad data.* setting is a ConfigError (clean CLI exit)."""
+    try:
+        tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but "
+                              f"model.vocab_size is {cfg.model.vocab_size}")
+        return data_lib.build_rows(cfg.data.source, tokenizer, cfg.seq_len,
+                                   cfg.data.heldout_fraction, cfg.seed)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"data.source {cfg.data.source!r} / data.tokenizer "
+                          f"{cfg.data.tokenizer!r}: {e}") from None
 
 
 def _evaluate(eval_step, params, held_rows, cfg: Config, mesh) -> float | None:
@@ -206,7 +210,11 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     start = ckpt.latest_step()
     if start is not None:
         state, extra = ckpt.restore(abstract)
-        batches.set_state(extra["data"])
+        try:
+            batches.set_state(extra["data"])
+        except ValueError as e:
+            raise ConfigError(f"cannot resume {ckpt.directory}: {e}") from None
+        _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), start)
         _log(f"resumed from step {start} ({ckpt.directory})")
         if start >= cfg.steps:
             _log(f"this run already reached step {start} (steps={cfg.steps}); pass a larger "
@@ -217,9 +225,18 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         start = 0
     _log(f"model: {param_count(state['params']) / 1e6:.2f}M parameters")
 
+    if start >= cfg.steps:
+        ckpt.close()
+        return {"status": "done", "step": start, "loss": None, "eval_loss": None}
+
     step_fn = make_train_step(cfg, mesh, graphdef, tx, shardings)
     eval_fn = make_eval_step(mesh, graphdef, shardings)
-    flops = _step_flops(step_fn, state, batches, mesh)
+    # Compile ahead of the loop: the loop runs this executable, timings exclude compilation,
+    # and its cost analysis is per device (a lowered, unpartitioned program's is global).
+    t0 = time.time()
+    step_fn = step_fn.lower(_abstract(state), _abstract_batch(cfg, mesh)).compile()
+    _log(f"compiled the train step in {time.time() - t0:.1f} s")
+    flops = _flops(step_fn)
     peak = peak_flops(jax.devices()[0])
     tokens_per_step = cfg.batch_size * cfg.seq_len
     order = token_order(cfg)
@@ -244,7 +261,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
                         f"optimizer.lr or raise optimizer.warmup_steps and run again")
                 summary.update(step=step, loss=loss)
                 bar.update(1)
-                if step % cfg.log_every == 0 or step == cfg.steps:
+                final = step == cfg.steps
+                evaluate = final or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+                if step % cfg.log_every == 0 or evaluate:
                     now = time.time()
                     dt = (now - last_time) / (step - last_step)
                     record = {"step": step, "loss": loss, "tokens_per_sec": tokens_per_step / dt,
@@ -254,30 +273,48 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
                     if flops and peak:
                         record["mfu"] = flops / dt / peak
                     record.update(_memory_in_use())
-                    if cfg.eval_every and step % cfg.eval_every == 0:
+                    if evaluate:
                         record["eval_loss"] = _evaluate(eval_fn, state["params"], held_rows,
                                                         cfg, mesh)
+                        summary["eval_loss"] = record["eval_loss"]
                     _write_metrics(metrics_path, record)
                     bar.set_postfix(loss=f"{loss:.4f}",
                                     tok_s=f"{record['tokens_per_sec']:.0f}")
                     last_time, last_step = time.time(), step
-                if preempt.requested:
+                if _agreed(preempt.requested):
                     save(step, force=True)
                     ckpt.wait()
                     _log(f"SIGTERM: saved step {step} to {ckpt.directory}; exiting")
                     summary["status"] = "preempted"
                     return summary
-                save(step)
+                if cfg.checkpoint_every > 0:
+                    save(step)
             save(cfg.steps, force=True)
-        summary["eval_loss"] = _evaluate(eval_fn, state["params"], held_rows, cfg, mesh)
-        if summary["eval_loss"] is not None:
-            _write_metrics(metrics_path, {"step": cfg.steps, "eval_loss": summary["eval_loss"]})
         _log(f"done: step {summary['step']}, loss {summary['loss']}, "
              f"held-out loss {summary['eval_loss']}")
         return summary
     finally:
         bar.close()
         ckpt.close()
+
+
+def _agreed(flag: bool) -> bool:
+    """True on every process if any process got SIGTERM, so all save the same step together
+    (a save is collective; one process saving while another steps on would hang)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Drops records past the checkpoint a run resumes from: those steps will be run again."""
+    if not _is_main() or not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 def _initial_params(cfg: Config, mesh):
@@ -287,25 +324,21 @@ def _initial_params(cfg: Config, mesh):
     m = cfg.model
     _, params = load_params(cfg.init_from, mesh, cfg.param_sharding, dtype=m.dtype,
                             max_seq_len=cfg.seq_len, remat=m.remat, attn_impl=m.attn_impl,
-                            loss_chunk=m.loss_chunk, init_std=m.init_std)
+                            loss_chunk=m.loss_chunk, mlp_chunk=m.mlp_chunk, init_std=m.init_std)
     _log(f"initialised from Hugging Face checkpoint {cfg.init_from}")
     return params
 
 
-def _step_flops(step_fn, state, batches, mesh) -> float | None:
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)
+
+
+def _flops(compiled) -> float | None:
     """FLOPs of one step per device from XLA's cost analysis (None if unavailable)."""
-    try:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                               sharding=x.sharding), state)
-        cfg_shape = (batches.batch_size, batches.rows.seq_len)
-        sharding = NamedSharding(mesh, act_spec(mesh))
-        batch = {k: jax.ShapeDtypeStruct(cfg_shape, np.float32 if k == "loss_mask" else np.int32,
-                                         sharding=sharding) for k in BATCH_KEYS}
-        cost = step_fn.lower(abstract, batch).cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        return float(cost.get("flops", 0.0)) or None
-    except Exception:  # cost analysis is best-effort metadata, never a reason to fail a run
-        return None
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float((cost or {}).get("flops", 0.0)) or None
 
 
 def _memory_in_use() -> dict:

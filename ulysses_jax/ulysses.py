@@ -154,7 +154,7 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=N
         return hybrid_attention(q, k, v, mesh=mesh, causal=causal, segment_ids=segment_ids,
                                 impl=impl, layout="natural")
     reps = validate(q, k, v, segment_ids, mesh)
-    kernel = kernels.resolve_impl(impl, q.dtype, q.shape[3])
+    kernel = kernels.resolve_impl(impl, q.dtype, q.shape[3], segments=segment_ids is not None)
     p = axis_size(mesh, SEQ)
     batch_axis = DATA if DATA in mesh.axis_names else None
     spec = P(batch_axis, SEQ)
