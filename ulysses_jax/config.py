@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MeshConfig:
+    """Device mesh: data-parallel replicas x ring x seq (Ulysses) devices per sequence."""
     data: int = 1
     seq: int = 1
     ring: int = 1                   # ring-attention degree; the sequence splits over ring x seq
@@ -33,6 +34,7 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class UlyssesConfig:
+    """Ulysses exchange options."""
     # Split each device's heads into this many groups, each exchanged and attended on its own,
     # so the all-to-all of one group can overlap the attention of another (GPU).
     chunks: int = 1
@@ -40,6 +42,7 @@ class UlyssesConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """Decoder shape and runtime options (compute dtype, remat, kernels, chunking)."""
     vocab_size: int = 257
     d_model: int = 128
     n_layers: int = 2
@@ -62,6 +65,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    """AdamW with global-norm clipping, linear warmup then cosine decay."""
     lr: float = 3e-3
     warmup_steps: int = 20
     schedule_steps: Optional[int] = None  # length of the cosine schedule; None = steps
@@ -74,6 +78,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """Corpus, tokenizer and held-out split."""
     source: str = "stdlib"          # "stdlib" or comma-separated .txt/.md/.jsonl files/dirs/globs
     tokenizer: Optional[str] = None  # None = bytes; a tokenizer.json (or a dir holding one)
     heldout_fraction: float = 0.02
@@ -81,6 +86,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """One training run; keys are addressed as dotted paths (``mesh.seq=4``)."""
     seed: int = 0
     steps: int = 100
     seq_len: int = 256

@@ -79,6 +79,8 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
+    """RMS normalisation in fp32 with a learned scale; output in the input's dtype."""
+
     def __init__(self, dim: int, eps: float):
         self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
         self.eps = eps
@@ -90,6 +92,8 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
+    """GQA self-attention: token-local projections and RoPE, Ulysses (or hybrid) exchange."""
+
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
                  layout: str = "natural", head_chunks: int = 1):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -126,6 +130,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    """SwiGLU MLP, optionally over sequence chunks (``model.mlp_chunk``, TiledMLP)."""
+
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.ffn_dim
         init = nnx.initializers.normal(cfg.init_std)
@@ -170,6 +176,8 @@ def _tiled_mlp(x, weights, mesh: Mesh, chunk: int):
 
 
 class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
                  layout: str = "natural", head_chunks: int = 1):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
