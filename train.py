@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
         return 2
     from ulysses_jax.config import ConfigError, load_config
+    from ulysses_jax.mesh import request_cpu_devices
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
@@ -63,15 +64,12 @@ def main(argv=None) -> int:
         return 2
     nproc = args.num_processes or int(os.environ.get("SLURM_NTASKS",
                                                      os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
-    # Only the CPU platform reads this flag, so it is harmless where GPUs exist; it must be
-    # set before JAX initialises its backends.
-    per_process = max(1, -(-cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq // nproc))
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        flags += f" --xla_force_host_platform_device_count={per_process}"
+    # Both must be set before JAX initialises its backends.
+    request_cpu_devices(max(1, -(-cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq // nproc)))
     if cfg.gpu_overlap and _has_cuda_plugin():
+        flags = os.environ.get("XLA_FLAGS", "")
         flags += "".join(f" {f}" for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags)
-    os.environ["XLA_FLAGS"] = flags.strip()
+        os.environ["XLA_FLAGS"] = flags.strip()
     import jax
     if args.coordinator or _launched_by_scheduler():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

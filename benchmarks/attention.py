@@ -33,15 +33,10 @@ from __future__ import annotations
 
 import os
 
-# Fake devices must exist before JAX initialises its backends.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
 
 import argparse
 import json
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -49,8 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from _common import ROOT, command_line  # noqa: E402  (first: repo path, fake devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -58,7 +52,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from ulysses_jax.hlo import collective_bytes, collective_counts  # noqa: E402
 from ulysses_jax.kernels import local_attention, resolve_impl  # noqa: E402
-from ulysses_jax.mesh import ACT_BS, make_mesh  # noqa: E402
+from ulysses_jax.mesh import act_spec, make_mesh  # noqa: E402
 from ulysses_jax.ulysses import kv_repeats, ulysses_attention  # noqa: E402
 
 
@@ -100,7 +94,7 @@ def time_jax(inputs, ps, dtype, impl, warmup, repeats):
                                                                    impl=impl)), single_args)
     for p in ps:
         mesh = make_mesh(seq=p, data=1, devices=devs[:p])
-        sh = NamedSharding(mesh, ACT_BS)
+        sh = NamedSharding(mesh, act_spec(mesh))
         args = [jax.device_put(jnp.asarray(inputs[n], dtype), sh) for n in names]
         fn = _fwd_bwd(lambda q, k, v, mesh=mesh: ulysses_attention(q, k, v, mesh=mesh,
                                                                    causal=True, impl=impl))
@@ -126,7 +120,7 @@ def time_jax(inputs, ps, dtype, impl, warmup, repeats):
 def hlo_bytes(b, s, hq, hkv, d, p, dtype) -> dict:
     """All-to-all bytes per device in the compiled forward and forward+backward, and the formula."""
     mesh = make_mesh(seq=p, data=1, devices=jax.devices("cpu")[:p])
-    sh = NamedSharding(mesh, ACT_BS)
+    sh = NamedSharding(mesh, act_spec(mesh))
     q = jax.ShapeDtypeStruct((b, s, hq, d), dtype, sharding=sh)
     kv = jax.ShapeDtypeStruct((b, s, hkv, d), dtype, sharding=sh)
     attn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=True)
@@ -163,11 +157,6 @@ def deepspeed_times(inputs, ps, shape, warmup, repeats):
         return None, f"DeepSpeed workers cannot start: {e}", None
     return out, versions, errors
 
-
-def command_line(argv) -> str:
-    """The command as typed from the repository root, for the results file."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    return shlex.join(["python", f"benchmarks/{Path(__file__).name}", *args])
 
 
 def main(argv=None) -> int:
@@ -261,7 +250,7 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPU cores: these ratios measure exchange and partitioning "
           f"overheads, not a speedup")
 
-    result = {"meta": {"command": command_line(argv),
+    result = {"meta": {"command": command_line(__file__, argv),
                        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "jax": jax.__version__,
                        "python": platform.python_version(), "cpu_count": os.cpu_count(),
                        "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",

@@ -42,24 +42,18 @@ from __future__ import annotations
 
 import os
 
-# Fake devices must exist before JAX initialises its backends.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
 
 import argparse
 import json
 import platform
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from _common import ROOT, command_line  # noqa: E402  (first: repo path, fake devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -353,10 +347,6 @@ def print_bytes(rows) -> None:
                       f"{m['in_conditional']}")
 
 
-def command_line(argv) -> str:
-    args = sys.argv[1:] if argv is None else list(argv)
-    return shlex.join(["python", f"benchmarks/{Path(__file__).name}", *args])
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -419,7 +409,7 @@ def main(argv=None) -> int:
 
     ok = all(x[p]["status"] != "MISMATCH" for x in byte_rows for p in ("fwd", "fwd_bwd"))
     wall = round(time.time() - t_start, 1)
-    result = {"meta": {"command": command_line(argv),
+    result = {"meta": {"command": command_line(__file__, argv),
                        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "jax": jax.__version__,
                        "python": platform.python_version(), "cpu_count": os.cpu_count(),
                        "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",

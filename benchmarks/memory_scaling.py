@@ -18,23 +18,16 @@ from __future__ import annotations
 
 import os
 
-# Fake devices must exist before JAX initialises its backends.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
 
 import argparse
 import csv
-import dataclasses
 import json
 import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from _common import ROOT, command_line  # noqa: E402  (first: repo path, fake devices)
 
 GIB, MIB = 2 ** 30, 2 ** 20
 # name -> (preset file, default lengths, overrides on top of the preset).
@@ -237,11 +230,6 @@ def plot(path: Path, records, analysis) -> None:
     plt.close(fig)
 
 
-def command_line(argv) -> str:
-    """The command as typed from the repository root, for the results file."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    return shlex.join(["python", f"benchmarks/{Path(__file__).name}", *args])
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -284,7 +272,7 @@ def main(argv=None) -> int:
         records += rows
     for preset in presets:
         print_report(preset, [r for r in records if r["preset"] == preset], analysis[preset])
-    meta = {"command": command_line(argv),
+    meta = {"command": command_line(__file__, argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "jax": jax.__version__,
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",

@@ -27,10 +27,6 @@ from __future__ import annotations
 
 import os
 
-# Fake devices must exist before JAX initialises its backends.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
 
 import argparse
 import dataclasses
@@ -41,12 +37,10 @@ import shutil
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from _common import ROOT  # noqa: E402  (first: repo path, fake devices)
 
 MODEL = dict(vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
              ffn_dim=128, tie_embeddings=True, dtype="float32", attn_impl="xla")

@@ -90,7 +90,7 @@ def test_packed_qkv_exchange_gives_each_device_its_heads(p, kh, reps):
     """One all-to-all carries q, k and v; each device gets its q heads and the kv heads they use."""
     devs = need_devices(p)
     mesh = make_mesh(seq=p, data=1, devices=devs)
-    b, s, n, h = 1, 2 * p, 8, 1
+    s, n = 2 * p, 8
     code = lambda heads, base: (base + jnp.arange(s)[None, :, None, None] * 1000
                                 + jnp.arange(heads)[None, None, :, None]).astype(jnp.float32)
     q, k, v = code(n, 0), code(kh, 100), code(kh, 200)

@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from ._ds_worker import TENSORS, DeepSpeedUnavailable, DeepSpeedWorkers
+from .mesh import request_cpu_devices
 
 # dtype -> (max abs error of out, max relative error of dq/dk/dv); relative = max|a-b| / max|b|.
 TOLERANCES = {"float32": (1e-5, 1e-4)}
@@ -133,12 +134,12 @@ def run_jax(case: Case, inputs: dict[str, np.ndarray], devices
     """
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from .mesh import ACT_BS, make_mesh
+    from jax.sharding import NamedSharding
+    from .mesh import act_spec, make_mesh
     from .ulysses import ulysses_attention
 
     mesh = make_mesh(seq=case.p, data=1, devices=devices)
-    sharding = NamedSharding(mesh, ACT_BS)
+    sharding = NamedSharding(mesh, act_spec(mesh))
     args = [jax.device_put(jnp.asarray(inputs[n], case.dtype), sharding)
             for n in ("q", "k", "v", "do")]
     fn = _jax_fwd_bwd(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=case.causal,
@@ -275,13 +276,6 @@ def format_report(r: Report) -> str:
 
 # ----------------------------------------------------------------------------- CLI
 
-def _request_cpu_devices(n: int) -> None:
-    """Asks XLA for n CPU devices; effective only before JAX initialises its backends."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 def _add_shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p", type=int, default=4, help="Ulysses degree: ranks / devices (default 4)")
     p.add_argument("--heads", type=int, default=8, help="query heads N")
@@ -310,7 +304,7 @@ def _add_deepspeed(sub) -> None:
 
 
 def cmd_deepspeed(args: argparse.Namespace) -> int:
-    _request_cpu_devices(args.p)
+    request_cpu_devices(args.p)
     try:
         case = Case(p=args.p, heads=args.heads, kv_heads=args.kv_heads, seq_len=args.seq_len,
                     head_dim=args.head_dim, batch=args.batch, dtype=args.dtype, causal=args.causal,
@@ -432,7 +426,7 @@ def cmd_hf(args: argparse.Namespace) -> int:
         print(f"error: --seq must be comma-separated positive integers, got {args.seq!r}",
               file=sys.stderr)
         return EXIT_BAD_ARGS
-    _request_cpu_devices(max(seqs))
+    request_cpu_devices(max(seqs))
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401

@@ -12,6 +12,7 @@ devices of one ring rank together hold one contiguous S/R block (see ``ring.py``
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
 import jax
@@ -21,8 +22,16 @@ DATA = "data"
 SEQ = "seq"
 RING = "ring"
 
-# Token-major activations [B, S, ...]: rows over data, tokens over seq.
-ACT_BS = P(DATA, SEQ)
+
+def request_cpu_devices(n: int) -> None:
+    """Asks XLA for ``n`` CPU devices (fake ones on a machine without accelerators).
+
+    Effective only before JAX initialises its backends; a device count already in XLA_FLAGS
+    wins. Only the CPU platform reads the flag, so it is harmless where GPUs exist.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def make_mesh(seq: int, data: int = -1, devices: Sequence[jax.Device] | None = None,

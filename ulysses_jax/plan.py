@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import time
 from typing import Callable
 
 from .config import Config, ConfigError, load_config, validate
+from .mesh import request_cpu_devices
 
 GIB = 2 ** 30
 DEFAULT_P = (1, 2, 4, 8)
@@ -173,9 +173,7 @@ def main(argv=None) -> int:
     # Enough fake CPU devices for the largest mesh; only the CPU platform reads the flag, and
     # only if JAX has not started yet (true when run as a module).
     need = max(c.mesh.data * c.mesh.ring * c.mesh.seq for c in per_p.values())
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={max(8, need)}")
+    request_cpu_devices(max(8, need))
     import jax
 
     m = cfg.model
