@@ -208,15 +208,19 @@ def test_gqa_and_mqa_train(heads, kv, seq):
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots"])
-def test_remat_does_not_change_numbers(remat):
-    batch = _batch(10)
-    _, mesh, g, s, _, _ = _setup(2, 1)
-    _, _, gr, sr, _, _ = _setup(2, 1, **{"model.remat": remat})
+def _assert_option_keeps_numbers(batch, option, **base):
+    """Loss and gradients at seq=2 with ``option`` set equal those without it (1e-5)."""
+    _, mesh, g, s, _, _ = _setup(2, 1, **base)
+    _, _, go, so, _, _ = _setup(2, 1, **base, **option)
     l0, g0 = _loss_and_grads(g, s, batch, mesh)
-    l1, g1 = _loss_and_grads(gr, sr, batch, mesh)
+    l1, g1 = _loss_and_grads(go, so, batch, mesh)
     _rel_close(l1, l0, 1e-5)
     _rel_close(g1, g0, 1e-5)
+
+
+@pytest.mark.parametrize("remat,seed", [("full", 10), ("save_dots", 10), ("offload", 13)])
+def test_remat_does_not_change_numbers(remat, seed):
+    _assert_option_keeps_numbers(_batch(seed), {"model.remat": remat})
 
 
 def test_bfloat16_compute_close_to_float32():
@@ -244,16 +248,6 @@ def test_tiled_mlp_same_numbers_less_memory():
     untiled, tiled = temp(g, s["params"]), temp(gt, st["params"])
     ffn_bytes = 2 * (256 // 2) * 2048 * 4  # one fp32 [B, S/P, F] buffer
     assert tiled < untiled - ffn_bytes, (tiled, untiled, ffn_bytes)
-
-
-def test_offload_remat_same_numbers():
-    batch = _batch(13)
-    _, mesh, g, s, _, _ = _setup(2, 1)
-    _, _, go, so, _, _ = _setup(2, 1, **{"model.remat": "offload"})
-    l0, g0 = _loss_and_grads(g, s, batch, mesh)
-    l1, g1 = _loss_and_grads(go, so, batch, mesh)
-    _rel_close(l1, l0, 1e-5)
-    _rel_close(g1, g0, 1e-5)
 
 
 def test_weight_decay_spares_norms_and_biases():
@@ -288,11 +282,4 @@ def test_ring_mesh_model_matches_one_device():
 
 
 def test_ulysses_head_chunks_do_not_change_numbers():
-    batch = _batch(15)
-    over = {"model.n_kv_heads": 4}
-    _, mesh, g, s, _, _ = _setup(2, 1, **over)
-    _, _, gc, sc, _, _ = _setup(2, 1, **over, **{"ulysses.chunks": 2})
-    l0, g0 = _loss_and_grads(g, s, batch, mesh)
-    l1, g1 = _loss_and_grads(gc, sc, batch, mesh)
-    _rel_close(l1, l0, 1e-5)
-    _rel_close(g1, g0, 1e-5)
+    _assert_option_keeps_numbers(_batch(15), {"ulysses.chunks": 2}, **{"model.n_kv_heads": 4})

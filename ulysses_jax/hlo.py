@@ -5,6 +5,7 @@ trusting the numbers alone.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 
@@ -29,26 +30,21 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
-def collective_shapes(hlo_text: str, op: str) -> list[tuple[int, ...]]:
-    """Shapes of the arrays one kind of collective produces (tuples flattened)."""
-    shapes = []
-    for line in hlo_text.splitlines():
-        m = _OP.search(line)
-        if m and m.group("op") == op:
-            for _, dims in _ARRAY.findall(m.group("shape")):
-                shapes.append(tuple(int(d) for d in dims.split(",") if d))
-    return shapes
-
-
-def collective_bytes(hlo_text: str, op: str) -> int:
-    """Bytes of all results of one kind of collective, per device."""
-    total = 0
+def _collective_arrays(hlo_text: str, op: str):
+    """(dtype, shape) of every array one kind of collective produces (tuples flattened)."""
     for line in hlo_text.splitlines():
         m = _OP.search(line)
         if m and m.group("op") == op:
             for dtype, dims in _ARRAY.findall(m.group("shape")):
-                n = 1
-                for d in (int(x) for x in dims.split(",") if x):
-                    n *= d
-                total += n * _BYTES[dtype]
-    return total
+                yield dtype, tuple(int(d) for d in dims.split(",") if d)
+
+
+def collective_shapes(hlo_text: str, op: str) -> list[tuple[int, ...]]:
+    """Shapes of the arrays one kind of collective produces (tuples flattened)."""
+    return [shape for _, shape in _collective_arrays(hlo_text, op)]
+
+
+def collective_bytes(hlo_text: str, op: str) -> int:
+    """Bytes of all results of one kind of collective, per device."""
+    return sum(math.prod(shape) * _BYTES[dtype]
+               for dtype, shape in _collective_arrays(hlo_text, op))

@@ -16,7 +16,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from .mesh import DATA, RING, SEQ, act_spec
 
 
-def _largest_divisor_at_most(n: int, limit: int) -> int:
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """Chunk length for ``n`` local tokens: the largest divisor of n that is <= limit."""
     return max(c for c in range(1, min(n, limit) + 1) if n % c == 0)
 
 
@@ -51,7 +52,7 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
     def body(h, w, t, m):
         # h: [B/D, S/P, D]; w: [D, V]; t, m: [B/D, S/P]
         b, s, d = h.shape
-        c = _largest_divisor_at_most(s, chunk)
+        c = largest_divisor_at_most(s, chunk)
         as_chunks = lambda x: jnp.moveaxis(x.reshape(b, s // c, c, *x.shape[2:]), 1, 0)
 
         @jax.checkpoint  # keep only the chunk's inputs; recompute its logits in the backward pass

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ModelConfig
+from .loss import largest_divisor_at_most
 from .mesh import act_spec, axis_size, RING, shard
 from .ring import hybrid_attention
 from .ulysses import ulysses_attention
@@ -166,7 +167,7 @@ def _tiled_mlp(x, weights, mesh: Mesh, chunk: int):
 
     def body(x, w_gate, w_up, w_down):
         b, s, d = x.shape                                                  # x: [B/D, S/P, D]
-        c = max(n for n in range(1, min(s, chunk) + 1) if s % n == 0)
+        c = largest_divisor_at_most(s, chunk)
         xs = jnp.moveaxis(x.reshape(b, s // c, c, d), 1, 0)               # [S/P/C, B, C, D]
         step = jax.checkpoint(lambda xc: MLP._mlp(xc, w_gate, w_up, w_down))
         return jnp.moveaxis(jax.lax.map(step, xs), 0, 1).reshape(b, s, d)

@@ -18,11 +18,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import Config, OptimizerConfig
+from .data import FIELDS
 from .loss import chunked_cross_entropy
 from .mesh import act_spec, axis_size, RING
 from .model import Decoder
-
-BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 
 
 def make_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
@@ -114,7 +113,8 @@ def init_state(cfg: Config, mesh: Mesh, params: dict | None = None):
 
 
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
-    return {k: NamedSharding(mesh, act_spec(mesh)) for k in BATCH_KEYS}
+    """One layout for every batch field (data.FIELDS): P("data", seq axes)."""
+    return {k: NamedSharding(mesh, act_spec(mesh)) for k in FIELDS}
 
 
 def loss_fn(graphdef, params, batch, mesh: Mesh):

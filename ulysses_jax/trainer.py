@@ -17,14 +17,13 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from . import data as data_lib
 from .checkpoint import Checkpointer
 from .config import Config, ConfigError, to_dict, to_yaml, validate
 from .hlo import collective_counts
-from .mesh import act_spec, make_mesh
-from .train_step import (BATCH_KEYS, init_state, make_eval_step, make_train_step,
+from .mesh import make_mesh
+from .train_step import (batch_shardings, init_state, make_eval_step, make_train_step,
                          param_count, state_layout)
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices report no MFU.
@@ -93,10 +92,9 @@ def token_order(cfg: Config) -> np.ndarray | None:
 
 
 def _abstract_batch(cfg: Config, mesh):
-    sharding = NamedSharding(mesh, act_spec(mesh))
     shape = (cfg.batch_size, cfg.seq_len)
     return {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
-                                    sharding=sharding) for k in BATCH_KEYS}
+                                    sharding=s) for k, s in batch_shardings(mesh).items()}
 
 
 def dry_run(cfg: Config) -> dict:
@@ -206,9 +204,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints,
                         save_every=cfg.checkpoint_every if cfg.checkpoint_every > 0 else None)
-    graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
     start = ckpt.latest_step()
     if start is not None:
+        graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
         state, extra = ckpt.restore(abstract)
         try:
             batches.set_state(extra["data"])
