@@ -8,7 +8,7 @@ import pytest
 
 from conftest import need_devices, tolerance
 from ulysses_jax import make_mesh, reference_attention, ulysses_attention
-from ulysses_jax.chunked import _backward, _forward, _pad_inputs, _Plan, chunked_attention
+from ulysses_jax.chunked import _backward, _delta, _forward, _pad_inputs, _Plan, chunked_attention
 from ulysses_jax.kernels import local_attention, resolve_impl
 
 
@@ -112,10 +112,11 @@ def test_causal_skips_blocks_above_the_diagonal(s, bq, bk):
     visits = {}
     for causal in (True, False):
         plan = _Plan(s, s, bq, bk, causal)
-        padded = _pad_inputs(q, k, v, None, plan)
+        padded = _pad_inputs(q, k, v, None, None, plan)
         out, lse, fwd = jax.jit(lambda *a: _forward(*a, plan, 1.0))(*padded)
-        d_out = _pad_inputs(ct, k, v, None, plan)[0]
-        *_, bwd = jax.jit(lambda *a: _backward(*a, plan, 1.0))(*padded, out, lse, d_out)
+        d_out = _pad_inputs(ct, k, v, None, None, plan)[0]
+        *_, bwd = jax.jit(lambda *a: _backward(*a, plan, 1.0))(*padded, lse, _delta(out, d_out),
+                                                               d_out)
         visits[causal] = (int(fwd), int(bwd))
         want = _tiles_with_visible_keys(s, s, bq, bk, causal)
         assert visits[causal] == (want, want), (causal, visits[causal], want)

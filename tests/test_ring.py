@@ -151,6 +151,59 @@ def test_zigzag_and_contiguous_agree():
     assert not np.allclose(np.asarray(zig[:, :16]), np.asarray(zig[:, 16:]))  # not degenerate
 
 
+@pytest.mark.parametrize("layout,causal,block_q,block_k", [
+    ("zigzag", True, 8, 8),            # C = 16: 2 x 2 tiles per pair, diagonal pairs triangular
+    ("zigzag", True, 6, 5),            # ragged tiles (padded inside each pair)
+    ("contiguous", False, 16, 12),     # C = 32, bidirectional
+])
+def test_tiled_pairs_match_reference(layout, causal, block_q, block_k):
+    """Pairs cut into several score tiles give the reference's values and gradients."""
+    mesh = make_mesh(seq=2, ring=2, data=1, devices=need_devices(4))
+    q, k, v, seg, ct = _inputs(7, b=1, s=64, n=4, kh=2, segments=True)
+    perm = inv = np.arange(64)
+    if layout == "zigzag":
+        perm, inv = zigzag_permutation(64, 2), inverse_zigzag_permutation(64, 2)
+    zseg = seg[:, perm]
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v) * ct)
+
+    hyb = lambda q, k, v: hybrid_attention(q[:, perm], k[:, perm], v[:, perm], mesh=mesh,
+                                           causal=causal, segment_ids=zseg, layout=layout,
+                                           block_q=block_q, block_k=block_k)[:, inv]
+    ref = lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=seg)
+    vg = lambda fn: jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2)))
+    (val, grads), (val_ref, grads_ref) = vg(hyb)(q, k, v), vg(ref)(q, k, v)
+    chex.assert_trees_all_close(jax.jit(hyb)(q, k, v), ref(q, k, v), atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(val, val_ref, atol=1e-4, rtol=1e-5)
+    for name, g, gr in zip("qkv", grads, grads_ref):
+        chex.assert_trees_all_close(g, gr, atol=1e-5, rtol=1e-5, custom_message=f"d{name}")
+
+
+def test_ring_memory_has_no_chunk_squared_tile():
+    """Per-device temp of a compiled fwd+bwd stays far below one [B, N/U, C, C] fp32 score
+    array when pairs are tiled; the same program with one tile per pair (block = C, what the
+    ring did before it reused the chunked kernel) needs more than that array: the check can
+    fail."""
+    u, r = 2, 4
+    mesh = make_mesh(seq=u, ring=r, data=1, devices=need_devices(8))
+    b, s, n, h = 1, 16384, 2, 8  # small head dim: the S x H arrays stay small next to C x C
+    c = s // (2 * r)                                            # zigzag chunk, 2048
+    x = jax.ShapeDtypeStruct((b, s, n, h), jnp.float32)
+    pair_scores = b * (n // u) * c * c * 4                      # 16 MiB
+
+    def temp_bytes(block):
+        fn = lambda q, k, v: hybrid_attention(q, k, v, mesh=mesh, causal=True,
+                                              block_q=block, block_k=block)
+        grad = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2), argnums=(0, 1, 2))
+        return jax.jit(grad).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+    tiled, whole = temp_bytes(256), temp_bytes(c)
+    assert whole > pair_scores, (whole, pair_scores)
+    print(f"temp bytes: tiled {tiled}, one tile per pair {whole}, [C, C] scores {pair_scores}")
+    assert tiled < pair_scores / 4, (tiled, pair_scores)
+
+
 # ----------------------------------------------------------------------------- skipping, balance
 
 def _expected_pairs(r, layout, causal):

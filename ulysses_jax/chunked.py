@@ -112,14 +112,29 @@ def _scores(plan, scale, q_i, k, i, j, seg_q, seg_k):
     return s, k_j
 
 
-def _forward(q, k, v, seg, plan: _Plan, scale: float):
+def _lse_rows(lse_blocks):
+    """[nq, B, K, G, Tb] -> [B, nq*Tb, N] (query head n = kv head * G + group member)."""
+    nq, b, kh, g, bq = lse_blocks.shape
+    return lse_blocks.transpose(1, 0, 4, 2, 3).reshape(b, nq * bq, kh * g)
+
+
+def _lse_blocks(rows, plan: _Plan, kh: int):
+    """[B, nq*Tb, N] -> [nq, B, K, G, Tb], the inverse of ``_lse_rows``."""
+    b, _, n = rows.shape
+    return rows.reshape(b, plan.nq, plan.bq, kh, n // kh).transpose(1, 0, 3, 4, 2)
+
+
+def _forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, out_dtype=None):
     """Blocked forward pass on padded inputs.
 
     Args:
-      q: [B, nq*Tb, N, H]; k, v: [B, nk*Sb, K, H]; seg: padded [B, nq*Tb] ints or None.
+      q: [B, nq*Tb, N, H]; k, v: [B, nk*Sb, K, H]; seg_q: padded [B, nq*Tb] ints or None,
+      seg_k: padded [B, nk*Sb] ints or None (both or neither).
+      out_dtype: dtype of the output, default q's (fp32 when the caller merges partial results).
 
     Returns:
-      out [B, nq*Tb, N, H] in q's dtype, lse [nq, B, K, G, Tb] fp32, and the number of
+      out [B, nq*Tb, N, H], the normalised attention output; lse [B, nq*Tb, N] fp32, the
+      logsumexp of each row's scores (-inf on rows that see no key); and the number of
       (query block, key block) tiles computed, an int32 scalar.
     """
     b, _, n, h = q.shape
@@ -132,7 +147,7 @@ def _forward(q, k, v, seg, plan: _Plan, scale: float):
 
         def tile(j):
             """Softmax stats of one key block on its own: local max, sum, unnormalised P @ V."""
-            s, _ = _scores(plan, scale, q_i, k, i, j, seg, seg)           # [B, K, G, Tb, Sb]
+            s, _ = _scores(plan, scale, q_i, k, i, j, seg_q, seg_k)       # [B, K, G, Tb, Sb]
             v_j = lax.dynamic_slice_in_dim(v, j * plan.bk, plan.bk, 1)    # [B, Sb, K, H]
             m = s.max(-1)                                                 # [B, K, G, Tb]
             # A fully masked row has m = -inf; shifting by 0 keeps exp(-inf) = 0, not NaN.
@@ -157,28 +172,41 @@ def _forward(q, k, v, seg, plan: _Plan, scale: float):
         m, l, acc, visits = lax.fori_loop(1, plan.key_hi(i), merge, (m, l, acc, visits + 1))
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[..., None]                    # [B, K, G, Tb, H]
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # [B, K, G, Tb]
-        return visits, (out.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)  # [B, K, G, Tb]
+        return visits, (out.transpose(0, 3, 1, 2, 4).astype(out_dtype or q.dtype), lse)
 
     visits, (out, lse) = lax.scan(one_query_block, jnp.int32(0), (jnp.arange(plan.nq), q_blocks))
     # out: [nq, B, Tb, K, G, H]
     out = out.swapaxes(0, 1).reshape(b, plan.nq * plan.bq, n, h)          # [B, nq*Tb, N, H]
-    return out, lse, visits
+    return out, _lse_rows(lse), visits
 
 
-def _backward(q, k, v, seg, out, lse, d_out, plan: _Plan, scale: float):
+def _delta(out, d_out):
+    """rowsum(dO * O), fp32 [B, T, N]: the softmax-backward term of FlashAttention-2."""
+    return jnp.einsum("btnh,btnh->btn", out.astype(_F32), d_out.astype(_F32))
+
+
+def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: float,
+              grad_dtype=None):
     """Blocked FlashAttention-2 backward on padded inputs (shapes as in ``_forward``).
 
+    Args:
+      lse: [B, nq*Tb, N] fp32, the logsumexp of each row over ALL the keys its output saw
+        (for a partial key range inside a ring, the merged one); -inf on rows that saw none.
+      delta: [B, nq*Tb, N] fp32, ``_delta`` of the final output and its cotangent.
+      grad_dtype: dtype of dq, dk, dv; default the dtypes of q, k, v.
+
     Returns:
-      dq, dk, dv in the dtypes of q, k, v, and the number of tiles recomputed.
+      dq, dk, dv and the number of tiles recomputed.
     """
     b, tp, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
     blocks = lambda x: x.reshape(b, plan.nq, plan.bq, kh, g, h).swapaxes(0, 1)
     q_blocks, do_blocks = blocks(q), blocks(d_out)                        # [nq, B, Tb, K, G, H]
-    delta = jnp.einsum("nbtkgh,nbtkgh->nbkgt", blocks(out).astype(_F32),
-                       do_blocks.astype(_F32))                            # [nq, B, K, G, Tb]
+    delta = _lse_blocks(delta, plan, kh)                                  # [nq, B, K, G, Tb]
+    # A row that saw no key: lse +inf makes p = exp(-inf - inf) = 0 instead of NaN.
+    lse = _lse_blocks(jnp.where(lse == -jnp.inf, jnp.inf, lse), plan, kh)
 
     def one_key_block(carry, j):
         dq_acc, visits = carry                                            # [nq, B, Tb, K, G, H], []
@@ -187,7 +215,7 @@ def _backward(q, k, v, seg, out, lse, d_out, plan: _Plan, scale: float):
         def one_query_block(i, inner):
             dk_j, dv_j, dq_acc, visits = inner
             q_i, do_i = q_blocks[i], do_blocks[i]                         # [B, Tb, K, G, H]
-            s, k_j = _scores(plan, scale, q_i, k, i, j, seg, seg)         # [B, K, G, Tb, Sb]
+            s, k_j = _scores(plan, scale, q_i, k, i, j, seg_q, seg_k)     # [B, K, G, Tb, Sb]
             p = jnp.exp(s - lse[i][..., None])                            # [B, K, G, Tb, Sb]
             dv_j += jnp.einsum("bkgts,btkgh->bskh", p.astype(do_i.dtype), do_i,
                                preferred_element_type=_F32)               # [B, Sb, K, H]
@@ -211,34 +239,38 @@ def _backward(q, k, v, seg, out, lse, d_out, plan: _Plan, scale: float):
     dq = (dq * scale).swapaxes(0, 1).reshape(b, tp, n, h)                 # [B, nq*Tb, N, H]
     dk = dk.swapaxes(0, 1).reshape(b, plan.nk * plan.bk, kh, h)           # [B, nk*Sb, K, H]
     dv = dv.swapaxes(0, 1).reshape(b, plan.nk * plan.bk, kh, h)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), visits
+    dt = lambda x: grad_dtype or x.dtype
+    return dq.astype(dt(q)), dk.astype(dt(k)), dv.astype(dt(v)), visits
 
 
-def _pad_inputs(q, k, v, seg, plan: _Plan):
-    """Pads q to nq*Tb and k, v to nk*Sb positions (zeros); returns (q, k, v, seg) padded."""
+def _pad_inputs(q, k, v, seg_q, seg_k, plan: _Plan):
+    """Pads q, seg_q to nq*Tb and k, v, seg_k to nk*Sb positions (zeros).
+
+    Padded keys are masked by position; padded query rows are computed and dropped.
+    """
     tp, sp = plan.nq * plan.bq, plan.nk * plan.bk
     q, k, v = _pad_to(q, 1, tp), _pad_to(k, 1, sp), _pad_to(v, 1, sp)
-    if seg is not None:
-        seg = _pad_to(seg, 1, max(tp, sp))  # T == S here; padded keys are masked by position
-    return q, k, v, seg
+    if seg_q is not None:
+        seg_q, seg_k = _pad_to(seg_q, 1, tp), _pad_to(seg_k, 1, sp)
+    return q, k, v, seg_q, seg_k
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _attention(q, k, v, seg, plan, scale):
-    out, _, _ = _forward(*_pad_inputs(q, k, v, seg, plan), plan, scale)
+    out, _, _ = _forward(*_pad_inputs(q, k, v, seg, seg, plan), plan, scale)
     return out[:, :plan.t]
 
 
 def _attention_fwd(q, k, v, seg, plan, scale):
-    qp, kp, vp, segp = _pad_inputs(q, k, v, seg, plan)
-    out, lse, _ = _forward(qp, kp, vp, segp, plan, scale)
-    return out[:, :plan.t], (qp, kp, vp, segp, out, lse)
+    padded = _pad_inputs(q, k, v, seg, seg, plan)
+    out, lse, _ = _forward(*padded, plan, scale)
+    return out[:, :plan.t], (padded, out, lse)
 
 
 def _attention_bwd(plan, scale, res, d_out):
-    qp, kp, vp, segp, out, lse = res
-    d_out = _pad_to(d_out, 1, qp.shape[1])
-    dq, dk, dv, _ = _backward(qp, kp, vp, segp, out, lse, d_out, plan, scale)
+    padded, out, lse = res
+    d_out = _pad_to(d_out, 1, out.shape[1])
+    dq, dk, dv, _ = _backward(*padded, lse, _delta(out, d_out), d_out, plan, scale)
     return dq[:, :plan.t], dk[:, :plan.s], dv[:, :plan.s], None
 
 
@@ -275,3 +307,51 @@ def chunked_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int =
     scale = float(h ** -0.5 if scale is None else scale)
     plan = _Plan(t, s, min(block_q, t), min(block_k, s), causal)
     return _attention(q, k, v, segment_ids, plan, scale)
+
+
+# ----------------------------------------------------------------------------- blocks for a ring
+
+def block_plan(t: int, s: int, causal: bool, block_q: int = 512, block_k: int = 512) -> _Plan:
+    """The static geometry of ``block_forward`` / ``block_backward`` (block sizes clamped)."""
+    return _Plan(t, s, min(block_q, t), min(block_k, s), causal)
+
+
+def block_forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float):
+    """Attention of q over ONE key range, with the statistics needed to merge ranges.
+
+    A ring attention step sees a slice of the keys at a time; it calls this on each (query
+    chunk, key chunk) pair and merges the results by their logsumexp. Memory is one
+    [B, K, G, Tb, Sb] tile, as in ``chunked_attention``.
+
+    Args:
+      q: [B, T, N, H]; k, v: [B, S, K, H]; seg_q [B, T], seg_k [B, S] ints, or both None.
+      plan: ``block_plan(T, S, causal)``; causal masks key j > query i by local position,
+        which is right for a pair whose query and key chunks start at the same position.
+
+    Returns:
+      out [B, T, N, H] fp32, normalised over this key range, and lse [B, T, N] fp32 (-inf on
+      rows that see no key of the range; their out is 0).
+    """
+    out, lse, _ = _forward(*_pad_inputs(q, k, v, seg_q, seg_k, plan), plan, scale,
+                           out_dtype=_F32)
+    return out[:, :plan.t], lse[:, :plan.t]
+
+
+def block_backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: float):
+    """Gradients of one (query chunk, key range) pair, given the rows' FINAL statistics.
+
+    Args:
+      q, k, v, seg_q, seg_k, plan, scale: as in ``block_forward``.
+      lse: [B, T, N] fp32, each row's logsumexp over all the keys it attended to (-inf none).
+      delta: [B, T, N] fp32, ``rowsum(d_out * final out)``.
+      d_out: [B, T, N, H], the cotangent of the final output.
+
+    Returns:
+      dq [B, T, N, H], dk, dv [B, S, K, H], all fp32, for summing over key ranges / queries.
+    """
+    qp, kp, vp, sq, sk = _pad_inputs(q, k, v, seg_q, seg_k, plan)
+    tp = qp.shape[1]
+    lse = _pad_to(lse, 1, tp)          # padded rows: lse 0 with zero cotangent, add nothing
+    dq, dk, dv, _ = _backward(qp, kp, vp, sq, sk, lse, _pad_to(delta, 1, tp),
+                              _pad_to(d_out, 1, tp), plan, scale, grad_dtype=_F32)
+    return dq[:, :plan.t], dk[:, :plan.s], dv[:, :plan.s]

@@ -26,8 +26,10 @@ segment ids) in that order, so the model never reorders; ``layout="natural"`` re
 Masking works per (q chunk, kv chunk) pair with true global chunk indices: a pair whose kv
 chunk comes after its q chunk is skipped by ``lax.cond`` (never computed), the diagonal pair
 gets the triangular mask, earlier chunks only the segment mask. The contiguous layout uses one
-chunk of S/R per rank, zigzag two of S/(2R). Within a pair the block is dense: a [C, C] score
-tile per head, fp32.
+chunk of S/R per rank, zigzag two of S/(2R). Within a pair the work is tiled by the chunked
+kernel (chunked.block_forward / block_backward): one fp32 [B, N/U, block_q, block_k] score tile
+at a time, causal tiles above the diagonal skipped, so no device ever holds a [C, C] (or larger)
+score array however long the sequence.
 
 Backward: a custom VJP in FlashAttention-2 form, not autodiff through the loop (which would
 save every step's K/V block and running output, O(S/U) per device). Residuals are the local q,
@@ -46,7 +48,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from . import kernels
+from . import chunked, kernels
 from .mesh import DATA, RING, SEQ, axis_size, shard
 from .ulysses import _pack_qkv, _unpack_qkv, heads_to_seq, seq_to_heads, validate
 
@@ -128,76 +130,52 @@ class _Ring:
     c: int          # chunk length C
     causal: bool
     scale: float
+    block_q: int    # query / key tile sizes inside a pair (clamped to C)
+    block_k: int
 
     def chunk(self, rank, a: int):
         """Global chunk index of local chunk ``a`` of ring rank ``rank`` (may be traced)."""
         return rank if self.nc == 1 or a == 0 else 2 * self.r - 1 - rank
 
-    def computed(self, cq, ck):
-        """The skip rule: a (q chunk, kv chunk) pair is computed unless all of it is masked."""
-        return True if not self.causal else ck <= cq
-
     def split(self, x):
         """[B, T, ...] -> nc arrays [B, C, ...] (static slices)."""
         return [x[:, a * self.c:(a + 1) * self.c] for a in range(self.nc)]
 
-
-def _scores(g: _Ring, q_a, k_b, seg_a, seg_b, cq, ck):
-    """Scaled fp32 scores of one pair, masked entries -inf: [B, K, G, C, C].
-
-    q_a: [B, C, K, G, H]; k_b: [B, C, K, H]; seg_a, seg_b: [B, C] or None; cq, ck: chunk ids.
-    """
-    s = jnp.einsum("btkgh,bskh->bkgts", q_a, k_b, preferred_element_type=_F32) * g.scale
-    mask = None
-    if g.causal:
-        pos = jnp.arange(g.c)
-        mask = ((cq * g.c + pos)[:, None] >= (ck * g.c + pos)[None, :])[None]   # [1, C, C]
-    if seg_a is not None:
-        same = seg_a[:, :, None] == seg_b[:, None, :]                          # [B, C, C]
-        mask = same if mask is None else mask & same
-    return s if mask is None else jnp.where(mask[:, None, None], s, -jnp.inf)
+    def plan(self, diagonal: bool):
+        """Tiling of one pair: a diagonal pair (same chunk) is causal inside, others are not."""
+        return chunked.block_plan(self.c, self.c, self.causal and diagonal,
+                                  self.block_q, self.block_k)
 
 
-def _merge_block(g, q_a, k_b, v_b, seg_a, seg_b, cq, ck, o, lse):
-    """Online softmax: folds one pair into the running (o [B, K, G, C, H], lse [B, K, G, C])."""
-    s = _scores(g, q_a, k_b, seg_a, seg_b, cq, ck)                             # [B, K, G, C, C]
-    m = s.max(-1)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)             # a fully masked row: exp(-inf - 0) = 0
-    p = jnp.exp(s - m[..., None])
-    l = p.sum(-1)                                                              # [B, K, G, C]
-    pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(v_b.dtype), v_b,
-                    preferred_element_type=_F32)                               # [B, K, G, C, H]
-    lse_b = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+def _merge_block(g, diagonal, q_a, k_b, v_b, seg_a, seg_b, o, lse):
+    """Online softmax: folds one pair into the running (o [B, C, N, H], lse [B, C, N]), fp32."""
+    o_b, lse_b = chunked.block_forward(q_a, k_b, v_b, seg_a, seg_b, g.plan(diagonal), g.scale)
     new = jnp.logaddexp(lse, lse_b)
-    shift = jnp.where(jnp.isfinite(new), new, 0.0)
-    # The block's normalised output is pv / l with weight exp(lse_b - new) = l * exp(m - new).
-    w_old = jnp.exp(lse - shift)
-    w_blk = jnp.where(l > 0, jnp.exp(m - shift), 0.0)
-    return w_old[..., None] * o + w_blk[..., None] * pv, new
+    shift = jnp.where(jnp.isfinite(new), new, 0.0)     # rows no key has reached yet stay 0
+    w_old, w_blk = jnp.exp(lse - shift), jnp.exp(lse_b - shift)
+    return w_old[..., None] * o + w_blk[..., None] * o_b, new
 
 
-def _grad_block(g, q_a, k_b, v_b, seg_a, seg_b, cq, ck, do_a, lse_a, delta_a, dq_a, dk_b, dv_b):
-    """FlashAttention-2 backward of one pair; accumulates unscaled fp32 dq_a, dk_b, dv_b.
-
-    do_a: [B, C, K, G, H]; lse_a, delta_a: [B, K, G, C], lse +inf on rows that saw no key.
-    """
-    s = _scores(g, q_a, k_b, seg_a, seg_b, cq, ck)                             # [B, K, G, C, C]
-    p = jnp.exp(s - lse_a[..., None])
-    dv_b = dv_b + jnp.einsum("bkgts,btkgh->bskh", p.astype(do_a.dtype), do_a,
-                             preferred_element_type=_F32)                      # [B, C, K, H]
-    dp = jnp.einsum("btkgh,bskh->bkgts", do_a, v_b, preferred_element_type=_F32)
-    ds = (p * (dp - delta_a[..., None])).astype(q_a.dtype)  # masked: p == 0, so ds == 0
-    dq_a = dq_a + jnp.einsum("bkgts,bskh->btkgh", ds, k_b, preferred_element_type=_F32)
-    dk_b = dk_b + jnp.einsum("bkgts,btkgh->bskh", ds, q_a, preferred_element_type=_F32)
-    return dq_a, dk_b, dv_b
+def _grad_block(g, diagonal, q_a, k_b, v_b, seg_a, seg_b, do_a, lse_a, delta_a, dq_a, dk_b,
+                dv_b):
+    """FlashAttention-2 backward of one pair; adds fp32 dq_a [B, C, N, H], dk_b, dv_b."""
+    dq, dk, dv = chunked.block_backward(q_a, k_b, v_b, seg_a, seg_b, lse_a, delta_a, do_a,
+                                        g.plan(diagonal), g.scale)
+    return dq_a + dq, dk_b + dk, dv_b + dv
 
 
 def _visit(g: _Ring, cq, ck, fn, state):
-    """Runs ``fn(state)`` for a pair the skip rule keeps; skipped pairs cost one branch."""
-    keep = g.computed(cq, ck)
-    if keep is True:
-        return fn(state)
-    return lax.cond(keep, fn, lambda st: st, state)
+    """Runs ``fn(state, diagonal)`` for a pair the causal skip rule keeps.
+
+    Without causal masking every pair is computed in full. With it, a pair whose kv chunk
+    comes after its q chunk is skipped (costs one branch), the diagonal pair runs with the
+    triangular mask and earlier chunks without it: a ``lax.switch`` on traced chunk ids.
+    """
+    if not g.causal:
+        return fn(state, False)
+    branch = jnp.where(ck > cq, 0, jnp.where(ck == cq, 1, 2))
+    return lax.switch(branch, [lambda st: st, lambda st: fn(st, True),
+                               lambda st: fn(st, False)], state)
 
 
 def _send(tree, r: int):
@@ -216,18 +194,16 @@ def _ring_forward(q, k, v, seg, g: _Ring):
       k, v: [B, T, K', H]; seg: [B, T] ints or None.
 
     Returns:
-      out [B, T, N', H] in q's dtype, lse (nc arrays [B, K', G, C] fp32, -inf on rows that saw
+      out [B, T, N', H] in q's dtype, lse (nc arrays [B, C, N'] fp32, -inf on rows that saw
       no key) and the number of pairs computed (int32 scalar).
     """
-    b, _, n, h = q.shape
-    kh = k.shape[2]
     rank = lax.axis_index(RING)
-    qs = [x.reshape(b, g.c, kh, n // kh, h) for x in g.split(q)]            # [B, C, K, G, H]
+    qs = g.split(q)                                                          # [B, C, N, H]
     seg_q = g.split(seg) if seg is not None else [None] * g.nc
     # Initial state built from q, so inside shard_map it varies over the same axes as the
     # loop's outputs (a bare jnp.zeros would not, and fori_loop/cond need them to match).
-    o = [jnp.zeros_like(x, _F32).transpose(0, 2, 3, 1, 4) for x in qs]       # [B, K, G, C, H]
-    lse = [jnp.full_like(x[..., 0], -jnp.inf, _F32).transpose(0, 2, 3, 1) for x in qs]
+    o = [jnp.zeros_like(x, _F32) for x in qs]                                # [B, C, N, H]
+    lse = [jnp.full_like(x[..., 0], -jnp.inf, _F32) for x in qs]             # [B, C, N]
     count = jnp.zeros_like(q, jnp.int32, shape=())
 
     def step(t, acc, kv):
@@ -243,10 +219,10 @@ def _ring_forward(q, k, v, seg, g: _Ring):
             for j in range(g.nc):
                 cq, ck = g.chunk(rank, a), g.chunk(src, j)
 
-                def pair(st, a=a, j=j, cq=cq, ck=ck):
+                def pair(st, diagonal, a=a, j=j):
                     o_a, lse_a, n_done = st
-                    o_a, lse_a = _merge_block(g, qs[a], ks[j], vs[j], seg_q_t[a], seg_k[j], cq,
-                                              ck, o_a, lse_a)
+                    o_a, lse_a = _merge_block(g, diagonal, qs[a], ks[j], vs[j], seg_q_t[a],
+                                              seg_k[j], o_a, lse_a)
                     return o_a, lse_a, n_done + 1
 
                 o[a], lse[a], count = _visit(g, cq, ck, pair, (o[a], lse[a], count))
@@ -259,8 +235,7 @@ def _ring_forward(q, k, v, seg, g: _Ring):
 
     kv = (k, v, seg)
     (o, lse, count), _ = lax.fori_loop(1, g.r, body, (step(0, (o, lse, count), kv), kv))
-    out = jnp.concatenate([x.transpose(0, 3, 1, 2, 4).reshape(b, g.c, n, h) for x in o], axis=1)
-    return out.astype(q.dtype), lse, count
+    return jnp.concatenate(o, axis=1).astype(q.dtype), lse, count
 
 
 def _ring_backward(q, k, v, seg, out, lse, d_out, g: _Ring):
@@ -269,16 +244,11 @@ def _ring_backward(q, k, v, seg, out, lse, d_out, g: _Ring):
     Returns:
       dq, dk, dv in the dtypes of q, k, v, and the number of pairs recomputed.
     """
-    b, t, n, h = q.shape
-    kh = k.shape[2]
     rank = lax.axis_index(RING)
-    chunks = lambda x: [y.reshape(b, g.c, kh, n // kh, h) for y in g.split(x)]
-    qs, dos, outs = chunks(q), chunks(d_out), chunks(out)                    # [B, C, K, G, H]
+    qs, dos = g.split(q), g.split(d_out)                                     # [B, C, N, H]
     seg_q = g.split(seg) if seg is not None else [None] * g.nc
-    delta = [jnp.einsum("btkgh,btkgh->bkgt", o.astype(_F32), do.astype(_F32))
-             for o, do in zip(outs, dos)]                                     # [B, K, G, C]
-    lse = [jnp.where(jnp.isfinite(x), x, jnp.inf) for x in lse]    # unseen rows: p = 0
-    dq = [jnp.zeros_like(x, _F32) for x in qs]                                # [B, C, K, G, H]
+    delta = [chunked._delta(o, do) for o, do in zip(g.split(out), dos)]       # [B, C, N]
+    dq = [jnp.zeros_like(x, _F32) for x in qs]                                # [B, C, N, H]
     dkv = (jnp.zeros_like(k, _F32), jnp.zeros_like(v, _F32))                  # [B, T, K, H]
     count = jnp.zeros_like(q, jnp.int32, shape=())
 
@@ -292,10 +262,10 @@ def _ring_backward(q, k, v, seg, out, lse, d_out, g: _Ring):
             for j in range(g.nc):
                 cq, ck = g.chunk(rank, a), g.chunk(src, j)
 
-                def pair(st, a=a, j=j, cq=cq, ck=ck):
+                def pair(st, diagonal, a=a, j=j):
                     dq_a, dk_j, dv_j, n_done = st
-                    dq_a, dk_j, dv_j = _grad_block(g, qs[a], ks[j], vs[j], seg_q[a], seg_k[j],
-                                                   cq, ck, dos[a], lse[a], delta[a],
+                    dq_a, dk_j, dv_j = _grad_block(g, diagonal, qs[a], ks[j], vs[j], seg_q[a],
+                                                   seg_k[j], dos[a], lse[a], delta[a],
                                                    dq_a, dk_j, dv_j)
                     return dq_a, dk_j, dv_j, n_done + 1
 
@@ -315,8 +285,8 @@ def _ring_backward(q, k, v, seg, out, lse, d_out, g: _Ring):
 
     (dq, count), _, dkv = lax.fori_loop(1, g.r, body, (acc, kv, dkv))
     dk, dv = _send(dkv, g.r)                          # last hop: rank r-1 -> owner r
-    dq = jnp.concatenate([x.reshape(b, g.c, n, h) for x in dq], axis=1) * g.scale
-    return (dq.astype(q.dtype), (dk * g.scale).astype(k.dtype), dv.astype(v.dtype), count)
+    dq = jnp.concatenate(dq, axis=1)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), count
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -341,7 +311,8 @@ _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 # ----------------------------------------------------------------------------- public API
 
 def hybrid_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
-                     impl: str = "auto", layout: str = "zigzag"):
+                     impl: str = "auto", layout: str = "zigzag", block_q: int = 512,
+                     block_k: int = 512):
     """Hybrid Ulysses x Ring attention over the mesh's ("ring", "seq") axes.
 
     Args:
@@ -362,26 +333,29 @@ def hybrid_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=No
           and direction when U is even, up to 4 of half shards when U is odd: about one extra
           shard of q/k/v traffic in and one of output out per device, no all-gather),
           otherwise as "contiguous".
+      block_q, block_k: tile sizes inside each (q chunk, kv chunk) pair (clamped to the chunk):
+        one fp32 [B, N/U, block_q, block_k] score tile lives at a time, never a chunk x chunk one.
 
     Returns:
       [B, S, N, H] in the order of ``layout``, sharded P("data", ("ring", "seq")).
     """
-    return _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, counts=False)
+    return _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, (block_q, block_k),
+                   counts=False)
 
 
 def block_counts(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
-                 layout: str = "zigzag") -> np.ndarray:
+                 layout: str = "zigzag", block_q: int = 512, block_k: int = 512) -> np.ndarray:
     """Debug: pairs (q chunk, kv chunk) each device computed, from the kernels' own counters.
 
     Runs the same forward and backward ring passes as ``hybrid_attention`` (backward with the
     output as cotangent) and returns int [D, R, U, 2]: forward and backward counts per device.
     """
     fn = jax.jit(lambda q, k, v, seg: _hybrid(q, k, v, mesh, causal, seg, "auto", layout,
-                                              counts=True))
+                                              (block_q, block_k), counts=True))
     return np.asarray(fn(q, k, v, segment_ids))
 
 
-def _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, counts: bool):
+def _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, blocks, counts: bool):
     """The one shard_map site: validation, exchange, ring, exchange back (or block counts)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown ring layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
@@ -395,7 +369,11 @@ def _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, counts: bool):
     reorder = layout == "natural" and causal and s % (2 * r * u) == 0
     zigzag = layout == "zigzag" or reorder
     nc = 2 if zigzag else 1
-    g = _Ring(r=r, nc=nc, c=s // (r * nc), causal=causal, scale=float(h ** -0.5))
+    if min(blocks) < 1:
+        raise ValueError(f"block sizes must be positive, got block_q {blocks[0]}, "
+                         f"block_k {blocks[1]}")
+    g = _Ring(r=r, nc=nc, c=s // (r * nc), causal=causal, scale=float(h ** -0.5),
+              block_q=blocks[0], block_k=blocks[1])
     n_local, k_local = n // u, k.shape[2] * reps // u
     fwd_moves = _half_shard_moves(r * u, r, to_zigzag=True) if reorder else None
     back_moves = _half_shard_moves(r * u, r, to_zigzag=False) if reorder else None
