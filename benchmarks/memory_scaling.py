@@ -1,7 +1,7 @@
 """Per-device peak memory of a full training step against sequence length and Ulysses degree P.
 
     python benchmarks/memory_scaling.py [--presets tiny,llama-1b] [--ps 1,2,4,8]
-        [--budget-gb tiny=0.25,llama-1b=24] [--out-dir benchmarks/results]
+        [--budget-gb tiny=0.25,llama-1b=24] [--set KEY=VALUE ...] [--out-dir benchmarks/results]
 
 Every point is an abstract compile of the whole train step (forward, backward, AdamW update)
 through ``trainer.dry_run``: XLA's memory analysis of the partitioned program, per device,
@@ -85,6 +85,7 @@ def measure(preset: str, lengths, ps, extra_overrides=()) -> list[dict]:
             records.append({
                 "preset": preset, "p": p, "seq_len": s, "n_layers": cfg.model.n_layers,
                 "remat": cfg.model.remat, "dtype": cfg.model.dtype,
+                "vocab_parallel": cfg.model.vocab_parallel,
                 "param_sharding": cfg.param_sharding, "params": r["params"],
                 "peak_bytes": r["peak_bytes_per_device"], "argument_bytes": r["argument_bytes"],
                 "temp_bytes": r["temp_bytes"], "flops": r["flops_per_device"],
@@ -244,6 +245,9 @@ def main(argv=None) -> int:
                     default=",".join(f"{k}={v:g}" for k, v in DEFAULT_BUDGETS.items()),
                     help="per-device budget in GiB: one number for every preset or "
                          "name=GiB,... (default %(default)s)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every point (repeatable), e.g. "
+                         "--set model.vocab_parallel=false")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     try:
@@ -262,7 +266,7 @@ def main(argv=None) -> int:
     records, analysis = [], {}
     for preset in presets:
         lengths = _ints(getattr(args, f"{preset.replace('-', '_')}_seq_lens"))
-        extra = []
+        extra = list(args.set)
         if preset == "llama-1b" and args.llama_1b_layers is not None:
             extra.append(f"model.n_layers={args.llama_1b_layers}")
             print(f"note: llama-1b n_layers reduced to {args.llama_1b_layers} (preset: 16) "

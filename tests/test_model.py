@@ -195,6 +195,47 @@ def test_compiled_step_holds_no_full_logits():
                                                           plain_temp)
 
 
+@pytest.mark.parametrize("seq,ring,vocab", [(2, 1, V), (4, 1, 256), (2, 2, 250)])
+def test_vocab_parallel_does_not_change_numbers(seq, ring, vocab):
+    """model.vocab_parallel (the default) against the replicated embedding and head: same
+    loss and gradients, with V divisible by P and not (257 and 250: padded shards)."""
+    batch = _batch(16)
+    batch = {k: (v % vocab if k in ("tokens", "targets") else v) for k, v in batch.items()}
+    base = {"mesh.ring": ring, "model.vocab_size": vocab, "param_sharding": "zero3"}
+    _, mesh, g, s, _, _ = _setup(seq, 1, **base)
+    _, _, gr, sr, _, _ = _setup(seq, 1, **base, **{"model.vocab_parallel": False})
+    assert nnx.merge(g, s["params"]).vocab_parallel
+    assert not nnx.merge(gr, sr["params"]).vocab_parallel
+    if ring > 1:  # the training model reads zigzag-ordered batches on a ring mesh
+        from ulysses_jax.ring import zigzag_permutation
+        batch = {k: v[:, zigzag_permutation(64, ring)] for k, v in batch.items()}
+    l0, g0 = _loss_and_grads(gr, sr, batch, mesh)
+    l1, g1 = _loss_and_grads(g, s, batch, mesh)
+    _rel_close(l1, l0, 1e-5)
+    _rel_close(g1, g0, 1e-5)
+
+
+def test_vocab_parallel_step_holds_no_full_vocab_buffer():
+    """With ZeRO-3 and the vocabulary split, no fp32 array in the compiled train step is as
+    large as the [V, D] embedding, and temp memory is lower by more than one such array; with
+    model.vocab_parallel=false both fail (the check can fail). Sizes make [V, D] dominate."""
+    vocab, d, seq = 16384, 32, 4
+    over = {"model.vocab_size": vocab, "seq_len": 256, "batch_size": 1, "model.loss_chunk": 16,
+            "model.d_model": d, "model.ffn_dim": 64, "model.n_layers": 1, "model.n_heads": 4,
+            "model.n_kv_heads": 4, "model.head_dim": 8, "param_sharding": "zero3"}
+    batch = _batch(17, b=1, s=256)
+    found = {}
+    for split in (True, False):
+        cfg, mesh, g, state, sh, tx = _setup(seq, 1, **over, **{"model.vocab_parallel": split})
+        compiled = make_train_step(cfg, mesh, g, tx, sh).lower(state, batch).compile()
+        f32_sizes = [np.prod([int(x) for x in dims.split(",")])
+                     for dims in re.findall(r"f32\[([\d,]+)\]", compiled.as_text())]
+        found[split] = (max(f32_sizes), compiled.memory_analysis().temp_size_in_bytes)
+    table_elems = vocab * d
+    assert found[True][0] < table_elems <= found[False][0], (found, table_elems)
+    assert found[True][1] < found[False][1] - 4 * table_elems, (found, 4 * table_elems)
+
+
 @pytest.mark.parametrize("heads,kv,seq", [(8, 2, 4), (8, 1, 4), (8, 1, 8)])
 def test_gqa_and_mqa_train(heads, kv, seq):
     cfg, mesh, g, state, sh, tx = _setup(seq, 1, **{"model.n_heads": heads,

@@ -58,7 +58,8 @@ class ModelConfig:
     dtype: str = "float32"          # compute dtype; parameters are always float32
     remat: str = "none"             # none | full | save_dots | offload (dots to host memory)
     attn_impl: str = "auto"         # see ulysses_jax.kernels.resolve_impl
-    loss_chunk: int = 1024          # tokens per device per cross-entropy chunk
+    loss_chunk: int = 1024          # tokens per device per chunk of the loss and embedding
+    vocab_parallel: bool = True     # split embedding and head over the sequence devices
     mlp_chunk: int = 0              # tokens per device per MLP chunk (TiledMLP); 0 = untiled
     init_std: float = 0.02
 

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .config import ModelConfig
 from .loss import largest_divisor_at_most
 from .mesh import act_spec, axis_size, RING, shard
+from . import vocab
 from .ring import hybrid_attention
 from .ulysses import ulysses_attention
 
@@ -219,6 +220,11 @@ class Decoder(nnx.Module):
     def dtype(self):
         return jnp.dtype(self.cfg.dtype)
 
+    @property
+    def vocab_parallel(self) -> bool:
+        """Embedding and loss split over the vocabulary (``model.vocab_parallel``, P > 1)."""
+        return self.cfg.vocab_parallel and vocab.shards(self.mesh) > 1
+
     def head_weight(self) -> jax.Array:
         """The output projection [D, V] in float32 (the transposed embedding when tied)."""
         return self.embed[...].T if self.lm_head is None else self.lm_head[...]
@@ -234,8 +240,12 @@ class Decoder(nnx.Module):
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)  # [B, S, D]
-        x = shard(x, self.mesh, act_spec(self.mesh, 1))
+        if self.vocab_parallel:
+            x = vocab.embed(self.embed[...], tokens, mesh=self.mesh, dtype=self.dtype,
+                            chunk=self.cfg.loss_chunk)                              # [B, S, D]
+        else:
+            x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)
+            x = shard(x, self.mesh, act_spec(self.mesh, 1))
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x, state):

@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from . import vocab
 from .config import Config, OptimizerConfig
 from .data import FIELDS
 from .loss import chunked_cross_entropy
@@ -120,12 +121,17 @@ def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
 def loss_fn(graphdef, params, batch, mesh: Mesh):
     """Mean next-token loss of ``batch`` (dict of [B, S] arrays) and its token count.
 
-    The output projection enters the loss in the compute dtype: with bf16 compute the
-    replicated copy each device holds of the [D, V] head is half the size."""
+    Vocabulary-parallel (vocab.py) when the model is: each device holds V/P columns of the
+    head, in fp32. Otherwise the head enters the loss replicated, in the compute dtype (with
+    bf16 compute the copy each device holds of the [D, V] head is then half the size)."""
     model = nnx.merge(graphdef, params)
     hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
-    return chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype), batch["targets"],
-                                 batch["loss_mask"], mesh=mesh, chunk=model.cfg.loss_chunk)
+    args = (batch["targets"], batch["loss_mask"])
+    if model.vocab_parallel:
+        return vocab.cross_entropy(hidden, model.head_weight(), *args, mesh=mesh,
+                                   chunk=model.cfg.loss_chunk)
+    return chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype), *args,
+                                 mesh=mesh, chunk=model.cfg.loss_chunk)
 
 
 def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callable:

@@ -53,18 +53,24 @@ def peak_flops(device) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
+_RUNTIME_FIELDS = ("dtype", "remat", "attn_impl", "loss_chunk", "vocab_parallel", "mlp_chunk",
+                   "init_std")
+
+
+def _runtime_options(cfg: Config) -> dict:
+    """The run's own model options, kept when the model's shape comes from a checkpoint."""
+    return {k: getattr(cfg.model, k) for k in _RUNTIME_FIELDS} | {"max_seq_len": cfg.seq_len}
+
+
 def resolve_init_from(cfg: Config) -> Config:
     """With ``init_from``, the model's shape comes from the checkpoint's config.json (the
-    run's ``model.dtype``, ``remat``, ``attn_impl``, ``loss_chunk``, ``mlp_chunk`` are kept) and its
-    tokenizer.json is used unless ``data.tokenizer`` names another."""
+    run's model options in ``_RUNTIME_FIELDS`` are kept) and its tokenizer.json is used unless
+    ``data.tokenizer`` names another."""
     if not cfg.init_from:
         return cfg
     from .hf import config_from_hf, read_config  # lazy: only fine-tuning needs it
-    m = cfg.model
     try:
-        model = config_from_hf(read_config(cfg.init_from), dtype=m.dtype, max_seq_len=cfg.seq_len,
-                               remat=m.remat, attn_impl=m.attn_impl, loss_chunk=m.loss_chunk,
-                               mlp_chunk=m.mlp_chunk, init_std=m.init_std)
+        model = config_from_hf(read_config(cfg.init_from), **_runtime_options(cfg))
     except (OSError, ValueError) as e:
         raise ConfigError(f"init_from {cfg.init_from!r}: {e}") from None
     data = cfg.data
@@ -319,10 +325,7 @@ def _initial_params(cfg: Config, mesh):
     if not cfg.init_from:
         return None
     from .hf import load_params  # imported lazily: only fine-tuning needs it
-    m = cfg.model
-    _, params = load_params(cfg.init_from, mesh, cfg.param_sharding, dtype=m.dtype,
-                            max_seq_len=cfg.seq_len, remat=m.remat, attn_impl=m.attn_impl,
-                            loss_chunk=m.loss_chunk, mlp_chunk=m.mlp_chunk, init_std=m.init_std)
+    _, params = load_params(cfg.init_from, mesh, cfg.param_sharding, **_runtime_options(cfg))
     _log(f"initialised from Hugging Face checkpoint {cfg.init_from}")
     return params
 
