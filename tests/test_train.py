@@ -48,6 +48,17 @@ def test_every_preset_loads():
         assert cfg.seq_len % cfg.mesh.seq == 0
 
 
+def test_chunk_notes_name_the_size_used():
+    from ulysses_jax.trainer import chunk_notes
+    assert chunk_notes(_cfg("mesh.seq=2", "model.loss_chunk=16", "model.mlp_chunk=64")) == []
+    notes = chunk_notes(_cfg("seq_len=96", "mesh.seq=2", "model.loss_chunk=20",
+                             "model.mlp_chunk=7"))
+    assert notes == ["model.loss_chunk=20 does not divide the 48 tokens per device; chunks of "
+                     "16 tokens are used",
+                     "model.mlp_chunk=7 does not divide the 48 tokens per device; chunks of "
+                     "6 tokens are used"], notes
+
+
 @pytest.mark.parametrize("name", ["llama3-8b-128k", "qwen3-8b-128k", "llama-1b-32k"])
 def test_big_presets_compile_reduced(name):
     """Full widths, one layer, a short sequence: the presets compile and the plan reports

@@ -24,7 +24,7 @@ sequence permuted so that the ordinary ("ring", "seq") split hands each rank its
 segment ids) in that order, so the model never reorders; ``layout="natural"`` reorders here.
 
 Masking works per (q chunk, kv chunk) pair with true global chunk indices: a pair whose kv
-chunk comes after its q chunk is skipped by ``lax.cond`` (never computed), the diagonal pair
+chunk comes after its q chunk is skipped by ``lax.switch`` (never computed), the diagonal pair
 gets the triangular mask, earlier chunks only the segment mask. The contiguous layout uses one
 chunk of S/R per rank, zigzag two of S/(2R). Within a pair the work is tiled by the chunked
 kernel (chunked.block_forward / block_backward): one fp32 [B, N/U, block_q, block_k] score tile

@@ -22,6 +22,7 @@ from . import data as data_lib
 from .checkpoint import Checkpointer
 from .config import Config, ConfigError, to_dict, to_yaml, validate
 from .hlo import collective_counts
+from .loss import largest_divisor_at_most
 from .mesh import make_mesh
 from .train_step import (batch_shardings, init_state, make_eval_step, make_train_step,
                          param_count, state_layout)
@@ -103,6 +104,21 @@ def _abstract_batch(cfg: Config, mesh):
                                     sharding=s) for k, s in batch_shardings(mesh).items()}
 
 
+def chunk_notes(cfg: Config) -> list[str]:
+    """A line for each chunk size that does not divide the tokens per device: the loops then
+    use the largest divisor below it (loss.largest_divisor_at_most), which can be much
+    smaller, so say which."""
+    local = cfg.seq_len // (cfg.mesh.seq * cfg.mesh.ring)
+    notes = []
+    for key, want in (("model.loss_chunk", cfg.model.loss_chunk),
+                      ("model.mlp_chunk", cfg.model.mlp_chunk)):
+        used = largest_divisor_at_most(local, want) if want else local
+        if want and used < min(want, local):
+            notes.append(f"{key}={want} does not divide the {local} tokens per device; "
+                         f"chunks of {used} tokens are used")
+    return notes
+
+
 def dry_run(cfg: Config) -> dict:
     """Compiles the train step for the configured mesh without allocating or training.
 
@@ -130,6 +146,7 @@ def dry_run(cfg: Config) -> dict:
         "mesh": {"data": cfg.mesh.data, "ring": cfg.mesh.ring, "seq": cfg.mesh.seq},
         "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
         "compile_seconds": round(time.time() - t0, 2),
+        "notes": chunk_notes(cfg),
     }
 
 
@@ -197,6 +214,8 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     _log(f"resolved config:\n{to_yaml(cfg)}")
+    for note in chunk_notes(cfg):
+        _log(f"note: {note}")
     if _is_main():
         with open(os.path.join(workdir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
