@@ -261,8 +261,13 @@ def attention_temp(s, hq, hkv, d, u, r) -> dict:
         return jax.grad(lambda q: _attention(mesh, r, seg)(q, k, v).sum())(q)
 
     def scanned(q, k, v, seg):
+        # K and V depend on the carried activation, as in a model layer: with K/V the same
+        # in every step, JAX could hoist their whole ring rotation out of the scan.
+        def layer(x, _):
+            kx, vx = k + x[:, :, :hkv], v - x[:, :, :hkv]
+            return _attention(mesh, r, seg)(x, kx, vx), None
+
         def loss(q):
-            layer = lambda x, _: (_attention(mesh, r, seg)(x, k, v), None)
             return jax.lax.scan(layer, q, None, length=2)[0].sum()
         return jax.grad(loss)(q)
 

@@ -128,13 +128,14 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
     axes = seq_axes(mesh)
     all_axes = tuple(a for a in (DATA, RING, SEQ) if a in mesh.axis_names)
     vocab = w_head.shape[1]
+    padded = padded_vocab(vocab, mesh) != vocab
     w_head = _pad_rows(w_head.T, padded_vocab(vocab, mesh)).T            # [D, Vp]
 
     def body(h, w, t, m):
         # h: [B/D, L, D]; w: [D, Vl] fp32; t, m: [B/D, L]
         cols = w.shape[1]
         me = lax.axis_index(axes)
-        real = (me * cols + jnp.arange(cols)) < vocab                     # padded columns: -inf
+        real = (me * cols + jnp.arange(cols)) < vocab                     # padded columns
 
         @jax.checkpoint  # keep only the chunk's inputs; recompute its logits in the backward
         def chunk_loss(args):
@@ -144,7 +145,8 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
             ids, own = _owned(lax.all_gather(tc, axes, axis=1, tiled=True), cols, axes)
             logits = jnp.einsum("BTD,DV->BTV", h_all, w.astype(hc.dtype),
                                 preferred_element_type=_F32)              # [B, P*C, Vl]
-            logits = jnp.where(real, logits, -jnp.inf)
+            if padded:
+                logits = jnp.where(real, logits, -jnp.inf)
             top = lax.pmax(lax.stop_gradient(logits.max(-1)), axes)      # [B, P*C]
             lse = jnp.log(lax.psum(jnp.exp(logits - top[..., None]).sum(-1), axes)) + top
             picked = jnp.take_along_axis(logits, ids[..., None], axis=-1)[..., 0]
