@@ -195,15 +195,23 @@ def test_compiled_step_holds_no_full_logits():
                                                           plain_temp)
 
 
-@pytest.mark.parametrize("seq,ring,vocab", [(2, 1, V), (4, 1, 256), (2, 2, 250)])
-def test_vocab_parallel_does_not_change_numbers(seq, ring, vocab):
+@pytest.mark.parametrize("seq,ring,data,vocab,tied", [
+    (2, 1, 1, V, True),      # V=257 padded to 258
+    (4, 1, 1, 256, True),
+    (2, 2, 1, 250, True),    # ring x seq, padded to 252
+    (2, 1, 2, 256, False),   # data axis, untied lm_head
+    (4, 1, 2, 250, False),   # data axis, untied, padded
+])
+def test_vocab_parallel_does_not_change_numbers(seq, ring, data, vocab, tied):
     """model.vocab_parallel (the default) against the replicated embedding and head: same
-    loss and gradients, with V divisible by P and not (257 and 250: padded shards)."""
+    loss and gradients (fp32), with V divisible by P and not (padded shards), on seq,
+    ring x seq and data x seq meshes, tied and untied."""
     batch = _batch(16)
     batch = {k: (v % vocab if k in ("tokens", "targets") else v) for k, v in batch.items()}
-    base = {"mesh.ring": ring, "model.vocab_size": vocab, "param_sharding": "zero3"}
-    _, mesh, g, s, _, _ = _setup(seq, 1, **base)
-    _, _, gr, sr, _, _ = _setup(seq, 1, **base, **{"model.vocab_parallel": False})
+    base = {"mesh.ring": ring, "model.vocab_size": vocab, "param_sharding": "zero3",
+            "model.tie_embeddings": tied}
+    _, mesh, g, s, _, _ = _setup(seq, data, **base)
+    _, _, gr, sr, _, _ = _setup(seq, data, **base, **{"model.vocab_parallel": False})
     assert nnx.merge(g, s["params"]).vocab_parallel
     assert not nnx.merge(gr, sr["params"]).vocab_parallel
     if ring > 1:  # the training model reads zigzag-ordered batches on a ring mesh
@@ -215,11 +223,12 @@ def test_vocab_parallel_does_not_change_numbers(seq, ring, vocab):
     _rel_close(g1, g0, 1e-5)
 
 
-def test_vocab_parallel_step_holds_no_full_vocab_buffer():
+@pytest.mark.parametrize("vocab", [16384, 16382])  # 16382: padded to 16384 at P=4
+def test_vocab_parallel_step_holds_no_full_vocab_buffer(vocab):
     """With ZeRO-3 and the vocabulary split, no fp32 array in the compiled train step is as
     large as the [V, D] embedding, and temp memory is lower by more than one such array; with
     model.vocab_parallel=false both fail (the check can fail). Sizes make [V, D] dominate."""
-    vocab, d, seq = 16384, 32, 4
+    d, seq = 32, 4
     over = {"model.vocab_size": vocab, "seq_len": 256, "batch_size": 1, "model.loss_chunk": 16,
             "model.d_model": d, "model.ffn_dim": 64, "model.n_layers": 1, "model.n_heads": 4,
             "model.n_kv_heads": 4, "model.head_dim": 8, "param_sharding": "zero3"}

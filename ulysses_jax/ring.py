@@ -322,8 +322,9 @@ def hybrid_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=No
       causal: causal masking over true global positions.
       segment_ids: optional [B, S] ints in the same token order as q; tokens attend only
         within their own segment.
-      impl: validated like ``ulysses_attention``'s; the ring runs its own block kernel, which
-        must return the logsumexp that the ring merge needs.
+      impl: validated like ``ulysses_attention``'s; every pair runs the chunked kernel
+        (``chunked.block_forward``), whatever the value: the ring merge needs each pair's
+        logsumexp, which the cuDNN and XLA paths do not return.
       layout: the token order of q, k, v, segment_ids and of the result:
         "zigzag": already in zigzag order, ``x[:, zigzag_permutation(S, R)]`` (S % (2UR) == 0);
           causal work is balanced and nothing is reordered. The model path.
@@ -349,6 +350,7 @@ def block_counts(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
 
     Runs the same forward and backward ring passes as ``hybrid_attention`` (backward with the
     output as cotangent) and returns int [D, R, U, 2]: forward and backward counts per device.
+    It counts (q chunk, kv chunk) pairs, not the block_q x block_k tiles inside a pair.
     """
     fn = jax.jit(lambda q, k, v, seg: _hybrid(q, k, v, mesh, causal, seg, "auto", layout,
                                               (block_q, block_k), counts=True))

@@ -32,7 +32,7 @@ its reduce-scatter backward (the chunk is recomputed in the backward pass, so th
 runs twice), plus small [B, S] ints and scalars.
 
 A vocabulary that P does not divide is padded with zero rows up to a multiple of P; padded
-logits are set to -inf, and no token id points at a padded row.
+columns are left out of the softmax sums, and no token id points at a padded row.
 """
 from __future__ import annotations
 
@@ -145,10 +145,13 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
             ids, own = _owned(lax.all_gather(tc, axes, axis=1, tiled=True), cols, axes)
             logits = jnp.einsum("BTD,DV->BTV", h_all, w.astype(hc.dtype),
                                 preferred_element_type=_F32)              # [B, P*C, Vl]
-            if padded:
-                logits = jnp.where(real, logits, -jnp.inf)
-            top = lax.pmax(lax.stop_gradient(logits.max(-1)), axes)      # [B, P*C]
-            lse = jnp.log(lax.psum(jnp.exp(logits - top[..., None]).sum(-1), axes)) + top
+            # Padded columns are masked inside the reductions (fused; a masked copy of the
+            # logits would be one more [B, P*C, Vl] fp32 buffer).
+            row_max = jnp.where(real, logits, -jnp.inf).max(-1) if padded else logits.max(-1)
+            top = lax.pmax(lax.stop_gradient(row_max), axes)              # [B, P*C]
+            e = jnp.exp(logits - top[..., None])
+            e = jnp.where(real, e, 0.0) if padded else e
+            lse = jnp.log(lax.psum(e.sum(-1), axes)) + top
             picked = jnp.take_along_axis(logits, ids[..., None], axis=-1)[..., 0]
             picked = lax.psum(jnp.where(own, picked, 0.0), axes)          # [B, P*C]
             mine = lax.dynamic_slice_in_dim(lse - picked, me * c, c, axis=1)   # [B, C]
