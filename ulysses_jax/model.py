@@ -7,7 +7,9 @@ L layers.
 Layout: activations are [B, S, D] sharded P("data", "seq", None) (P("data", ("ring", "seq"),
 None) on a mesh with a ring axis): every device holds S/P tokens, and only attention
 (``ulysses_attention``, or ``ring.hybrid_attention``) ever sees a whole sequence, for N/P heads.
-Norms, projections, the MLP, the embedding and the loss are all token-local.
+Norms, projections and the MLP are token-local. The embedding and the loss split the
+vocabulary over the same devices by default (``vocab.py``, ``model.vocab_parallel``); with
+that off they are token-local too.
 
 RoPE runs before the exchange, on each device's own tokens, with the global (or per-document)
 position of every token carried in the batch (``positions`` [B, S], sharded like the tokens).
