@@ -119,6 +119,18 @@ def chunk_notes(cfg: Config) -> list[str]:
     return notes
 
 
+def compile_step(cfg: Config):
+    """The train step compiled for ``cfg``'s mesh from abstract shapes (nothing allocated).
+
+    Returns:
+      (the compiled step, the abstract train state it takes).
+    """
+    mesh = build_mesh(cfg)
+    graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
+    step = make_train_step(cfg, mesh, graphdef, tx, shardings)
+    return step.lower(abstract, _abstract_batch(cfg, mesh)).compile(), abstract
+
+
 def dry_run(cfg: Config) -> dict:
     """Compiles the train step for the configured mesh without allocating or training.
 
@@ -128,11 +140,8 @@ def dry_run(cfg: Config) -> dict:
       compiled HLO) and the parts of the memory estimate.
     """
     cfg = resolve_init_from(cfg)
-    mesh = build_mesh(cfg)
-    graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
-    step = make_train_step(cfg, mesh, graphdef, tx, shardings)
     t0 = time.time()
-    compiled = step.lower(abstract, _abstract_batch(cfg, mesh)).compile()
+    compiled, abstract = compile_step(cfg)
     mem = compiled.memory_analysis()
     live = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
             - mem.alias_size_in_bytes)
