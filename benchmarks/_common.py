@@ -17,6 +17,11 @@ from ulysses_jax.mesh import request_cpu_devices  # noqa: E402
 request_cpu_devices(8)
 
 
+def ints(text: str) -> list[int]:
+    """'8192,1024,8192' -> [1024, 8192]: a comma-separated command-line list, sorted, unique."""
+    return sorted({int(x) for x in text.split(",") if x.strip()})
+
+
 def command_line(script: str, argv=None) -> str:
     """The command as typed from the repository root, for the results file."""
     args = sys.argv[1:] if argv is None else list(argv)

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, command_line  # noqa: E402  (first: repo path, fake devices)
+from _common import ROOT, command_line, ints  # noqa: E402  (first: repo path, fake devices)
 
 GIB, MIB = 2 ** 30, 2 ** 20
 # name -> (preset file, default lengths, overrides on top of the preset).
@@ -45,10 +45,6 @@ TARGET_P8_OVER_P1 = 0.25
 ACTIVATIONS_DOMINATE = 0.5
 TARGET_DOUBLING = 2.0
 DOUBLING_SLACK = 1.25   # 2x + 25% = 2.5x: linear growth plus room for length-dependent buffers
-
-
-def _ints(text: str) -> list[int]:
-    return sorted({int(x) for x in text.split(",") if x.strip()})
 
 
 def _budgets(text: str) -> dict[str, float]:
@@ -256,7 +252,7 @@ def main(argv=None) -> int:
         if unknown:
             raise ValueError(f"unknown presets {unknown}; known: {list(PRESETS)}")
         budgets = _budgets(args.budget_gb)
-        ps = _ints(args.ps)
+        ps = ints(args.ps)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -265,7 +261,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     records, analysis = [], {}
     for preset in presets:
-        lengths = _ints(getattr(args, f"{preset.replace('-', '_')}_seq_lens"))
+        lengths = ints(getattr(args, f"{preset.replace('-', '_')}_seq_lens"))
         extra = list(args.set)
         if preset == "llama-1b" and args.llama_1b_layers is not None:
             extra.append(f"model.n_layers={args.llama_1b_layers}")

@@ -32,20 +32,16 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, command_line  # noqa: E402  (first: repo path, fake devices)
+from _common import ROOT, command_line, ints  # noqa: E402  (first: repo path, fake devices)
 
 import jax  # noqa: E402
 
 from hybrid_comm import executed_collectives  # noqa: E402
 from ulysses_jax.config import load_config  # noqa: E402
 from ulysses_jax.hlo import COLLECTIVES  # noqa: E402
-from ulysses_jax.trainer import compile_step  # noqa: E402
+from ulysses_jax.trainer import compile_step, peak_bytes_per_device  # noqa: E402
 
 GIB, MIB = 2 ** 30, 2 ** 20
-
-
-def _ints(text: str) -> list[int]:
-    return sorted({int(x) for x in text.split(",") if x.strip()})
 
 
 def measure(config: str, p: int, s: int, split: bool, extra=()) -> dict:
@@ -55,13 +51,9 @@ def measure(config: str, p: int, s: int, split: bool, extra=()) -> dict:
                                f"model.vocab_parallel={str(split).lower()}"])
     t0 = time.time()
     compiled, _ = compile_step(cfg)
-    mem = compiled.memory_analysis()
-    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes)
-    peak = max(getattr(mem, "peak_memory_in_bytes", 0) or 0, peak)
     ex = executed_collectives(compiled.as_text())
     m = cfg.model
-    return {"p": p, "seq_len": s, "vocab_parallel": split, "peak_bytes": int(peak),
+    return {"p": p, "seq_len": s, "vocab_parallel": split, "peak_bytes": peak_bytes_per_device(compiled),
             "collective_bytes": ex["bytes"], "collective_counts": ex["counts"],
             "d_model": m.d_model, "vocab_size": m.vocab_size, "dtype": m.dtype,
             "compile_seconds": round(time.time() - t0, 1)}
@@ -79,8 +71,8 @@ def main(argv=None) -> int:
     config = str(ROOT / args.config) if not Path(args.config).is_absolute() else args.config
     t0 = time.time()
     rows = []
-    for p in _ints(args.ps):
-        for s in _ints(args.seq_lens):
+    for p in ints(args.ps):
+        for s in ints(args.seq_lens):
             for split in (False, True):
                 r = measure(config, p, s, split, args.set)
                 rows.append(r)

@@ -305,14 +305,14 @@ def chunked_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int =
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be positive, got block_q {block_q}, block_k {block_k}")
     scale = float(h ** -0.5 if scale is None else scale)
-    plan = _Plan(t, s, min(block_q, t), min(block_k, s), causal)
-    return _attention(q, k, v, segment_ids, plan, scale)
+    return _attention(q, k, v, segment_ids, block_plan(t, s, causal, block_q, block_k), scale)
 
 
 # ----------------------------------------------------------------------------- blocks for a ring
 
 def block_plan(t: int, s: int, causal: bool, block_q: int = 512, block_k: int = 512) -> _Plan:
-    """The static geometry of ``block_forward`` / ``block_backward`` (block sizes clamped)."""
+    """Static block geometry, block sizes clamped to the lengths: ``chunked_attention``'s, and
+    the one ``block_forward`` / ``block_backward`` take."""
     return _Plan(t, s, min(block_q, t), min(block_k, s), causal)
 
 

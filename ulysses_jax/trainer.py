@@ -112,10 +112,9 @@ def chunk_notes(cfg: Config) -> list[str]:
     notes = []
     for key, want in (("model.loss_chunk", cfg.model.loss_chunk),
                       ("model.mlp_chunk", cfg.model.mlp_chunk)):
-        used = largest_divisor_at_most(local, want) if want else local
-        if want and used < min(want, local):
-            notes.append(f"{key}={want} does not divide the {local} tokens per device; "
-                         f"chunks of {used} tokens are used")
+        if want and local % min(want, local):
+            notes.append(f"{key}={want} does not divide the {local} tokens per device; chunks "
+                         f"of {largest_divisor_at_most(local, want)} tokens are used")
     return notes
 
 
@@ -131,6 +130,15 @@ def compile_step(cfg: Config):
     return step.lower(abstract, _abstract_batch(cfg, mesh)).compile(), abstract
 
 
+def peak_bytes_per_device(compiled) -> int:
+    """XLA's per-device peak of a compiled program: its reported peak, or live buffers
+    (arguments + outputs + temporaries - aliased) where that is larger or not reported."""
+    mem = compiled.memory_analysis()
+    live = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes)
+    return int(max(getattr(mem, "peak_memory_in_bytes", 0) or 0, live))
+
+
 def dry_run(cfg: Config) -> dict:
     """Compiles the train step for the configured mesh without allocating or training.
 
@@ -143,10 +151,8 @@ def dry_run(cfg: Config) -> dict:
     t0 = time.time()
     compiled, abstract = compile_step(cfg)
     mem = compiled.memory_analysis()
-    live = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes)
     return {
-        "peak_bytes_per_device": int(max(getattr(mem, "peak_memory_in_bytes", 0) or 0, live)),
+        "peak_bytes_per_device": peak_bytes_per_device(compiled),
         "flops_per_device": _flops(compiled) or 0.0,
         "collectives": collective_counts(compiled.as_text()),
         "argument_bytes": int(mem.argument_size_in_bytes),

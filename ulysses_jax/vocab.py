@@ -127,9 +127,9 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
     """
     axes = seq_axes(mesh)
     all_axes = tuple(a for a in (DATA, RING, SEQ) if a in mesh.axis_names)
-    vocab = w_head.shape[1]
-    padded = padded_vocab(vocab, mesh) != vocab
-    w_head = _pad_rows(w_head.T, padded_vocab(vocab, mesh)).T            # [D, Vp]
+    vocab, vp = w_head.shape[1], padded_vocab(w_head.shape[1], mesh)
+    padded = vp != vocab
+    w_head = _pad_rows(w_head.T, vp).T                                    # [D, Vp]
 
     def body(h, w, t, m):
         # h: [B/D, L, D]; w: [D, Vl] fp32; t, m: [B/D, L]
