@@ -253,6 +253,11 @@ def main(argv=None) -> int:
             raise ValueError(f"unknown presets {unknown}; known: {list(PRESETS)}")
         budgets = _budgets(args.budget_gb)
         ps = ints(args.ps)
+        lengths = {p: ints(getattr(args, f"{p.replace('-', '_')}_seq_lens")) for p in presets}
+        short = [f"--{p}-seq-lens" for p in presets if len(lengths[p]) < 2]
+        if short:
+            raise ValueError(f"{', '.join(short)}: give at least two lengths (the script fits "
+                             f"peak = static + per_token * seq_len)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -261,13 +266,12 @@ def main(argv=None) -> int:
     t0 = time.time()
     records, analysis = [], {}
     for preset in presets:
-        lengths = ints(getattr(args, f"{preset.replace('-', '_')}_seq_lens"))
         extra = list(args.set)
         if preset == "llama-1b" and args.llama_1b_layers is not None:
             extra.append(f"model.n_layers={args.llama_1b_layers}")
             print(f"note: llama-1b n_layers reduced to {args.llama_1b_layers} (preset: 16) "
                   f"to save compile time")
-        rows = measure(preset, lengths, ps, extra)
+        rows = measure(preset, lengths[preset], ps, extra)
         analysis[preset] = analyse(rows, budgets[preset] * GIB)
         records += rows
     for preset in presets:
