@@ -1,6 +1,6 @@
 """Train a sequence-parallel decoder: python train.py --config configs/tiny.yaml [key=value ...]
 
-Thin CLI over ``ulysses_jax.trainer.train``. On a machine with no accelerator it provides as
+Thin CLI over ``ulysses_jax.training.trainer.train``. On a machine with no accelerator it provides as
 many fake CPU devices as the mesh needs (set before JAX starts). Multi-host: pass
 --coordinator/--num-processes/--process-id, or launch under SLURM / Open MPI, and every process
 runs this same command.
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         else:
             jax.distributed.initialize()  # SLURM / Open MPI: read from the environment
 
-    from ulysses_jax.trainer import TrainingDiverged, dry_run, train
+    from ulysses_jax.training.trainer import TrainingDiverged, dry_run, train
     try:
         if args.dry_run:
             print(json.dumps(dry_run(cfg)))

@@ -51,9 +51,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from ulysses_jax.hlo import collective_bytes, collective_counts  # noqa: E402
-from ulysses_jax.kernels import local_attention, resolve_impl  # noqa: E402
+from ulysses_jax.attention.kernels import local_attention, resolve_impl  # noqa: E402
 from ulysses_jax.mesh import act_spec, make_mesh  # noqa: E402
-from ulysses_jax.ulysses import kv_repeats, ulysses_attention  # noqa: E402
+from ulysses_jax.attention import ulysses_attention  # noqa: E402
+from ulysses_jax.attention.ulysses import kv_repeats  # noqa: E402
 
 
 def effective_kv_heads(hq: int, hkv: int, p: int) -> int:

@@ -68,8 +68,8 @@ def _throughput(smoke: bool, steps: int = 5) -> dict:
     import jax
     import numpy as np
     from ulysses_jax.config import load_config
-    from ulysses_jax.trainer import build_mesh, peak_flops
-    from ulysses_jax.train_step import init_state, make_train_step
+    from ulysses_jax.training.trainer import build_mesh, peak_flops
+    from ulysses_jax.training.train_step import init_state, make_train_step
 
     out = {}
     lens = [512, 1024] if smoke else [8192, 32768]

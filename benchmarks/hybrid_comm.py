@@ -62,9 +62,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from ulysses_jax.config import ConfigError, load_config  # noqa: E402
 from ulysses_jax.hlo import COLLECTIVES, collective_bytes, collective_counts  # noqa: E402
 from ulysses_jax.mesh import act_spec, make_mesh  # noqa: E402
-from ulysses_jax.ring import hybrid_attention  # noqa: E402
-from ulysses_jax.trainer import dry_run  # noqa: E402
-from ulysses_jax.ulysses import kv_repeats, ulysses_attention  # noqa: E402
+from ulysses_jax.attention.ring import hybrid_attention  # noqa: E402
+from ulysses_jax.training.trainer import dry_run  # noqa: E402
+from ulysses_jax.attention import ulysses_attention  # noqa: E402
+from ulysses_jax.attention.ulysses import kv_repeats  # noqa: E402
 
 MIB = 2 ** 20
 MEMORY_OVERRIDES = ("model.n_heads=4", "model.n_kv_heads=2", "batch_size=1", "mesh.data=1")

@@ -56,7 +56,7 @@ def make_config(args, seq: int):
 
 def load_batches(cfg, steps: int) -> list[dict]:
     """The first ``steps`` training batches, numpy [B, S] per field, as train.py builds them."""
-    from ulysses_jax import data as data_lib
+    from ulysses_jax.training import data as data_lib
     tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
     rows, _ = data_lib.build_rows(cfg.data.source, tokenizer, cfg.seq_len,
                                   cfg.data.heldout_fraction, cfg.seed)
@@ -73,7 +73,7 @@ def decayed_hf_names(cfg, params) -> set[str]:
     import jax
     import jax.numpy as jnp
     from ulysses_jax.hf import to_hf_tensors
-    from ulysses_jax.train_step import make_optimizer
+    from ulysses_jax.training.train_step import make_optimizer
 
     opt = dataclasses.replace(cfg.optimizer, warmup_steps=0)
     tx = make_optimizer(opt, cfg.steps)
@@ -86,9 +86,9 @@ def decayed_hf_names(cfg, params) -> set[str]:
 def run_jax(cfg, seq: int, params, batches) -> dict:
     """Trains on a (data=1, seq) CPU mesh from ``params``; per-step loss, grad norm, lr."""
     import jax
-    from ulysses_jax.data import shard_batch
+    from ulysses_jax.training.data import shard_batch
     from ulysses_jax.mesh import make_mesh
-    from ulysses_jax.train_step import init_state, make_train_step
+    from ulysses_jax.training.train_step import init_state, make_train_step
 
     mesh = make_mesh(seq=seq, data=1, devices=jax.devices("cpu")[:seq])
     graphdef, state, shardings, tx = init_state(cfg, mesh, params=params)
@@ -138,7 +138,7 @@ def run_torch(cfg, export_dir: str, batches, decayed: set[str]) -> dict:
     import jax.numpy as jnp
     import torch
     import transformers
-    from ulysses_jax.train_step import make_schedule
+    from ulysses_jax.training.train_step import make_schedule
 
     transformers.logging.disable_progress_bar()
     kind = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     import torch
     from ulysses_jax.hf import save_pretrained
     from ulysses_jax.mesh import make_mesh
-    from ulysses_jax.train_step import init_state
+    from ulysses_jax.training.train_step import init_state
     from flax import nnx
 
     torch.manual_seed(args.seed)

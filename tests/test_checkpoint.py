@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 
 from conftest import need_devices
-from ulysses_jax.checkpoint import Checkpointer
+from ulysses_jax.training.checkpoint import Checkpointer
 from ulysses_jax.mesh import DATA, SEQ, make_mesh
 
 # Orbax's name for a step directory that is still being written (not public API; if Orbax

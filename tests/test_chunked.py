@@ -8,8 +8,8 @@ import pytest
 
 from conftest import need_devices, tolerance
 from ulysses_jax import make_mesh, reference_attention, ulysses_attention
-from ulysses_jax.chunked import _backward, _delta, _forward, _pad_inputs, _Plan, chunked_attention
-from ulysses_jax.kernels import local_attention, resolve_impl
+from ulysses_jax.attention.chunked import _backward, _delta, _forward, _pad_inputs, _Plan, chunked_attention
+from ulysses_jax.attention.kernels import local_attention, resolve_impl
 
 
 def _inputs(seed, b, t, s, n, kh, h, dtype=jnp.float32, segments=False):

@@ -1,4 +1,4 @@
-"""Tests for ulysses_jax.data: tokenizers, corpora, split, packing, batches, resume, sharding."""
+"""Tests for ulysses_jax.training.data: tokenizers, corpora, split, packing, batches, resume, sharding."""
 import collections
 import json
 import sys
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import need_devices
-from ulysses_jax import data
+from ulysses_jax.training import data
 from ulysses_jax.mesh import make_mesh
 
 EOS = 1_000_000  # outside the synthetic token range, so it never collides with a doc token

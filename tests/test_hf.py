@@ -23,7 +23,7 @@ from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.hf import (ARCHS, config_from_hf, config_to_hf, from_pretrained, load_params,
                             save_pretrained)
-from ulysses_jax.model import Decoder
+from ulysses_jax.models.decoder import Decoder
 
 torch = pytest.importorskip("torch", reason="torch is needed to build reference checkpoints")
 transformers = pytest.importorskip("transformers", reason="transformers is needed as reference")

@@ -10,9 +10,9 @@ from flax import nnx
 from conftest import need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
-from ulysses_jax.loss import chunked_cross_entropy, plain_cross_entropy
-from ulysses_jax.model import Decoder
-from ulysses_jax.train_step import init_state, loss_fn, make_train_step
+from ulysses_jax.models.loss import chunked_cross_entropy, plain_cross_entropy
+from ulysses_jax.models.decoder import Decoder
+from ulysses_jax.training.train_step import init_state, loss_fn, make_train_step
 
 V = 257
 
@@ -215,7 +215,7 @@ def test_vocab_parallel_does_not_change_numbers(seq, ring, data, vocab, tied):
     assert nnx.merge(g, s["params"]).vocab_parallel
     assert not nnx.merge(gr, sr["params"]).vocab_parallel
     if ring > 1:  # the training model reads zigzag-ordered batches on a ring mesh
-        from ulysses_jax.ring import zigzag_permutation
+        from ulysses_jax.attention.ring import zigzag_permutation
         batch = {k: v[:, zigzag_permutation(64, ring)] for k, v in batch.items()}
     l0, g0 = _loss_and_grads(gr, sr, batch, mesh)
     l1, g1 = _loss_and_grads(g, s, batch, mesh)
@@ -302,7 +302,7 @@ def test_tiled_mlp_same_numbers_less_memory():
 
 def test_weight_decay_spares_norms_and_biases():
     """Stacked layers make norm scales [L, D]; decay must still skip them (by name)."""
-    from ulysses_jax.train_step import _decays
+    from ulysses_jax.training.train_step import _decays
     cfg, mesh, g, state, sh, tx = _setup(1, 1, **{"model.qkv_bias": True})
     flags = {"/".join(str(getattr(k, "key", k)) for k in path): _decays(path, leaf)
              for path, leaf in jax.tree_util.tree_leaves_with_path(state["params"])}
@@ -315,7 +315,7 @@ def test_weight_decay_spares_norms_and_biases():
 def test_ring_mesh_model_matches_one_device():
     """On a (seq=2, ring=4) mesh: natural-order logits equal one device's, and the training
     model fed the zigzag-ordered batch gives the same loss and gradients."""
-    from ulysses_jax.ring import zigzag_permutation
+    from ulysses_jax.attention.ring import zigzag_permutation
     batch = _batch(14)
     _, mesh1, g1, s1, _, _ = _setup(1, 1)
     cfg, mesh, g, s, _, _ = _setup(2, 1, **{"mesh.ring": 4})

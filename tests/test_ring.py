@@ -11,7 +11,7 @@ from conftest import need_devices, tolerance
 from ulysses_jax import (act_spec, hybrid_attention, inverse_zigzag_permutation, make_mesh,
                          reference_attention, seq_axes, ulysses_attention, zigzag_permutation)
 from ulysses_jax.hlo import collective_counts, collective_shapes
-from ulysses_jax.ring import _FLAT, _half_shard_moves, _reorder, block_counts
+from ulysses_jax.attention.ring import _FLAT, _half_shard_moves, _reorder, block_counts
 
 
 def _inputs(seed, b, s, n, kh, h=8, segments=False):

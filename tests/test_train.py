@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import DEVICES
-from ulysses_jax.checkpoint import Checkpointer
+from ulysses_jax.training.checkpoint import Checkpointer
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.plot import plot_metrics
-from ulysses_jax.trainer import TrainingDiverged, dry_run, train
+from ulysses_jax.training.trainer import TrainingDiverged, dry_run, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -49,7 +49,7 @@ def test_every_preset_loads():
 
 
 def test_chunk_notes_name_the_size_used():
-    from ulysses_jax.trainer import chunk_notes
+    from ulysses_jax.training.trainer import chunk_notes
     assert chunk_notes(_cfg("mesh.seq=2", "model.loss_chunk=16", "model.mlp_chunk=64")) == []
     notes = chunk_notes(_cfg("seq_len=96", "mesh.seq=2", "model.loss_chunk=20",
                              "model.mlp_chunk=7"))
@@ -205,9 +205,10 @@ def test_init_from_hugging_face_checkpoint(tmp_path):
     torch = pytest.importorskip("torch", reason="torch is not installed (requirements-baseline.txt)")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     import jax
-    from ulysses_jax import data as data_lib, make_mesh
+    from ulysses_jax import make_mesh
+from ulysses_jax.training import data as data_lib
     from ulysses_jax.hf import from_pretrained
-    from ulysses_jax.loss import plain_cross_entropy
+    from ulysses_jax.models.loss import plain_cross_entropy
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,

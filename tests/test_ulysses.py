@@ -10,7 +10,7 @@ from conftest import need_devices, tolerance
 from ulysses_jax import (make_mesh, reference_attention, ulysses_attention, seq_to_heads,
                          heads_to_seq)
 from ulysses_jax.hlo import collective_counts, collective_shapes
-from ulysses_jax.ulysses import _pack_qkv, _unpack_qkv
+from ulysses_jax.attention.ulysses import _pack_qkv, _unpack_qkv
 
 
 def _inputs(seed, b, s, n, kh, h, dtype=jnp.float32, segments=False):

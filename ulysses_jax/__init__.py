@@ -1,8 +1,15 @@
-"""ulysses-jax: DeepSpeed-Ulysses sequence parallelism for JAX on GPUs."""
-from .kernels import local_attention, reference_attention
+"""ulysses-jax: DeepSpeed-Ulysses sequence parallelism for JAX on GPUs.
+
+Layers, each a folder: ``attention/`` (the exchange, the ring, the local kernels: everything
+that sees a whole sequence), ``models/`` (decoder families, vocabulary-parallel embedding and
+loss), ``training/`` (data, train step, checkpoints, the loop). Beside them: ``mesh`` and
+``config`` (shared by every layer), ``hf`` (Hugging Face import/export), and the command-line
+tools ``plan``, ``compare`` and ``plot``.
+"""
+from .attention import (heads_to_seq, hybrid_attention, inverse_zigzag_permutation,
+                        local_attention, reference_attention, seq_to_heads, ulysses_attention,
+                        zigzag_permutation)
 from .mesh import DATA, RING, SEQ, act_spec, make_mesh, seq_axes
-from .ring import hybrid_attention, inverse_zigzag_permutation, zigzag_permutation
-from .ulysses import heads_to_seq, seq_to_heads, ulysses_attention
 
 __all__ = [
     "DATA", "RING", "SEQ", "act_spec", "make_mesh", "seq_axes", "ulysses_attention",

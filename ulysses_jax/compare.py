@@ -136,7 +136,7 @@ def run_jax(case: Case, inputs: dict[str, np.ndarray], devices
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from .mesh import act_spec, make_mesh
-    from .ulysses import ulysses_attention
+    from .attention import ulysses_attention
 
     mesh = make_mesh(seq=case.p, data=1, devices=devices)
     sharding = NamedSharding(mesh, act_spec(mesh))
@@ -155,7 +155,7 @@ def run_reference(case: Case, inputs: dict[str, np.ndarray], device) -> dict[str
     """Dense ``reference_attention`` forward + vjp on one device."""
     import jax
     import jax.numpy as jnp
-    from .kernels import reference_attention
+    from .attention.kernels import reference_attention
 
     args = [jax.device_put(jnp.asarray(inputs[n], case.dtype), device)
             for n in ("q", "k", "v", "do")]
@@ -230,7 +230,7 @@ def compare_deepspeed(case: Case, workers: DeepSpeedWorkers, devices=None) -> Re
     median = lambda ts: statistics.median(ts) if ts else None
     versions = dict(workers.versions, jax=jax.__version__, kernel="n/a")
     if our_error is None:
-        from .kernels import resolve_impl
+        from .attention.kernels import resolve_impl
         versions["kernel"] = resolve_impl(case.impl, case.dtype, case.head_dim, backend="cpu")
     return Report(case, errors, {"ulysses_jax": median(our_times), "deepspeed": median(ds.times)},
                   notes, failures, cannot_run, versions)

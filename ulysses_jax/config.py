@@ -57,7 +57,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"          # compute dtype; parameters are always float32
     remat: str = "none"             # none | full | save_dots | offload (dots to host memory)
-    attn_impl: str = "auto"         # see ulysses_jax.kernels.resolve_impl
+    attn_impl: str = "auto"         # see ulysses_jax.attention.kernels.resolve_impl
     loss_chunk: int = 1024          # tokens per device per chunk of the loss and embedding
     vocab_parallel: bool = True     # split embedding and head over the sequence devices
     mlp_chunk: int = 0              # tokens per device per MLP chunk (TiledMLP); 0 = untiled

@@ -34,7 +34,7 @@ from safetensors.numpy import save_file
 
 from .config import DTYPES, PARAM_SHARDING, ModelConfig
 from .mesh import make_mesh
-from .model import Decoder
+from .models.decoder import Decoder
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -262,7 +262,7 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
     Raises:
       ValueError: unsupported config, missing, unexpected or wrongly shaped tensors.
     """
-    from .train_step import param_spec  # deferred: train_step pulls in optax and the loss
+    from .training.train_step import param_spec  # deferred: train_step pulls in optax and the loss
 
     if param_sharding not in PARAM_SHARDING:
         raise ValueError(f"param_sharding must be one of {PARAM_SHARDING}, got {param_sharding!r}")

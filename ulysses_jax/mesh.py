@@ -6,7 +6,7 @@ inside attention, where Ulysses swaps the sequence split for a head split.
 
 With a ring degree R > 1 the mesh is ("data", "ring", "seq") and the tokens are split over
 ("ring", "seq"), ring major: device (r, u) holds shard r*U + u of the sequence, so the U
-devices of one ring rank together hold one contiguous S/R block (see ``ring.py``). Use
+devices of one ring rank together hold one contiguous S/R block (see ``attention/ring.py``). Use
 ``seq_axes`` / ``act_spec`` rather than spelling the spec, so code serves both meshes.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Local (single-device) attention kernels and the dense reference.
 
-Shapes use the letters of model.py: B batch, T query positions, S key positions,
+Shapes use the letters of models/decoder.py: B batch, T query positions, S key positions,
 N query heads, K kv heads, G = N // K, H head dim.
 
 ``reference_attention`` is the truth the tests compare against: plain einsums, an explicit

@@ -6,7 +6,8 @@ L layers.
 
 Layout: activations are [B, S, D] sharded P("data", "seq", None) (P("data", ("ring", "seq"),
 None) on a mesh with a ring axis): every device holds S/P tokens, and only attention
-(``ulysses_attention``, or ``ring.hybrid_attention``) ever sees a whole sequence, for N/P heads.
+(``attention.ulysses_attention``: pure Ulysses, or hybrid Ulysses x Ring) ever sees a whole
+sequence, for N/P heads.
 Norms, projections and the MLP are token-local. The embedding and the loss split the
 vocabulary over the same devices by default (``vocab.py``, ``model.vocab_parallel``); with
 that off they are token-local too.
@@ -28,12 +29,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .loss import largest_divisor_at_most
-from .mesh import act_spec, axis_size, RING, shard
+from ..mesh import act_spec, shard
 from . import vocab
-from .ring import hybrid_attention
-from .ulysses import ulysses_attention
+from ..attention import ulysses_attention
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing inside a block: recompute all of it
@@ -41,15 +41,6 @@ _REMAT_POLICIES = {
     # Save the weight matmul outputs, but in host memory, copied back for the backward pass.
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
-
-
-def _attend(q, k, v, mesh, segment_ids, impl, layout, head_chunks):
-    """Ulysses attention, or hybrid Ulysses x Ring on a mesh with a ring axis."""
-    if axis_size(mesh, RING) > 1:
-        return hybrid_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
-                                impl=impl, layout=layout)
-    return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids, impl=impl,
-                             head_chunks=head_chunks)
 
 
 def _gathered(w: jax.Array, dtype, mesh: Mesh | None) -> jax.Array:
@@ -128,8 +119,9 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope(q, positions, cfg.rope_theta)                                       # [B, S, N, H]
         k = rope(k, positions, cfg.rope_theta)                                       # [B, S, K, H]
-        o = _attend(q, k, v, mesh, segment_ids, cfg.attn_impl, self.layout,
-                    self.head_chunks)                                                # [B, S, N, H]
+        o = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
+                              impl=cfg.attn_impl, head_chunks=self.head_chunks,
+                              layout=self.layout)                                    # [B, S, N, H]
         return jnp.einsum("BSNH,NHD->BSD", o, _gathered(self.wo[...], dt, mesh))
 
 

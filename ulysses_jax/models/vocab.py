@@ -1,6 +1,6 @@
 """Vocabulary-parallel embedding lookup and cross-entropy over the sequence axes.
 
-Letters as in model.py: B batch, S sequence, D model dim, V vocabulary; P the number of
+Letters as in models/decoder.py: B batch, S sequence, D model dim, V vocabulary; P the number of
 sequence shards (ring x seq devices), L = S/P the tokens per device, C a chunk of L, Vl the
 vocabulary rows per device.
 
@@ -42,7 +42,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .loss import largest_divisor_at_most
-from .mesh import DATA, RING, SEQ, act_spec, axis_size, seq_axes
+from ..mesh import DATA, RING, SEQ, act_spec, axis_size, seq_axes
 
 _F32 = jnp.float32
 

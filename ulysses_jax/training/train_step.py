@@ -17,12 +17,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import vocab
-from .config import Config, OptimizerConfig
+from ..models import vocab
+from ..config import Config, OptimizerConfig
 from .data import FIELDS
-from .loss import chunked_cross_entropy
-from .mesh import act_spec, axis_size, RING
-from .model import Decoder
+from ..models.loss import chunked_cross_entropy
+from ..mesh import act_spec, axis_size, RING
+from ..models.decoder import Decoder
 
 
 def make_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:

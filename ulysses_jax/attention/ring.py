@@ -1,8 +1,9 @@
 """Hybrid Ulysses x Ring attention (USP-style) on a ("data", "ring", "seq") mesh.
 
-Letters as in model.py: B batch, T query positions, S key positions (and the sequence), N query
-heads, K kv heads, G = N // K, H head dim; U the seq axis size, R the ring axis size, L = S/(R*U)
-the tokens per device, C the chunk length, nc the chunks per ring rank (1 or 2).
+Letters as in models/decoder.py: B batch, T query positions, S key positions (and the
+sequence), N query heads, K kv heads, G = N // K, H head dim; U the seq axis size, R the ring
+axis size, L = S/(R*U) the tokens per device, C the chunk length, nc the chunks per ring rank
+(1 or 2).
 
 Layout. Tokens are split over ("ring", "seq"), ring major: device (r, u) holds shard r*U + u.
 1. Ulysses inside each ring rank: one U-way all-to-all on "seq" (q, k, v packed in one message,
@@ -48,8 +49,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from . import chunked, kernels
-from .mesh import DATA, RING, SEQ, axis_size, shard
+from . import chunked
+
+from . import kernels
+from ..mesh import DATA, RING, SEQ, axis_size, shard
 from .ulysses import _pack_qkv, _unpack_qkv, heads_to_seq, seq_to_heads, validate
 
 _F32 = jnp.float32

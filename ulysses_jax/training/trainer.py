@@ -20,10 +20,10 @@ import numpy as np
 
 from . import data as data_lib
 from .checkpoint import Checkpointer
-from .config import Config, ConfigError, to_dict, to_yaml, validate
-from .hlo import collective_counts
-from .loss import largest_divisor_at_most
-from .mesh import make_mesh
+from ..config import Config, ConfigError, to_dict, to_yaml, validate
+from ..hlo import collective_counts
+from ..models.loss import largest_divisor_at_most
+from ..mesh import make_mesh
 from .train_step import (batch_shardings, init_state, make_eval_step, make_train_step,
                          param_count, state_layout)
 
@@ -69,7 +69,7 @@ def resolve_init_from(cfg: Config) -> Config:
     ``data.tokenizer`` names another."""
     if not cfg.init_from:
         return cfg
-    from .hf import config_from_hf, read_config  # lazy: only fine-tuning needs it
+    from ..hf import config_from_hf, read_config  # lazy: only fine-tuning needs it
     try:
         model = config_from_hf(read_config(cfg.init_from), **_runtime_options(cfg))
     except (OSError, ValueError) as e:
@@ -94,7 +94,7 @@ def token_order(cfg: Config) -> np.ndarray | None:
     natural (None). The loss is a sum over tokens, so the order does not change it."""
     if cfg.mesh.ring == 1:
         return None
-    from .ring import zigzag_permutation
+    from ..attention.ring import zigzag_permutation
     return zigzag_permutation(cfg.seq_len, cfg.mesh.ring)
 
 
@@ -358,7 +358,7 @@ def _truncate_metrics(path: str, step: int) -> None:
 def _initial_params(cfg: Config, mesh):
     if not cfg.init_from:
         return None
-    from .hf import load_params  # imported lazily: only fine-tuning needs it
+    from ..hf import load_params  # imported lazily: only fine-tuning needs it
     _, params = load_params(cfg.init_from, mesh, cfg.param_sharding, **_runtime_options(cfg))
     _log(f"initialised from Hugging Face checkpoint {cfg.init_from}")
     return params

@@ -10,8 +10,9 @@ GQA/MQA: if K % P == 0 the kv heads are split like the query heads. If P % K == 
 is repeated P/K times before the exchange (a local copy, no communication), so the device that
 gets query heads [i*N/P, (i+1)*N/P) also gets the one kv head they read.
 
-On a mesh with a "ring" axis of size R > 1, ``ulysses_attention`` hands over to ``ring.py``
-(hybrid Ulysses x Ring); this module's own path and its one shard_map site serve R == 1.
+On a mesh with a "ring" axis of size R > 1 the public ``ulysses_attention`` (attention/__init__.py,
+the one place that chooses) hands over to ``ring.py`` (hybrid Ulysses x Ring), which builds on
+this module's exchange; this module's own path and its one shard_map site serve R == 1.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from . import kernels
-from .mesh import DATA, RING, SEQ, axis_size, shard
+from ..mesh import DATA, RING, SEQ, axis_size, shard
 
 
 def seq_to_heads(x: jax.Array, axis_name: str = SEQ) -> jax.Array:
@@ -124,9 +125,9 @@ def _unpack_qkv(qkv, n_local: int, k_local: int):
 
 # ----------------------------------------------------------------------------- public API
 
-def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
-                      impl: str = "auto", head_chunks: int = 1):
-    """Sequence-parallel attention over the mesh's "seq" axis (DeepSpeed-Ulysses).
+def ulysses_only_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
+                           impl: str = "auto", head_chunks: int = 1):
+    """Sequence-parallel attention over the mesh's "seq" axis (DeepSpeed-Ulysses), R == 1.
 
     Args:
       q: [B, S, N, H] queries, sharded P("data", "seq") or not sharded.
@@ -142,17 +143,12 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=N
     Returns:
       [B, S, N, H], sharded P("data", "seq").
 
-    With a "ring" mesh axis of size R > 1 this runs hybrid Ulysses x Ring attention instead
-    (``ring.hybrid_attention`` with ``layout="natural"``): inputs and output are then sharded
-    P("data", ("ring", "seq")) in natural token order, heads need only divide by the seq size.
+    A mesh with a "ring" axis of size R > 1 is ``ring.hybrid_attention``'s; the public
+    ``ulysses_attention`` (attention/__init__.py) chooses between the two.
     """
     if axis_size(mesh, RING) > 1:
-        if head_chunks != 1:
-            raise ValueError(f"head_chunks {head_chunks} > 1 is not supported with a ring axis "
-                             f"(ring axis size {axis_size(mesh, RING)})")
-        from .ring import hybrid_attention  # ring.py builds on this module's exchange
-        return hybrid_attention(q, k, v, mesh=mesh, causal=causal, segment_ids=segment_ids,
-                                impl=impl, layout="natural")
+        raise ValueError(f"ulysses_only_attention serves meshes without a ring axis (ring axis "
+                         f"size {axis_size(mesh, RING)}); call ulysses_attention")
     reps = validate(q, k, v, segment_ids, mesh)
     kernel = kernels.resolve_impl(impl, q.dtype, q.shape[3], segments=segment_ids is not None)
     p = axis_size(mesh, SEQ)

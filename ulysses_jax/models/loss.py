@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .mesh import DATA, RING, SEQ, act_spec
+from ..mesh import DATA, RING, SEQ, act_spec
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:

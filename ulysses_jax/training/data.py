@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from .mesh import DATA, RING, SEQ, act_spec, axis_size
+from ..mesh import DATA, RING, SEQ, act_spec, axis_size
 
 FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 Batch = dict  # field name -> np.ndarray [B, S] (or [S] for one row)

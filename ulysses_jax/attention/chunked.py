@@ -1,7 +1,7 @@
 """Chunked (flash-style) local attention in plain JAX: linear memory on any backend.
 
-Letters as in model.py: B batch, T query positions, S key positions, N query heads, K kv heads,
-G = N // K query heads per kv head, H head dim; Tb and Sb are the query and key block sizes,
+Letters as in models/decoder.py: B batch, T query positions, S key positions, N query heads,
+K kv heads, G = N // K query heads per kv head, H head dim; Tb and Sb are the query and key block sizes,
 nq and nk the numbers of blocks.
 
 Forward (FlashAttention-2 order). Queries are cut into nq blocks of Tb rows. For each query
