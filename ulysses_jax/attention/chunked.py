@@ -20,12 +20,14 @@ are never computed, not computed-and-masked; the diagonal blocks apply the posit
 Segment skipping. With segment ids (packed documents) a tile whose query rows and key columns
 share no document is skipped too: from the smallest and largest id of each block's valid
 positions, tile (i, j) is visible only if the two id ranges intersect (and, causal, j is not
-above the diagonal). Query block i then visits key blocks lo_i .. hi_i - 1, the first and
-last visible ones, seeded by block lo_i; the backward pass walks each key block's visible
-query range the same way. Packed rows (ids that increase along the row, as the loader emits)
-so cost about the sum of their documents' squares, not S². The ranges are a superset of the
-tiles holding an equal pair for any ids (ids that come back later in the row stay exact,
-they just skip less); rows of a batch share one range (the union).
+above the diagonal). Query block i visits key blocks lo_i .. hi_i - 1, a range covering
+every visible one found by two binary searches (``_covering``), seeded by block lo_i; the
+backward pass walks each key block's query range the same way. For packed rows (ids that
+increase along the row, as the loader emits them) the ranges are exactly the first and last
+visible blocks, so a row costs about the sum of its documents' squares, not S². For any
+other ids they still cover every visible tile (exact results, less skipping: padding id 0
+after the last document removes the upper bound, which the causal bound then gives); rows
+of a batch share one range (the union).
 
 Backward (custom_vjp). The residuals are q, k, v, out and the per-row logsumexp (O(S) extra).
 One scan walks over key blocks j; an inner fori_loop walks over the query blocks that can see
@@ -96,10 +98,9 @@ class _Plan:
         """Which tiles each loop visits: ((lo [nq], hi [nq]) key blocks per query block,
         (lo [nk], hi [nk]) query blocks per key block), int32.
 
-        Without segment ids these are the static causal bounds. With them, tile (i, j) is
-        visible when the id ranges of its valid query and key positions intersect in some row
-        (and, causal, j does not start after block i ends); each range runs from the first to
-        the last visible block, so it may be empty (lo == hi) when a query block sees no key.
+        Without segment ids these are the static causal bounds. With them (module
+        docstring), each range covers every tile whose id ranges intersect, and may be empty
+        (lo >= hi) when a query block sees no key. Memory O(blocks), not O(blocks²).
         """
         qi, kj = jnp.arange(self.nq), jnp.arange(self.nk)
         if seg_q is None or not self.skip_segments:
@@ -108,11 +109,12 @@ class _Plan:
                     (full(self.query_lo(kj), self.nk), full(self.nq, self.nk)))
         q_lo, q_hi = _id_ranges(seg_q, self.bq, self.nq, self.t)          # [B, nq]
         k_lo, k_hi = _id_ranges(seg_k, self.bk, self.nk, self.s)          # [B, nk]
-        vis = ((k_lo[:, None, :] <= q_hi[:, :, None]) &
-               (q_lo[:, :, None] <= k_hi[:, None, :])).any(0)             # [nq, nk]
+        key_lo, key_hi = _covering(q_lo, q_hi, k_lo, k_hi)                # [nq] each
+        query_lo, query_hi = _covering(k_lo, k_hi, q_lo, q_hi)            # [nk] each
         if self.causal:
-            vis &= kj[None, :] < self.key_hi(qi)[:, None]
-        return _first_last(vis), _first_last(vis.T)
+            key_hi = jnp.minimum(key_hi, self.key_hi(qi))
+            query_lo = jnp.maximum(query_lo, self.query_lo(kj))
+        return (key_lo, key_hi), (query_lo, query_hi)
 
     def mask(self, i, j, seg_q, seg_k):
         """Boolean [B|1, 1, 1, Tb, Sb] mask for tile (i, j), or None when nothing is masked."""
@@ -145,15 +147,26 @@ def _id_ranges(seg, block: int, n: int, valid: int):
     return lo, hi
 
 
-def _first_last(vis):
-    """Per row of a bool [n, m] table: (first True column, last True column + 1), int32;
-    (0, 0) for a row with none."""
-    m = vis.shape[1]
-    any_ = vis.any(1)
-    first = jnp.argmax(vis, axis=1)
-    last = m - jnp.argmax(vis[:, ::-1], axis=1)
-    return (jnp.where(any_, first, 0).astype(jnp.int32),
-            jnp.where(any_, last, 0).astype(jnp.int32))
+def _covering(a_lo, a_hi, b_lo, b_hi):
+    """For each block i of side a, a range [lo_i, hi_i) of side-b blocks holding every j
+    whose id range [b_lo_j, b_hi_j] meets [a_lo_i, a_hi_i], in some row; int32 [n_a] each.
+
+    Per row, the running maximum of b_hi and the running minimum of b_lo from the end are
+    non-decreasing, so two binary searches bound the meeting blocks: j meets i only if
+    max(b_hi[:j+1]) >= a_lo_i and min(b_lo[j:]) <= a_hi_i. For ids that never decrease along
+    the row the bounds are exact. Rows are joined by the union of their ranges.
+    """
+    first_hi = lax.cummax(b_hi, axis=1)                                   # [B, n_b]
+    last_lo = lax.cummin(b_lo, axis=1, reverse=True)                      # [B, n_b]
+    search = jax.vmap(lambda arr, x, side: jnp.searchsorted(arr, x, side=side),
+                      in_axes=(0, 0, None))
+    lo = search(first_hi, a_lo, "left")                                   # [B, n_a]
+    hi = search(last_lo, a_hi, "right")
+    seen = lo < hi
+    n_b = b_lo.shape[1]
+    lo = jnp.where(seen, lo, n_b).min(0)
+    hi = jnp.where(seen, hi, 0).max(0)
+    return lo.astype(jnp.int32), jnp.maximum(hi, lo).astype(jnp.int32)
 
 
 def _scores(plan, scale, q_i, k, i, j, seg_q, seg_k):
