@@ -29,6 +29,19 @@ other ids they still cover every visible tile (exact results, less skipping: pad
 after the last document removes the upper bound, which the causal bound then gives); rows
 of a batch share one range (the union).
 
+Window skipping. With a sliding window W a query at position i sees the keys i - W < j <= i
+(causal), or |i - j| < W without the causal mask, always within its document. Query block i
+then visits only the key blocks that hold a key within reach of one of its rows, and key
+block j only the query blocks that reach it (``tiles._Plan._window_ranges``: exact, from the
+block bounds), so cost is O(S x W) tiles instead of O(S²), and the tiles on the window's
+edges get the band mask. With segment ids too, each loop visits the intersection of both
+ranges. A ring pair (ring.py) passes the offset between its query and key chunks, so the
+same rule holds on true positions.
+
+Scale and softcap. Scores are scale * q.k (default 1/sqrt(H)); with a softcap c (Gemma 2)
+they become c * tanh(score / c) before masking, and the backward multiplies dS by the
+derivative, 1 - tanh², recomputed with the tile.
+
 Backward (custom_vjp). The residuals are q, k, v, out and the per-row logsumexp (O(S) extra).
 One scan walks over key blocks j; an inner fori_loop walks over the query blocks that can see
 block j (from floor(j*Sb / Tb) when causal, from 0 otherwise), recomputes the score tile,
@@ -64,17 +77,22 @@ def _pad_to(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-def _scores(plan, scale, q_i, k, i, j, seg_q, seg_k):
-    """Scaled, masked fp32 scores of query block i against key block j.
+def _scores(plan, scale, q_i, k, i, j, seg_q, seg_k, offset=0):
+    """Scaled, capped, masked fp32 scores of query block i against key block j.
 
-    Returns (scores [B, K, G, Tb, Sb] with masked entries -inf, k_j [B, Sb, K, H]).
+    Returns (scores [B, K, G, Tb, Sb] with masked entries -inf, k_j [B, Sb, K, H], and
+    tanh(raw / c) [B, K, G, Tb, Sb] with a softcap c, for its derivative; else None).
     """
     k_j = lax.dynamic_slice_in_dim(k, j * plan.bk, plan.bk, 1)            # [B, Sb, K, H]
     s = jnp.einsum("btkgh,bskh->bkgts", q_i, k_j, preferred_element_type=_F32) * scale
-    mask = plan.mask(i, j, seg_q, seg_k)
+    capped = None
+    if plan.softcap is not None:
+        capped = jnp.tanh(s / plan.softcap)                               # [B, K, G, Tb, Sb]
+        s = plan.softcap * capped
+    mask = plan.mask(i, j, seg_q, seg_k, offset)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
-    return s, k_j
+    return s, k_j, capped
 
 
 def _lse_rows(lse_blocks):
@@ -89,13 +107,15 @@ def _lse_blocks(rows, plan: _Plan, kh: int):
     return rows.reshape(b, plan.nq, plan.bq, kh, n // kh).transpose(1, 0, 3, 4, 2)
 
 
-def _forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, out_dtype=None):
+def _forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, out_dtype=None, offset=0):
     """Blocked forward pass on padded inputs.
 
     Args:
       q: [B, nq*Tb, N, H]; k, v: [B, nk*Sb, K, H]; seg_q: padded [B, nq*Tb] ints or None,
       seg_k: padded [B, nk*Sb] ints or None (both or neither).
       out_dtype: dtype of the output, default q's (fp32 when the caller merges partial results).
+      offset: with a window, query row 0's position minus key column 0's (an int, may be
+        traced); 0 for attention of a sequence over itself.
 
     Returns:
       out [B, nq*Tb, N, H], the normalised attention output; lse [B, nq*Tb, N] fp32, the
@@ -107,14 +127,14 @@ def _forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, out_dtype=None):
     g = n // kh
     q_blocks = q.reshape(b, plan.nq, plan.bq, kh, g, h).swapaxes(0, 1)    # [nq, B, Tb, K, G, H]
 
-    (key_lo, key_hi), _ = plan.ranges(seg_q, seg_k)                      # [nq] each
+    (key_lo, key_hi), _ = plan.ranges(seg_q, seg_k, offset)              # [nq] each
 
     def one_query_block(visits, xs):
         i, lo, hi, q_i = xs                                               # q_i: [B, Tb, K, G, H]
 
         def tile(j):
             """Softmax stats of one key block on its own: local max, sum, unnormalised P @ V."""
-            s, _ = _scores(plan, scale, q_i, k, i, j, seg_q, seg_k)       # [B, K, G, Tb, Sb]
+            s, *_ = _scores(plan, scale, q_i, k, i, j, seg_q, seg_k, offset)  # [B,K,G,Tb,Sb]
             v_j = lax.dynamic_slice_in_dim(v, j * plan.bk, plan.bk, 1)    # [B, Sb, K, H]
             m = s.max(-1)                                                 # [B, K, G, Tb]
             # A fully masked row has m = -inf; shifting by 0 keeps exp(-inf) = 0, not NaN.
@@ -162,7 +182,7 @@ def _delta(out, d_out):
 
 
 def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: float,
-              grad_dtype=None):
+              grad_dtype=None, offset=0):
     """Blocked FlashAttention-2 backward on padded inputs (shapes as in ``_forward``).
 
     Args:
@@ -170,6 +190,7 @@ def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: floa
         (for a partial key range inside a ring, the merged one); -inf on rows that saw none.
       delta: [B, nq*Tb, N] fp32, ``_delta`` of the final output and its cotangent.
       grad_dtype: dtype of dq, dk, dv; default the dtypes of q, k, v.
+      offset: as in ``_forward``.
 
     Returns:
       dq, dk, dv and the number of tiles recomputed.
@@ -183,7 +204,7 @@ def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: floa
     # A row that saw no key: lse +inf makes p = exp(-inf - inf) = 0 instead of NaN.
     lse = _lse_blocks(jnp.where(lse == -jnp.inf, jnp.inf, lse), plan, kh)
 
-    _, (query_lo, query_hi) = plan.ranges(seg_q, seg_k)                  # [nk] each
+    _, (query_lo, query_hi) = plan.ranges(seg_q, seg_k, offset)          # [nk] each
 
     def one_key_block(carry, xs):
         j, lo, hi = xs
@@ -193,13 +214,16 @@ def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: floa
         def one_query_block(i, inner):
             dk_j, dv_j, dq_acc, visits = inner
             q_i, do_i = q_blocks[i], do_blocks[i]                         # [B, Tb, K, G, H]
-            s, k_j = _scores(plan, scale, q_i, k, i, j, seg_q, seg_k)     # [B, K, G, Tb, Sb]
+            s, k_j, capped = _scores(plan, scale, q_i, k, i, j, seg_q, seg_k, offset)
             p = jnp.exp(s - lse[i][..., None])                            # [B, K, G, Tb, Sb]
             dv_j += jnp.einsum("bkgts,btkgh->bskh", p.astype(do_i.dtype), do_i,
                                preferred_element_type=_F32)               # [B, Sb, K, H]
             dp = jnp.einsum("btkgh,bskh->bkgts", do_i, v_j, preferred_element_type=_F32)
             # Masked entries have p == 0, hence ds == 0: no second mask needed.
-            ds = (p * (dp - delta[i][..., None])).astype(q.dtype)         # [B, K, G, Tb, Sb]
+            ds = p * (dp - delta[i][..., None])                           # [B, K, G, Tb, Sb]
+            if capped is not None:  # d(c tanh(x / c)) / dx = 1 - tanh²
+                ds = ds * (1.0 - capped * capped)
+            ds = ds.astype(q.dtype)
             dq_i = jnp.einsum("bkgts,bskh->btkgh", ds, k_j, preferred_element_type=_F32)
             dq_acc = dq_acc.at[i].add(dq_i)                   # XLA updates the carry in place
             dk_j += jnp.einsum("bkgts,btkgh->bskh", ds, q_i, preferred_element_type=_F32)
@@ -257,7 +281,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def chunked_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int = 512,
-                      block_k: int = 512, scale: float | None = None):
+                      block_k: int = 512, scale: float | None = None,
+                      window: int | None = None, softcap: float | None = None):
     """Memory-linear attention: online softmax over key blocks, recomputing backward.
 
     Args:
@@ -267,6 +292,9 @@ def chunked_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int =
       segment_ids: optional [B, S] ints; a query only sees keys with the same id (T == S).
       block_q, block_k: query / key block sizes, clamped to T and S; need not divide them.
       scale: logit scale (a Python float), default 1/sqrt(H).
+      window: sliding window W (T == S): query i sees keys i - W < j <= i (causal) or
+        |i - j| < W; tiles outside it are never visited, so cost is O(S x W).
+      softcap: tanh logit cap c > 0: scores c * tanh(scale * q.k / c), before masking.
 
     Returns:
       [B, T, N, H] in q's dtype.
@@ -283,19 +311,35 @@ def chunked_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int =
         raise ValueError(f"segment_ids must be [B, S] = {(b, s)}, got {tuple(segment_ids.shape)}")
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be positive, got block_q {block_q}, block_k {block_k}")
+    check_variants(window, softcap)
+    if window is not None and t != s:
+        raise ValueError(f"a sliding window needs T == S, got T {t}, S {s}")
     scale = float(h ** -0.5 if scale is None else scale)
-    return _attention(q, k, v, segment_ids, block_plan(t, s, causal, block_q, block_k), scale)
+    plan = block_plan(t, s, causal, block_q, block_k, window=window, softcap=softcap)
+    return _attention(q, k, v, segment_ids, plan, scale)
+
+
+def check_variants(window, softcap) -> None:
+    """Raises ValueError unless ``window`` is None or a positive int and ``softcap`` is None
+    or a positive number."""
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (keys each query sees, itself "
+                         f"included) or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
 
 
 # ----------------------------------------------------------------------------- blocks for a ring
 
-def block_plan(t: int, s: int, causal: bool, block_q: int = 512, block_k: int = 512) -> _Plan:
+def block_plan(t: int, s: int, causal: bool, block_q: int = 512, block_k: int = 512, *,
+               window: int | None = None, softcap: float | None = None) -> _Plan:
     """Static block geometry, block sizes clamped to the lengths: ``chunked_attention``'s, and
     the one ``block_forward`` / ``block_backward`` take."""
-    return _Plan(t, s, min(block_q, t), min(block_k, s), causal)
+    return _Plan(t, s, min(block_q, t), min(block_k, s), causal, window=window,
+                 softcap=None if softcap is None else float(softcap))
 
 
-def block_forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float):
+def block_forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, offset=0):
     """Attention of q over ONE key range, with the statistics needed to merge ranges.
 
     A ring attention step sees a slice of the keys at a time; it calls this on each (query
@@ -306,21 +350,24 @@ def block_forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float):
       q: [B, T, N, H]; k, v: [B, S, K, H]; seg_q [B, T], seg_k [B, S] ints, or both None.
       plan: ``block_plan(T, S, causal)``; causal masks key j > query i by local position,
         which is right for a pair whose query and key chunks start at the same position.
+      offset: with a windowed plan, the query chunk's first position minus the key chunk's
+        (an int, may be traced): the window and causal masks then use true positions.
 
     Returns:
       out [B, T, N, H] fp32, normalised over this key range, and lse [B, T, N] fp32 (-inf on
       rows that see no key of the range; their out is 0).
     """
     out, lse, _ = _forward(*_pad_inputs(q, k, v, seg_q, seg_k, plan), plan, scale,
-                           out_dtype=_F32)
+                           out_dtype=_F32, offset=offset)
     return out[:, :plan.t], lse[:, :plan.t]
 
 
-def block_backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: float):
+def block_backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: float,
+                   offset=0):
     """Gradients of one (query chunk, key range) pair, given the rows' FINAL statistics.
 
     Args:
-      q, k, v, seg_q, seg_k, plan, scale: as in ``block_forward``.
+      q, k, v, seg_q, seg_k, plan, scale, offset: as in ``block_forward``.
       lse: [B, T, N] fp32, each row's logsumexp over all the keys it attended to (-inf none).
       delta: [B, T, N] fp32, ``rowsum(d_out * final out)``.
       d_out: [B, T, N, H], the cotangent of the final output.
@@ -332,5 +379,6 @@ def block_backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale:
     tp = qp.shape[1]
     lse = _pad_to(lse, 1, tp)          # padded rows: lse 0 with zero cotangent, add nothing
     dq, dk, dv, _ = _backward(qp, kp, vp, sq, sk, lse, _pad_to(delta, 1, tp),
-                              _pad_to(d_out, 1, tp), plan, scale, grad_dtype=_F32)
+                              _pad_to(d_out, 1, tp), plan, scale, grad_dtype=_F32,
+                              offset=offset)
     return dq[:, :plan.t], dk[:, :plan.s], dv[:, :plan.s]

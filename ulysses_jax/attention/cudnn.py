@@ -34,6 +34,11 @@ from jax import lax
 from .chunked import chunked_attention
 
 DEFAULT_MAX_SEGMENTS = 64  # documents per row when no bound is given (API use)
+# jax passes a sliding window to cuDNN in the packed layout too, but documents neither that
+# cuDNN applies it there nor how; until benchmarks/gpu_check.py (section window_attention)
+# has compared the two on a GPU, kernels.resolve_impl("auto") keeps windowed packed rows on
+# the chunked kernel. impl="cudnn" runs it regardless.
+PACKED_WINDOW_CHECKED = False
 _HOPPER = (9, 0)
 
 
@@ -98,17 +103,19 @@ def packed_layout(segment_ids, max_segments: int):
     return first, lengths, ok
 
 
-def _cudnn_packed_call(q, k, v, offsets, lengths, *, causal: bool, scale: float):
-    """jax's cuDNN fused attention in the packed layout (traced only on a CUDA GPU)."""
+def _cudnn_packed_call(q, k, v, offsets, lengths, *, causal: bool, scale: float,
+                       window: int | None = None):
+    """jax's cuDNN fused attention in the packed layout (traced only on a CUDA GPU).
+    ``window``: cuDNN's sliding_window_length, keys (pos - window, pos]."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
     mask = MaskType.PADDING_CAUSAL if causal else MaskType.PADDING
     return dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
                                  q_offsets=offsets, kv_offsets=offsets, mask_type=mask,
-                                 scale=scale)
+                                 scale=scale, sliding_window_length=window)
 
 
 def packed_attention(q, k, v, segment_ids, *, causal: bool, max_segments: int,
-                     scale: float | None = None):
+                     scale: float | None = None, window: int | None = None):
     """Attention within packed documents, cuDNN's packed layout, exact fallback.
 
     Args:
@@ -117,6 +124,7 @@ def packed_attention(q, k, v, segment_ids, *, causal: bool, max_segments: int,
       causal: causal within each document.
       max_segments: M, the static bound on documents per row (see module docstring).
       scale: logit scale, default 1/sqrt(H).
+      window: causal sliding window W (keys i - W < j <= i), or None.
 
     Returns:
       [B, S, N, H] in q's dtype.
@@ -126,10 +134,15 @@ def packed_attention(q, k, v, segment_ids, *, causal: bool, max_segments: int,
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     offsets, lengths, ok = packed_layout(segment_ids, max_segments)
 
+    if window is not None and not causal:
+        raise ValueError(f"cuDNN takes a sliding window ({window}) only with the causal mask")
+    extra = {} if window is None else {"window": window}
+
     def fast(q, k, v, seg):
-        return _cudnn_packed_call(q, k, v, offsets, lengths, causal=causal, scale=scale)
+        return _cudnn_packed_call(q, k, v, offsets, lengths, causal=causal, scale=scale, **extra)
 
     def exact(q, k, v, seg):
-        return chunked_attention(q, k, v, causal=causal, segment_ids=seg, scale=scale)
+        return chunked_attention(q, k, v, causal=causal, segment_ids=seg, scale=scale,
+                                 window=window)
 
     return lax.cond(ok, fast, exact, q, k, v, segment_ids)

@@ -21,7 +21,8 @@ IMPLS = ("auto", "xla", "cudnn", "chunked")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def reference_attention(q, k, v, causal: bool = True, segment_ids=None, scale: float | None = None):
+def reference_attention(q, k, v, causal: bool = True, segment_ids=None, scale: float | None = None,
+                        window: int | None = None, softcap: float | None = None):
     """Dense attention on one device, for tests.
 
     Args:
@@ -30,6 +31,9 @@ def reference_attention(q, k, v, causal: bool = True, segment_ids=None, scale: f
       causal: mask out keys after each query (needs T == S).
       segment_ids: optional [B, S] ints; a query only sees keys with the same id.
       scale: logit scale, default 1/sqrt(H).
+      window: sliding window W: query i sees keys j with i - W < j (and j < i + W when not
+        causal), by position index.
+      softcap: logits become softcap * tanh(logits / softcap) before masking (Gemma 2).
 
     Returns:
       [B, T, N, H] in q's dtype.
@@ -40,10 +44,15 @@ def reference_attention(q, k, v, causal: bool = True, segment_ids=None, scale: f
     scale = h ** -0.5 if scale is None else scale
     qg = q.astype(jnp.float32).reshape(b, t, kh, g, h)                       # [B, T, K, G, H]
     logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale  # [B, K, G, T, S]
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
     s = k.shape[1]
     allowed = jnp.ones((b, t, s), dtype=bool)
+    rel = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]                   # [T, S] query - key
     if causal:
-        allowed &= (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
+        allowed &= (rel >= 0)[None]
+    if window is not None:
+        allowed &= ((rel < window) & (rel > -window))[None]
     if segment_ids is not None:
         allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
     logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
@@ -54,7 +63,8 @@ def reference_attention(q, k, v, causal: bool = True, segment_ids=None, scale: f
 
 def resolve_impl(impl: str, dtype, head_dim: int, backend: str | None = None,
                  segments: bool = False, capability: tuple[int, int] | None = None,
-                 heads: tuple[int, int] | None = None) -> str:
+                 heads: tuple[int, int] | None = None, *, causal: bool = True,
+                 window: int | None = None, softcap: float | None = None) -> str:
     """Turns ``impl`` ("auto", "xla", "cudnn", "chunked") into the kernel that will run:
     "xla", "cudnn", "cudnn_packed" or "chunked".
 
@@ -65,6 +75,7 @@ def resolve_impl(impl: str, dtype, head_dim: int, backend: str | None = None,
       segments: segment ids are given (packed documents).
       capability: the GPU's CUDA compute capability, e.g. (9, 0) for Hopper; None if unknown.
       heads: (query heads, kv heads) each device attends with (for the packed layout's GQA rule).
+      causal, window, softcap: the attention variant (see ``local_attention``).
 
     "auto" picks cuDNN flash attention on a GPU for bf16/fp16 with a head dim it supports
     (a multiple of 8, at most 128, or 256 on Hopper): plain causal without segment ids, and
@@ -72,6 +83,12 @@ def resolve_impl(impl: str, dtype, head_dim: int, backend: str | None = None,
     or newer; GQA needs jax 0.11). Everything else gets the memory-linear "chunked" kernel,
     which skips the tiles between documents too. An explicit "cudnn" is honoured or refused
     with the reason; it never builds a dense [S, S] segment mask.
+
+    Variants: cuDNN takes a causal sliding window (``sliding_window_length``) but no window
+    without the causal mask and no logit softcap; XLA's dense kernel takes any window but no
+    softcap. "auto" then picks "chunked", which does all of them; an explicit kernel that
+    cannot is refused. A window with segment ids stays on "chunked" under "auto" until
+    ``cudnn.PACKED_WINDOW_CHECKED`` (jax does not document windows in the packed layout).
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {', '.join(IMPLS)}")
@@ -94,18 +111,35 @@ def resolve_impl(impl: str, dtype, head_dim: int, backend: str | None = None,
         if packed_why:
             raise ValueError(f"impl='cudnn' with segment ids runs cuDNN's packed layout, but "
                              f"{packed_why}; use impl='auto' or 'chunked'")
-        return "cudnn_packed" if segments else "cudnn"
+    if impl in ("cudnn", "xla"):
+        why = _variant_refusal(impl, causal, window, softcap)
+        if why:
+            raise ValueError(f"impl={impl!r} {why}; use impl='auto' or 'chunked'")
+        return impl + ("_packed" if impl == "cudnn" and segments else "")
     if impl == "auto":
-        if not cudnn_ok:
+        if not cudnn_ok or _variant_refusal("cudnn", causal, window, softcap):
             return "chunked"
         if not segments:
             return "cudnn"
+        if window is not None and not cudnn.PACKED_WINDOW_CHECKED:
+            return "chunked"
         return "chunked" if packed_why else "cudnn_packed"
     return impl
 
 
+def _variant_refusal(impl: str, causal: bool, window, softcap) -> str | None:
+    """Why kernel ``impl`` ("cudnn" or "xla") cannot run this variant, or None."""
+    if softcap is not None:
+        return f"cannot apply a logit softcap ({softcap}); only the chunked kernel does"
+    if impl == "cudnn" and window is not None and not causal:
+        return (f"cannot apply a sliding window ({window}) without the causal mask (cuDNN "
+                f"takes left windows only)")
+    return None
+
+
 def local_attention(q, k, v, *, causal: bool, segment_ids=None, impl: str = "xla",
-                    max_segments: int = cudnn.DEFAULT_MAX_SEGMENTS):
+                    max_segments: int = cudnn.DEFAULT_MAX_SEGMENTS, scale: float | None = None,
+                    window: int | None = None, softcap: float | None = None):
     """Attention over the full sequence held by one device.
 
     Args:
@@ -114,20 +148,32 @@ def local_attention(q, k, v, *, causal: bool, segment_ids=None, impl: str = "xla
       segment_ids: optional [B, S] ints (packed documents).
       impl: a resolved kernel name, "xla", "cudnn", "cudnn_packed" or "chunked".
       max_segments: the bound on documents per row for "cudnn_packed".
+      scale: logit scale, default 1/sqrt(H).
+      window: sliding window W (T == S): query i sees keys i - W < j <= i (causal), or
+        |i - j| < W.
+      softcap: tanh logit cap before masking (Gemma 2); the chunked kernel only.
 
     Returns:
       [B, T, N, H].
     """
     if impl == "chunked":
-        return chunked_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+        return chunked_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale,
+                                 window=window, softcap=softcap)
+    why = _variant_refusal(impl.removesuffix("_packed"), causal, window, softcap)
+    if why:
+        raise ValueError(f"kernel {impl!r} {why}")
     if impl == "cudnn_packed":
         if segment_ids is None:
             raise ValueError("impl 'cudnn_packed' needs segment ids")
         return cudnn.packed_attention(q, k, v, segment_ids, causal=causal,
-                                      max_segments=max_segments)
+                                      max_segments=max_segments, scale=scale, window=window)
     if impl == "cudnn" and segment_ids is not None:
         raise ValueError("impl 'cudnn' takes no segment ids; resolve_impl gives 'cudnn_packed'")
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl)
+    extra = {}
+    if window is not None:  # jax's (left, right) window excludes the query itself
+        extra["local_window_size"] = (window - 1, 0 if causal else window - 1)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=impl,
+                                        scale=scale, **extra)

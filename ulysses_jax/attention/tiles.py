@@ -2,9 +2,10 @@
 query block sees (and of query blocks each key block is seen by), and each tile's mask.
 
 Letters as in models/decoder.py: B batch, T query positions, S key positions; Tb and Sb the
-query and key block sizes, nq and nk the numbers of blocks. The rules themselves (causal
-skipping, segment skipping) are described in chunked.py, the kernel that uses them; the
-hybrid ring (ring.py) plans each of its (query chunk, key chunk) pairs with the same class.
+query and key block sizes, nq and nk the numbers of blocks. The rules themselves (causal,
+segment and window skipping) are described in chunked.py, the kernel that uses them; the
+hybrid ring (ring.py) plans each of its (query chunk, key chunk) pairs with the same class,
+giving the offset between the two chunks when a window makes true positions matter.
 """
 from __future__ import annotations
 
@@ -23,9 +24,14 @@ class _Plan:
     bq: int         # query block, already clamped to t
     bk: int         # key block, already clamped to s
     causal: bool
-    # Skip tiles that share no segment (module docstring). False keeps only the causal skip,
+    # Skip tiles that share no segment (chunked.py docstring). False keeps only the causal skip,
     # the kernel as it was before segment skipping: for benchmarks that compare the two.
     skip_segments: bool = True
+    # Sliding window W (chunked.py docstring): key k is visible from query q only if q - k < W
+    # (and q - k > -W without the causal mask). None: no window.
+    window: int | None = None
+    # tanh logit cap c (Gemma 2): scores become c * tanh(scores / c) before masking.
+    softcap: float | None = None
 
     @property
     def nq(self) -> int:
@@ -46,14 +52,18 @@ class _Plan:
         """First query block that can see key block ``j``."""
         return (j * self.bk) // self.bq if self.causal else 0
 
-    def ranges(self, seg_q, seg_k):
+    def ranges(self, seg_q, seg_k, offset=0):
         """Which tiles each loop visits: ((lo [nq], hi [nq]) key blocks per query block,
         (lo [nk], hi [nk]) query blocks per key block), int32.
 
-        Without segment ids these are the static causal bounds. With them (module
-        docstring), each range covers every tile whose id ranges intersect, and may be empty
-        (lo >= hi) when a query block sees no key. Memory O(blocks), not O(blocks²).
+        Without segment ids or a window these are the static causal bounds. With segment ids
+        (chunked.py docstring) each range covers every tile whose id ranges intersect; with a
+        window, exactly the tiles that hold a pair inside it (``offset``: query row 0's
+        position minus key column 0's, may be traced); with both, the intersection. A range
+        may be empty (lo >= hi) when a query block sees no key. Memory O(blocks).
         """
+        if self.window is not None:
+            return self._window_ranges(seg_q, seg_k, offset)
         qi, kj = jnp.arange(self.nq), jnp.arange(self.nk)
         if seg_q is None or not self.skip_segments:
             full = lambda x, n: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n,))
@@ -68,14 +78,38 @@ class _Plan:
             query_lo = jnp.maximum(query_lo, self.query_lo(kj))
         return (key_lo, key_hi), (query_lo, query_hi)
 
-    def mask(self, i, j, seg_q, seg_k):
+    def _window_ranges(self, seg_q, seg_k, offset):
+        """``ranges`` with a window: query block i (positions [a, b] once shifted by
+        ``offset``) sees keys [a - W + 1, b] (causal) or [a - W + 1, b + W - 1]; key block j
+        (keys [c, d]) is seen by queries [c, d + W - 1] or [c - W + 1, d + W - 1], shifted back."""
+        reach = self.window - 1
+        qi, kj = jnp.arange(self.nq), jnp.arange(self.nk)
+        first_q = qi * self.bq + offset                                   # [nq]
+        last_q = jnp.minimum((qi + 1) * self.bq, self.t) - 1 + offset
+        key_lo, key_hi = _blocks_meeting(first_q - reach, last_q + (0 if self.causal else reach),
+                                         self.bk, self.s)                 # [nq] each
+        first_k, last_k = kj * self.bk, jnp.minimum((kj + 1) * self.bk, self.s) - 1  # [nk]
+        query_lo, query_hi = _blocks_meeting(first_k - (0 if self.causal else reach) - offset,
+                                             last_k + reach - offset, self.bq, self.t)
+        if seg_q is not None and self.skip_segments:
+            (sk_lo, sk_hi), (sq_lo, sq_hi) = dataclasses.replace(self, window=None).ranges(
+                seg_q, seg_k)
+            key_lo, key_hi = jnp.maximum(key_lo, sk_lo), jnp.minimum(key_hi, sk_hi)
+            query_lo, query_hi = jnp.maximum(query_lo, sq_lo), jnp.minimum(query_hi, sq_hi)
+        return (key_lo, key_hi), (query_lo, query_hi)
+
+    def mask(self, i, j, seg_q, seg_k, offset=0):
         """Boolean [B|1, 1, 1, Tb, Sb] mask for tile (i, j), or None when nothing is masked."""
         qpos = i * self.bq + jnp.arange(self.bq)                          # [Tb]
         kpos = j * self.bk + jnp.arange(self.bk)                          # [Sb]
         m = None
         if self.nk * self.bk != self.s:
             m = jnp.broadcast_to(kpos[None, :] < self.s, (self.bq, self.bk))
-        if self.causal:
+        if self.window is not None:
+            rel = (qpos + offset)[:, None] - kpos[None, :]                # [Tb, Sb]
+            c = (rel < self.window) & ((rel >= 0) if self.causal else (rel > -self.window))
+            m = c if m is None else m & c
+        elif self.causal:
             c = qpos[:, None] >= kpos[None, :]                            # [Tb, Sb]
             m = c if m is None else m & c
         if m is not None:
@@ -86,6 +120,15 @@ class _Plan:
             e = sq[:, :, None] == sk[:, None, :]                          # [B, Tb, Sb]
             m = e if m is None else m & e
         return None if m is None else m[:, None, None]
+
+
+def _blocks_meeting(lo_pos, hi_pos, block: int, length: int):
+    """[lo, hi) of the blocks of ``block`` positions (``length`` real ones) that hold a
+    position of [lo_pos, hi_pos]; (0, 0) when none does. int32, shaped like the bounds."""
+    lo_pos, hi_pos = jnp.maximum(lo_pos, 0), jnp.minimum(hi_pos, length - 1)
+    empty = lo_pos > hi_pos
+    lo = jnp.where(empty, 0, lo_pos // block).astype(jnp.int32)
+    return lo, jnp.where(empty, 0, hi_pos // block + 1).astype(jnp.int32)
 
 
 def _id_ranges(seg, block: int, n: int, valid: int):
