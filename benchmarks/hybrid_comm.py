@@ -46,7 +46,6 @@ import os
 import argparse
 import json
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from ulysses_jax.config import ConfigError, load_config  # noqa: E402
-from ulysses_jax.hlo import COLLECTIVES, collective_bytes, collective_counts  # noqa: E402
+from ulysses_jax.hlo import (COLLECTIVES, collective_bytes, collective_counts,  # noqa: E402
+                             executed_collectives)
 from ulysses_jax.mesh import act_spec, make_mesh  # noqa: E402
 from ulysses_jax.attention.ring import hybrid_attention  # noqa: E402
 from ulysses_jax.training.trainer import dry_run  # noqa: E402
@@ -70,96 +70,6 @@ from ulysses_jax.attention.ulysses import kv_repeats  # noqa: E402
 MIB = 2 ** 20
 MEMORY_OVERRIDES = ("model.n_heads=4", "model.n_kv_heads=2", "batch_size=1", "mesh.data=1")
 MEMORY_MESHES = ((1, 1), (4, 1), (8, 1), (4, 2), (2, 4), (1, 8))   # (U, R)
-
-
-# ----------------------------------------------------------------------------- HLO with loops
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s")
-_CALL = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)"
-                   r"=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def _computations(hlo_text: str) -> tuple[list[str], dict[str, str], str]:
-    """HLO module text -> (names in text order, name -> body text, entry name)."""
-    order, bodies, entry, name, lines = [], {}, None, None, []
-    for line in hlo_text.splitlines():
-        m = _HEADER.match(line)
-        if m and line.rstrip().endswith("{"):
-            name, lines = m.group("name"), []
-            entry = name if line.startswith("ENTRY") else entry
-        elif name is not None and line.startswith("}"):
-            order.append(name)
-            bodies[name] = "\n".join(lines)
-            name = None
-        elif name is not None:
-            lines.append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return order, bodies, entry
-
-
-def executed_collectives(hlo_text: str) -> dict:
-    """Collectives as executed: each computation's ops times how often the computation runs.
-
-    A callee is defined before its callers in HLO text, so walking the computations from the
-    last (ENTRY) to the first visits every caller before its callees. A while loop without a
-    known trip count is allowed only if no collective runs inside it (the chunked attention
-    kernel's data-dependent loops).
-
-    Returns:
-      {"bytes": {op: bytes}, "counts": {op: executions}, "loops": [{"trip_count",
-      "collective_permutes_in_body", "op_name"}], "in_conditional": ops found in a branch}.
-    """
-    order, bodies, entry = _computations(hlo_text)
-    own = {name: collective_counts(bodies[name]) for name in order}
-    reaches = set()                              # computations that run a collective
-    for name in order:                           # callees first
-        callees = {c for _, c in _CALL.findall(bodies[name])}
-        for group in _BRANCHES.findall(bodies[name]):
-            callees |= set(re.findall(r"%([\w.\-]+)", group))
-        if any(own[name].values()) or callees & reaches:
-            reaches.add(name)
-    runs = {name: 0 for name in order}
-    runs[entry] = 1
-    loops, branch_comps = [], set()
-    for name in reversed(order):
-        m = runs[name]
-        for line in bodies[name].splitlines():
-            calls = _CALL.findall(line)
-            if " while(" in line:
-                body, cond = dict(calls)["body"], dict(calls)["condition"]
-                trip = _TRIP.search(line)
-                if trip is None:
-                    if {body, cond} & reaches:
-                        raise ValueError(f"collectives in a while loop without "
-                                         f"known_trip_count: {line[:200]}")
-                    continue
-                n = int(trip.group(1))
-                op = re.search(r'op_name="([^"]*)"', line)
-                loops.append({"trip_count": n, "op_name": op.group(1) if op else None,
-                              "collective_permutes_in_body": own[body]["collective-permute"]})
-                runs[body] += m * n
-                runs[cond] += m * (n + 1)
-                continue
-            for kind, callee in calls:
-                runs[callee] += m
-                if kind in ("true_computation", "false_computation"):
-                    branch_comps.add(callee)
-            for group in _BRANCHES.findall(line):
-                for callee in re.findall(r"%([\w.\-]+)", group):
-                    runs[callee] += m   # an upper bound: one branch runs
-                    branch_comps.add(callee)
-    out = {"bytes": {op: 0 for op in COLLECTIVES}, "counts": {op: 0 for op in COLLECTIVES},
-           "loops": loops, "in_conditional": []}
-    for name in order:
-        for op in COLLECTIVES:
-            out["bytes"][op] += runs[name] * collective_bytes(bodies[name], op)
-            out["counts"][op] += runs[name] * own[name][op]
-            if own[name][op] and name in branch_comps:
-                out["in_conditional"].append(op)
-    return out
 
 
 # ----------------------------------------------------------------------------- formulas

@@ -1,7 +1,8 @@
 """Reading compiled programs: collective counts and the bytes they move.
 
 Tests and ``--dry-run`` use this to check communication in the compiled HLO rather than
-trusting the numbers alone.
+trusting the numbers alone. ``executed_collectives`` counts ops inside while loops as many
+times as they run (benchmarks/hybrid_comm.py, the ring tests).
 """
 from __future__ import annotations
 
@@ -48,3 +49,93 @@ def collective_bytes(hlo_text: str, op: str) -> int:
     """Bytes of all results of one kind of collective, per device."""
     return sum(math.prod(shape) * _BYTES[dtype]
                for dtype, shape in _collective_arrays(hlo_text, op))
+
+
+# ----------------------------------------------------------------------------- loops counted
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s")
+_CALL = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)"
+                   r"=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _computations(hlo_text: str) -> tuple[list[str], dict[str, str], str]:
+    """HLO module text -> (names in text order, name -> body text, entry name)."""
+    order, bodies, entry, name, lines = [], {}, None, None, []
+    for line in hlo_text.splitlines():
+        m = _HEADER.match(line)
+        if m and line.rstrip().endswith("{"):
+            name, lines = m.group("name"), []
+            entry = name if line.startswith("ENTRY") else entry
+        elif name is not None and line.startswith("}"):
+            order.append(name)
+            bodies[name] = "\n".join(lines)
+            name = None
+        elif name is not None:
+            lines.append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return order, bodies, entry
+
+
+def executed_collectives(hlo_text: str) -> dict:
+    """Collectives as executed: each computation's ops times how often the computation runs.
+
+    A callee is defined before its callers in HLO text, so walking the computations from the
+    last (ENTRY) to the first visits every caller before its callees. A while loop without a
+    known trip count is allowed only if no collective runs inside it (the chunked attention
+    kernel's data-dependent loops).
+
+    Returns:
+      {"bytes": {op: bytes}, "counts": {op: executions}, "loops": [{"trip_count",
+      "collective_permutes_in_body", "op_name"}], "in_conditional": ops found in a branch}.
+    """
+    order, bodies, entry = _computations(hlo_text)
+    own = {name: collective_counts(bodies[name]) for name in order}
+    reaches = set()                              # computations that run a collective
+    for name in order:                           # callees first
+        callees = {c for _, c in _CALL.findall(bodies[name])}
+        for group in _BRANCHES.findall(bodies[name]):
+            callees |= set(re.findall(r"%([\w.\-]+)", group))
+        if any(own[name].values()) or callees & reaches:
+            reaches.add(name)
+    runs = {name: 0 for name in order}
+    runs[entry] = 1
+    loops, branch_comps = [], set()
+    for name in reversed(order):
+        m = runs[name]
+        for line in bodies[name].splitlines():
+            calls = _CALL.findall(line)
+            if " while(" in line:
+                body, cond = dict(calls)["body"], dict(calls)["condition"]
+                trip = _TRIP.search(line)
+                if trip is None:
+                    if {body, cond} & reaches:
+                        raise ValueError(f"collectives in a while loop without "
+                                         f"known_trip_count: {line[:200]}")
+                    continue
+                n = int(trip.group(1))
+                op = re.search(r'op_name="([^"]*)"', line)
+                loops.append({"trip_count": n, "op_name": op.group(1) if op else None,
+                              "collective_permutes_in_body": own[body]["collective-permute"]})
+                runs[body] += m * n
+                runs[cond] += m * (n + 1)
+                continue
+            for kind, callee in calls:
+                runs[callee] += m
+                if kind in ("true_computation", "false_computation"):
+                    branch_comps.add(callee)
+            for group in _BRANCHES.findall(line):
+                for callee in re.findall(r"%([\w.\-]+)", group):
+                    runs[callee] += m   # an upper bound: one branch runs
+                    branch_comps.add(callee)
+    out = {"bytes": {op: 0 for op in COLLECTIVES}, "counts": {op: 0 for op in COLLECTIVES},
+           "loops": loops, "in_conditional": []}
+    for name in order:
+        for op in COLLECTIVES:
+            out["bytes"][op] += runs[name] * collective_bytes(bodies[name], op)
+            out["counts"][op] += runs[name] * own[name][op]
+            if own[name][op] and name in branch_comps:
+                out["in_conditional"].append(op)
+    return out
