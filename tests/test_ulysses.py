@@ -189,9 +189,8 @@ def test_compiled_collectives(data, p, kh, segments):
 
 @pytest.mark.parametrize("shape_q,shape_kv,seq,match", [
     ((2, 100, 8, 8), (2, 100, 8, 8), 8, "sequence length 100 is not divisible by the seq axis size 8"),
-    ((2, 32, 12, 8), (2, 32, 12, 8), 8, "query heads 12 not divisible by the seq axis size 8"),
     ((2, 32, 8, 8), (2, 32, 3, 8), 4, "query heads 8 not divisible by kv heads 3"),
-    ((2, 32, 24, 8), (2, 32, 6, 8), 4, "kv heads 6 and seq axis size 4 are incompatible"),
+    ((2, 32, 12, 8), (2, 32, 8, 8), 8, "query heads 12 not divisible by kv heads 8"),
     ((2, 32, 8, 8), (2, 32, 8, 4), 4, "must agree on batch, sequence and head_dim"),
     ((3, 32, 8, 8), (3, 32, 8, 8), 4, "batch size 3 is not divisible by the data axis size 2"),
 ])

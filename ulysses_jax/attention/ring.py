@@ -32,6 +32,16 @@ kernel (chunked.block_forward / block_backward): one fp32 [B, N/U, block_q, bloc
 at a time, causal tiles above the diagonal skipped, so no device ever holds a [C, C] (or larger)
 score array however long the sequence.
 
+Windows. With a sliding window W a query chunk d chunks after a key chunk holds a pair inside
+the window only if -reach <= d <= reach (0 <= d causal), reach = ceil((W - 1) / C). Such
+pairs run the windowed tile plan at their true offset d * C (``chunked.block_forward``);
+others are skipped by ``lax.cond``. Ring offsets at which no rank has such a pair are not run
+at all: ``ring_steps`` finds the needed ones and reaches them the shorter way round, so K/V
+(and dK/dV) move ``reach`` steps on the contiguous layout, ``reach`` each way (r -> r+1 and
+r -> r-1) on the zigzag one, instead of R - 1: a long sequence with a short window sends less.
+The "natural" layout then runs contiguous blocks (no reorder); the model's zigzag batches
+run as they come.
+
 Backward: a custom VJP in FlashAttention-2 form, not autodiff through the loop (which would
 save every step's K/V block and running output, O(S/U) per device). Residuals are the local q,
 k, v, output and logsumexp, O(S/R) per device. A second ring pass recomputes each unskipped tile;
@@ -52,8 +62,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from . import chunked
 
 from . import kernels
+from .heads import pad_heads, unpad_output
 from ..mesh import DATA, RING, SEQ, axis_size, shard
-from .ulysses import _pack_qkv, _unpack_qkv, heads_to_seq, seq_to_heads, validate
+from .ulysses import _pack_qkv, _unpack_qkv, heads_to_seq, seq_to_heads, validate, variant
 
 _F32 = jnp.float32
 LAYOUTS = ("zigzag", "contiguous", "natural")
@@ -135,6 +146,10 @@ class _Ring:
     scale: float
     block_q: int    # query / key tile sizes inside a pair (clamped to C)
     block_k: int
+    window: int | None = None     # sliding window W (module docstring), None: none
+    softcap: float | None = None  # tanh logit cap
+    fwd: int = 0    # ring steps with K/V moving r -> r+1 (R-1 without a window)
+    bwd: int = 0    # ring steps with K/V moving r -> r-1 (windows only)
 
     def chunk(self, rank, a: int):
         """Global chunk index of local chunk ``a`` of ring rank ``rank`` (may be traced)."""
@@ -145,45 +160,85 @@ class _Ring:
         return [x[:, a * self.c:(a + 1) * self.c] for a in range(self.nc)]
 
     def plan(self, diagonal: bool):
-        """Tiling of one pair: a diagonal pair (same chunk) is causal inside, others are not."""
+        """Tiling of one pair: a diagonal pair (same chunk) is causal inside, others are not.
+        With a window every pair gets the windowed plan and its true offset (``_visit``)."""
+        if self.window is not None:
+            return chunked.block_plan(self.c, self.c, self.causal, self.block_q, self.block_k,
+                                      window=self.window, softcap=self.softcap)
         return chunked.block_plan(self.c, self.c, self.causal and diagonal,
-                                  self.block_q, self.block_k)
+                                  self.block_q, self.block_k, softcap=self.softcap)
+
+    @property
+    def reach(self) -> int:
+        """With a window: how many chunks apart a query and a key chunk can still meet."""
+        return (self.window + self.c - 2) // self.c
 
 
-def _merge_block(g, diagonal, q_a, k_b, v_b, seg_a, seg_b, o, lse):
+def ring_steps(r: int, nc: int, c: int, causal: bool, window: int | None) -> tuple[int, int]:
+    """(forward steps, backward steps) a ring pass needs: every ring offset t (rank r holds
+    rank r - t's K/V) at which some pair of chunks can meet, reached by the shorter way round.
+
+    Without a window every offset is needed: R - 1 forward steps, as always. With one, only
+    offsets whose chunks lie within ``reach`` of each other: t = 1..reach on the contiguous
+    layout; on the zigzag layout also R - reach..R - 1 (a rank's late chunk reads its
+    neighbour's), which K/V reach in ``reach`` steps the other way round.
+    """
+    if window is None:
+        return r - 1, 0
+    g = _Ring(r, nc, c, causal, 1.0, 1, 1, window)
+    needed = {t for rank in range(r) for t in range(1, r)
+              for a in range(nc) for j in range(nc)
+              if _meets(g, g.chunk(rank, a) - g.chunk((rank - t) % r, j))}
+    splits = [(f + max([r - t for t in needed if t > f], default=0), -f) for f in range(r)]
+    cost, neg_f = min(splits)
+    return -neg_f, cost + neg_f
+
+
+def _meets(g: _Ring, d):
+    """Whether a query chunk d chunks after a key chunk holds a pair inside the window."""
+    return (d <= g.reach) & ((d >= 0) if g.causal else (d >= -g.reach))
+
+
+def _merge_block(g, diagonal, offset, q_a, k_b, v_b, seg_a, seg_b, o, lse):
     """Online softmax: folds one pair into the running (o [B, C, N, H], lse [B, C, N]), fp32."""
-    o_b, lse_b = chunked.block_forward(q_a, k_b, v_b, seg_a, seg_b, g.plan(diagonal), g.scale)
+    o_b, lse_b = chunked.block_forward(q_a, k_b, v_b, seg_a, seg_b, g.plan(diagonal), g.scale,
+                                       offset=offset)
     new = jnp.logaddexp(lse, lse_b)
     shift = jnp.where(jnp.isfinite(new), new, 0.0)     # rows no key has reached yet stay 0
     w_old, w_blk = jnp.exp(lse - shift), jnp.exp(lse_b - shift)
     return w_old[..., None] * o + w_blk[..., None] * o_b, new
 
 
-def _grad_block(g, diagonal, q_a, k_b, v_b, seg_a, seg_b, do_a, lse_a, delta_a, dq_a, dk_b,
-                dv_b):
+def _grad_block(g, diagonal, offset, q_a, k_b, v_b, seg_a, seg_b, do_a, lse_a, delta_a, dq_a,
+                dk_b, dv_b):
     """FlashAttention-2 backward of one pair; adds fp32 dq_a [B, C, N, H], dk_b, dv_b."""
     dq, dk, dv = chunked.block_backward(q_a, k_b, v_b, seg_a, seg_b, lse_a, delta_a, do_a,
-                                        g.plan(diagonal), g.scale)
+                                        g.plan(diagonal), g.scale, offset=offset)
     return dq_a + dq, dk_b + dk, dv_b + dv
 
 
 def _visit(g: _Ring, cq, ck, fn, state):
-    """Runs ``fn(state, diagonal)`` for a pair the causal skip rule keeps.
+    """Runs ``fn(state, diagonal, offset)`` for a pair the skip rules keep.
 
     Without causal masking every pair is computed in full. With it, a pair whose kv chunk
     comes after its q chunk is skipped (costs one branch), the diagonal pair runs with the
     triangular mask and earlier chunks without it: a ``lax.switch`` on traced chunk ids.
+    With a window, a pair runs only if its chunks meet inside it (``_meets``), with the
+    offset of their true positions, (cq - ck) * C.
     """
+    if g.window is not None:
+        d = cq - ck
+        return lax.cond(_meets(g, d), lambda st: fn(st, False, d * g.c), lambda st: st, state)
     if not g.causal:
-        return fn(state, False)
+        return fn(state, False, 0)
     branch = jnp.where(ck > cq, 0, jnp.where(ck == cq, 1, 2))
-    return lax.switch(branch, [lambda st: st, lambda st: fn(st, True),
-                               lambda st: fn(st, False)], state)
+    return lax.switch(branch, [lambda st: st, lambda st: fn(st, True, 0),
+                               lambda st: fn(st, False, 0)], state)
 
 
-def _send(tree, r: int):
-    """Passes every array of ``tree`` one step along the ring: rank i -> i + 1."""
-    perm = [(i, (i + 1) % r) for i in range(r)]
+def _send(tree, r: int, shift: int = 1):
+    """Passes every array of ``tree`` ``shift`` steps along the ring: rank i -> i + shift."""
+    perm = [(i, (i + shift) % r) for i in range(r)]
     return jax.tree.map(lambda x: lax.ppermute(x, RING, perm), tree)
 
 
@@ -209,7 +264,7 @@ def _ring_forward(q, k, v, seg, g: _Ring):
     lse = [jnp.full_like(x[..., 0], -jnp.inf, _F32) for x in qs]             # [B, C, N]
     count = jnp.zeros_like(q, jnp.int32, shape=())
 
-    def step(t, acc, kv):
+    def step(t, acc, kv, sign=1):
         o, lse, count = list(acc[0]), list(acc[1]), acc[2]
         # Tie this step's layer-invariant inputs (segment ids, ring position) to the K/V it
         # received: otherwise JAX's scan partial evaluation splits their part out of the layer
@@ -217,27 +272,33 @@ def _ring_forward(q, k, v, seg, g: _Ring):
         kv, seg_q_t, t = lax.optimization_barrier((kv, seg_q, t))
         ks, vs = g.split(kv[0]), g.split(kv[1])
         seg_k = g.split(kv[2]) if seg is not None else [None] * g.nc
-        src = (rank - t) % g.r
+        src = (rank - t) % g.r if sign == 1 else (rank + t) % g.r
         for a in range(g.nc):
             for j in range(g.nc):
                 cq, ck = g.chunk(rank, a), g.chunk(src, j)
 
-                def pair(st, diagonal, a=a, j=j):
+                def pair(st, diagonal, offset, a=a, j=j):
                     o_a, lse_a, n_done = st
-                    o_a, lse_a = _merge_block(g, diagonal, qs[a], ks[j], vs[j], seg_q_t[a],
-                                              seg_k[j], o_a, lse_a)
+                    o_a, lse_a = _merge_block(g, diagonal, offset, qs[a], ks[j], vs[j],
+                                              seg_q_t[a], seg_k[j], o_a, lse_a)
                     return o_a, lse_a, n_done + 1
 
                 o[a], lse[a], count = _visit(g, cq, ck, pair, (o[a], lse[a], count))
         return o, lse, count
 
-    def body(t, st):
-        acc, kv = st
-        kv = _send(kv, g.r)                           # now holds rank (r - t)'s block
-        return step(t, acc, kv), kv
+    def stream(sign):
+        def body(t, st):
+            acc, kv = st
+            kv = _send(kv, g.r, sign)                 # now holds rank (r - sign t)'s block
+            return step(t, acc, kv, sign), kv
+        return body
 
     kv = (k, v, seg)
-    (o, lse, count), _ = lax.fori_loop(1, g.r, body, (step(0, (o, lse, count), kv), kv))
+    acc = step(0, (o, lse, count), kv)
+    for sign, steps in ((1, g.fwd), (-1, g.bwd)):   # without a window: R-1 steps forward
+        if steps:
+            acc, _ = lax.fori_loop(1, steps + 1, stream(sign), (acc, kv))
+    o, lse, count = acc
     return jnp.concatenate(o, axis=1).astype(q.dtype), lse, count
 
 
@@ -255,21 +316,21 @@ def _ring_backward(q, k, v, seg, out, lse, d_out, g: _Ring):
     dkv = (jnp.zeros_like(k, _F32), jnp.zeros_like(v, _F32))                  # [B, T, K, H]
     count = jnp.zeros_like(q, jnp.int32, shape=())
 
-    def step(t, acc, kv, dkv):
+    def step(t, acc, kv, dkv, sign=1):
         dq, count = list(acc[0]), acc[1]
         ks, vs = g.split(kv[0]), g.split(kv[1])
         seg_k = g.split(kv[2]) if seg is not None else [None] * g.nc
         dks, dvs = g.split(dkv[0]), g.split(dkv[1])
-        src = (rank - t) % g.r
+        src = (rank - t) % g.r if sign == 1 else (rank + t) % g.r
         for a in range(g.nc):
             for j in range(g.nc):
                 cq, ck = g.chunk(rank, a), g.chunk(src, j)
 
-                def pair(st, diagonal, a=a, j=j):
+                def pair(st, diagonal, offset, a=a, j=j):
                     dq_a, dk_j, dv_j, n_done = st
-                    dq_a, dk_j, dv_j = _grad_block(g, diagonal, qs[a], ks[j], vs[j], seg_q[a],
-                                                   seg_k[j], dos[a], lse[a], delta[a],
-                                                   dq_a, dk_j, dv_j)
+                    dq_a, dk_j, dv_j = _grad_block(g, diagonal, offset, qs[a], ks[j], vs[j],
+                                                   seg_q[a], seg_k[j], dos[a], lse[a],
+                                                   delta[a], dq_a, dk_j, dv_j)
                     return dq_a, dk_j, dv_j, n_done + 1
 
                 dq[a], dks[j], dvs[j], count = _visit(g, cq, ck, pair,
@@ -280,14 +341,23 @@ def _ring_backward(q, k, v, seg, out, lse, d_out, g: _Ring):
     kv = (k, v, seg)
     acc, dkv = step(0, (dq, count), kv, dkv)
 
-    def body(t, st):
-        acc, kv, dkv = st
-        kv, dkv = _send(kv, g.r), _send(dkv, g.r)    # dK/dV travel with their K/V block
-        acc, dkv = step(t, acc, kv, dkv)
-        return acc, kv, dkv
+    def stream(sign):
+        def body(t, st):
+            acc, kv, dkv = st
+            kv, dkv = _send(kv, g.r, sign), _send(dkv, g.r, sign)  # dK/dV travel with K/V
+            acc, dkv = step(t, acc, kv, dkv, sign)
+            return acc, kv, dkv
+        return body
 
-    (dq, count), _, dkv = lax.fori_loop(1, g.r, body, (acc, kv, dkv))
-    dk, dv = _send(dkv, g.r)                          # last hop: rank r-1 -> owner r
+    home = [] if g.fwd else [dkv]                     # no forward step: own dK/dV stay here
+    for sign, steps in ((1, g.fwd), (-1, g.bwd)):
+        if steps:
+            start = dkv if sign == 1 else jax.tree.map(jnp.zeros_like, dkv)
+            acc, _, moved = lax.fori_loop(1, steps + 1, stream(sign), (acc, kv, start))
+            # Last hop, back to the owner (R-1 steps forward: rank r-1 -> r, one step on).
+            home.append(_send(moved, g.r, -sign * steps))
+    dq, count = acc
+    dk, dv = home[0] if len(home) == 1 else jax.tree.map(jnp.add, *home)
     dq = jnp.concatenate(dq, axis=1)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), count
 
@@ -315,14 +385,16 @@ _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 def hybrid_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
                      impl: str = "auto", layout: str = "zigzag", block_q: int = 512,
-                     block_k: int = 512):
+                     block_k: int = 512, scale: float | None = None, window: int | None = None,
+                     softcap: float | None = None):
     """Hybrid Ulysses x Ring attention over the mesh's ("ring", "seq") axes.
 
     Args:
       q: [B, S, N, H] queries, sharded P("data", ("ring", "seq")) or not sharded.
-      k, v: [B, S, K, H] keys and values, same layout; N % K == 0.
+      k, v: [B, S, K, H] keys and values, same layout; N % K == 0 (heads that U does not
+        divide are padded, ``heads.py``).
       mesh: a mesh with "ring" and "seq" axes, see ``make_mesh(seq=U, ring=R)``.
-      causal: causal masking over true global positions.
+      causal: causal masking over true global positions; False attends both ways.
       segment_ids: optional [B, S] ints in the same token order as q; tokens attend only
         within their own segment.
       impl: validated like ``ulysses_attention``'s; every pair runs the chunked kernel
@@ -336,50 +408,60 @@ def hybrid_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=No
           moved to zigzag order and back inside the shard_map (collective-permutes, 1 per array
           and direction when U is even, up to 4 of half shards when U is odd: about one extra
           shard of q/k/v traffic in and one of output out per device, no all-gather),
-          otherwise as "contiguous".
+          otherwise (and always with a window, where contiguous blocks need the fewest ring
+          steps and causal work is balanced anyway) as "contiguous".
       block_q, block_k: tile sizes inside each (q chunk, kv chunk) pair (clamped to the chunk):
         one fp32 [B, N/U, block_q, block_k] score tile lives at a time, never a chunk x chunk one.
+      scale, softcap: as in ``ulysses_attention``.
+      window: sliding window over true positions; ring steps that no pair needs are not run
+        and their K/V not sent (``ring_steps``), pairs outside it are skipped.
 
     Returns:
       [B, S, N, H] in the order of ``layout``, sharded P("data", ("ring", "seq")).
     """
     return _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, (block_q, block_k),
-                   counts=False)
+                   counts=False, var=variant(q.shape[1], scale, window, softcap))
 
 
 def block_counts(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
-                 layout: str = "zigzag", block_q: int = 512, block_k: int = 512) -> np.ndarray:
+                 layout: str = "zigzag", block_q: int = 512, block_k: int = 512,
+                 window: int | None = None) -> np.ndarray:
     """Debug: pairs (q chunk, kv chunk) each device computed, from the kernels' own counters.
 
     Runs the same forward and backward ring passes as ``hybrid_attention`` (backward with the
     output as cotangent) and returns int [D, R, U, 2]: forward and backward counts per device.
     It counts (q chunk, kv chunk) pairs, not the block_q x block_k tiles inside a pair.
     """
+    var = variant(q.shape[1], None, window, None)
     fn = jax.jit(lambda q, k, v, seg: _hybrid(q, k, v, mesh, causal, seg, "auto", layout,
-                                              (block_q, block_k), counts=True))
+                                              (block_q, block_k), counts=True, var=var))
     return np.asarray(fn(q, k, v, segment_ids))
 
 
-def _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, blocks, counts: bool):
+def _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, blocks, counts: bool, var: dict):
     """The one shard_map site: validation, exchange, ring, exchange back (or block counts)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown ring layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     if RING not in mesh.axis_names:
         raise ValueError(f"mesh has no {RING!r} axis (axes: {mesh.axis_names}); build it with "
                          f"make_mesh(seq=U, ring=R)")
-    reps = validate(q, k, v, segment_ids, mesh, chunks=2 if layout == "zigzag" else 1)
+    lay = validate(q, k, v, segment_ids, mesh, chunks=2 if layout == "zigzag" else 1)
     kernels.resolve_impl(impl, q.dtype, q.shape[3], backend=mesh.devices.flat[0].platform)
     b, s, n, h = q.shape
     u, r = axis_size(mesh, SEQ), axis_size(mesh, RING)
-    reorder = layout == "natural" and causal and s % (2 * r * u) == 0
+    window = var["window"]
+    reorder = layout == "natural" and causal and window is None and s % (2 * r * u) == 0
     zigzag = layout == "zigzag" or reorder
     nc = 2 if zigzag else 1
     if min(blocks) < 1:
         raise ValueError(f"block sizes must be positive, got block_q {blocks[0]}, "
                          f"block_k {blocks[1]}")
-    g = _Ring(r=r, nc=nc, c=s // (r * nc), causal=causal, scale=float(h ** -0.5),
-              block_q=blocks[0], block_k=blocks[1])
-    n_local, k_local = n // u, k.shape[2] * reps // u
+    c = s // (r * nc)
+    fwd, bwd = ring_steps(r, nc, c, causal, window)
+    scale = float(h ** -0.5) if var["scale"] is None else var["scale"]
+    g = _Ring(r=r, nc=nc, c=c, causal=causal, scale=scale, block_q=blocks[0],
+              block_k=blocks[1], window=window, softcap=var["softcap"], fwd=fwd, bwd=bwd)
+    n_local, k_local = lay.n_local, lay.k_local
     fwd_moves = _half_shard_moves(r * u, r, to_zigzag=True) if reorder else None
     back_moves = _half_shard_moves(r * u, r, to_zigzag=False) if reorder else None
     batch_axis = DATA if DATA in mesh.axis_names else None
@@ -388,9 +470,7 @@ def _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, blocks, counts: bo
     def body(q, k, v, *seg):
         # q: [B/D, L, N, H]; k, v: [B/D, L, K, H]; seg: [B/D, L]  (L = S/(R*U), local dims)
         seg = seg[0] if seg else None
-        if reps > 1:
-            k = jnp.repeat(k, reps, axis=2)                              # [B, L, K*reps, H]
-            v = jnp.repeat(v, reps, axis=2)
+        q, k, v = pad_heads(q, k, v, lay)                # k: [B, L, K'R, H] (copies, padding)
         if u > 1 or reorder:
             qkv = _pack_qkv(q, k, v, u)                                  # [B, L, N+2K, H]
             if reorder:
@@ -405,8 +485,9 @@ def _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, blocks, counts: bo
             bwd_count = _ring_backward(q, k, v, seg, out, lse, out, g)[3]
             return jnp.stack([fwd_count, bwd_count]).reshape(1, 1, 1, 2)
         out = _ring_attention(q, k, v, seg, g)                           # [B, S/R, N/U, H]
-        out = heads_to_seq(out) if u > 1 else out                        # [B, L, N, H]
-        return _reorder(out, back_moves, r * u) if reorder else out
+        out = heads_to_seq(out) if u > 1 else out                        # [B, L, N', H]
+        out = _reorder(out, back_moves, r * u) if reorder else out
+        return unpad_output(out, lay)                                    # [B, L, N, H]
 
     args = [shard(x, mesh, spec) for x in (q, k, v)]
     if segment_ids is not None:

@@ -92,8 +92,9 @@ class _Plan:
         query_lo, query_hi = _blocks_meeting(first_k - (0 if self.causal else reach) - offset,
                                              last_k + reach - offset, self.bq, self.t)
         if seg_q is not None and self.skip_segments:
-            (sk_lo, sk_hi), (sq_lo, sq_hi) = dataclasses.replace(self, window=None).ranges(
-                seg_q, seg_k)
+            # Segment ranges alone (their causal bound assumes offset 0; the window's has it).
+            (sk_lo, sk_hi), (sq_lo, sq_hi) = dataclasses.replace(
+                self, window=None, causal=False).ranges(seg_q, seg_k)
             key_lo, key_hi = jnp.maximum(key_lo, sk_lo), jnp.minimum(key_hi, sk_hi)
             query_lo, query_hi = jnp.maximum(query_lo, sq_lo), jnp.minimum(query_hi, sq_hi)
         return (key_lo, key_hi), (query_lo, query_hi)

@@ -8,7 +8,12 @@ the transpose of an all-to-all is an all-to-all, the backward pass two more.
 
 GQA/MQA: if K % P == 0 the kv heads are split like the query heads. If P % K == 0 each kv head
 is repeated P/K times before the exchange (a local copy, no communication), so the device that
-gets query heads [i*N/P, (i+1)*N/P) also gets the one kv head they read.
+gets query heads [i*N/P, (i+1)*N/P) also gets the one kv head they read. Head counts that P
+does not divide are padded with zero heads whose outputs are discarded (``heads.py``: the
+layout, and what it costs in exchange bytes and compute).
+
+Variants: ``scale``, ``window`` (sliding window) and ``softcap`` pass through to the local
+kernel, which the mesh's devices and the variant choose (``kernels.resolve_impl``).
 
 On a mesh with a "ring" axis of size R > 1 the public ``ulysses_attention`` (attention/__init__.py,
 the one place that chooses) hands over to ``ring.py`` (hybrid Ulysses x Ring), which builds on
@@ -23,6 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from . import kernels
+from .chunked import check_variants
+from .heads import HeadLayout, head_layout, pad_heads, unpad_output
 from ..mesh import DATA, RING, SEQ, axis_size, shard
 
 
@@ -39,31 +46,16 @@ def heads_to_seq(x: jax.Array, axis_name: str = SEQ) -> jax.Array:
 # ----------------------------------------------------------------------------- validators
 
 def kv_repeats(num_q_heads: int, num_kv_heads: int, p: int, ring: int = 1) -> int:
-    """How many copies of each kv head the exchange needs (1 = none); raises on bad combos.
+    """How many copies of each kv head the exchange makes (1 = none), ``heads.head_layout``'s.
 
     ``p`` is the all-to-all degree (the seq axis size U); the ring axis never splits heads,
     ``ring`` only enters the messages.
     """
-    note = "" if ring == 1 else f" (the ring axis size {ring} does not split heads)"
-    if num_q_heads % p:
-        raise ValueError(
-            f"query heads {num_q_heads} not divisible by the seq axis size {p}: Ulysses gives "
-            f"each device query heads / seq heads{note}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"query heads {num_q_heads} not divisible by kv heads {num_kv_heads} (GQA needs a "
-            f"whole number of query heads per kv head)")
-    if num_kv_heads % p == 0:
-        return 1
-    if p % num_kv_heads == 0:
-        return p // num_kv_heads
-    raise ValueError(
-        f"kv heads {num_kv_heads} and seq axis size {p} are incompatible: kv heads must be a "
-        f"multiple of the seq axis size (split) or divide it (replicated){note}")
+    return head_layout(num_q_heads, num_kv_heads, p, ring).reps
 
 
-def validate(q, k, v, segment_ids, mesh: Mesh, chunks: int = 1) -> int:
-    """Checks shapes against the mesh; returns the kv repeat factor.
+def validate(q, k, v, segment_ids, mesh: Mesh, chunks: int = 1) -> HeadLayout:
+    """Checks shapes against the mesh; returns the head layout of the exchange.
 
     The sequence must split into ``chunks`` pieces per ring rank and seq device: 1 for
     Ulysses and contiguous ring, 2 for the zigzag ring layout.
@@ -93,17 +85,29 @@ def validate(q, k, v, segment_ids, mesh: Mesh, chunks: int = 1) -> int:
         raise ValueError(f"batch size {b} is not divisible by the data axis size {d}")
     if segment_ids is not None and tuple(segment_ids.shape) != (b, s):
         raise ValueError(f"segment_ids must be [B, S] = {(b, s)}, got {tuple(segment_ids.shape)}")
-    return kv_repeats(n, k.shape[2], p, r)
+    return head_layout(n, k.shape[2], p, r)
 
 
-def mesh_kernel(impl: str, q, mesh: Mesh, segments: bool, heads: tuple[int, int]) -> str:
+def variant(s: int, scale, window, softcap) -> dict:
+    """The attention variant as keyword arguments for the kernels, checked; a window that
+    covers the whole sequence (W >= S) is no window."""
+    check_variants(window, softcap)
+    if window is not None and window >= s:
+        window = None
+    return {"scale": None if scale is None else float(scale), "window": window,
+            "softcap": None if softcap is None else float(softcap)}
+
+
+def mesh_kernel(impl: str, q, mesh: Mesh, segments: bool, heads: tuple[int, int],
+                **variant) -> str:
     """``kernels.resolve_impl`` for the devices of ``mesh`` (not JAX's default backend: on a
     GPU host a mesh of CPU devices must not get cuDNN). ``heads`` = (query, kv) heads each
-    device attends with."""
+    device attends with; ``variant``: causal, window, softcap."""
     device = mesh.devices.flat[0]
     return kernels.resolve_impl(impl, q.dtype, q.shape[3], backend=device.platform,
                                 segments=segments,
-                                capability=kernels.cudnn.compute_capability(device), heads=heads)
+                                capability=kernels.cudnn.compute_capability(device), heads=heads,
+                                **variant)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -139,7 +143,9 @@ def _unpack_qkv(qkv, n_local: int, k_local: int):
 
 def ulysses_only_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
                            impl: str = "auto", head_chunks: int = 1,
-                           max_segments: int = kernels.cudnn.DEFAULT_MAX_SEGMENTS):
+                           max_segments: int = kernels.cudnn.DEFAULT_MAX_SEGMENTS,
+                           scale: float | None = None, window: int | None = None,
+                           softcap: float | None = None):
     """Sequence-parallel attention over the mesh's "seq" axis (DeepSpeed-Ulysses), R == 1.
 
     Args:
@@ -154,6 +160,7 @@ def ulysses_only_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_
         group with the attention of another. C must divide the kv heads per device.
       max_segments: bound on documents per row for cuDNN's packed layout (the kernel with
         segment ids on Hopper GPUs; see ``cudnn.py``); rows with more run an exact fallback.
+      scale, window, softcap: see ``ulysses_attention``.
 
     Returns:
       [B, S, N, H], sharded P("data", "seq").
@@ -164,19 +171,21 @@ def ulysses_only_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_
     if axis_size(mesh, RING) > 1:
         raise ValueError(f"ulysses_only_attention serves meshes without a ring axis (ring axis "
                          f"size {axis_size(mesh, RING)}); call ulysses_attention")
-    reps = validate(q, k, v, segment_ids, mesh)
+    lay = validate(q, k, v, segment_ids, mesh)
     p = axis_size(mesh, SEQ)
     batch_axis = DATA if DATA in mesh.axis_names else None
     spec = P(batch_axis, SEQ)
-    n_local, k_local = q.shape[2] // p, k.shape[2] * reps // p
+    n_local, k_local = lay.n_local, lay.k_local
     chunks = head_chunks if p > 1 else 1
     if not isinstance(head_chunks, int) or head_chunks < 1 or k_local % chunks:
         raise ValueError(f"head_chunks {head_chunks} must be a positive divisor of the kv heads "
-                         f"per device, {k_local} (kv heads {k.shape[2]} x {reps} copies / seq "
-                         f"axis size {p})")
-    kernel = mesh_kernel(impl, q, mesh, segment_ids is not None, (n_local, k_local))
+                         f"per device, {k_local} (kv heads {lay.k_pad} x {lay.reps} copies / "
+                         f"seq axis size {p})")
+    var = variant(q.shape[1], scale, window, softcap)
+    kernel = mesh_kernel(impl, q, mesh, segment_ids is not None, (n_local, k_local),
+                         causal=causal, window=var["window"], softcap=var["softcap"])
     attend = partial(kernels.local_attention, causal=causal, impl=kernel,
-                     max_segments=max_segments)
+                     max_segments=max_segments, **var)
 
     def exchange_and_attend(q, k, v, seg):
         # q: [B, S/P, N', H]; k, v: [B, S/P, K', H], heads destination-major
@@ -188,20 +197,18 @@ def ulysses_only_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_
     def body(q, k, v, *seg):
         # q: [B/D, S/P, N, H]; k, v: [B/D, S/P, K, H]; seg: [B/D, S/P]
         seg = seg[0] if seg else None
-        if reps > 1:
-            k = jnp.repeat(k, reps, axis=2)                              # [B, S/P, K*reps, H]
-            v = jnp.repeat(v, reps, axis=2)
+        q, k, v = pad_heads(q, k, v, lay)                # k: [B, S/P, K'R, H] (copies, padding)
         if p == 1:
             return attend(q, k, v, segment_ids=seg)
         if seg is not None:
             seg = jax.lax.all_gather(seg, SEQ, axis=1, tiled=True)      # [B, S]
         if chunks == 1:
-            return exchange_and_attend(q, k, v, seg)                     # [B, S/P, N, H]
+            return unpad_output(exchange_and_attend(q, k, v, seg), lay)  # [B, S/P, N, H]
         outs = [exchange_and_attend(*(_head_group(x, p, chunks, c) for x in (q, k, v)), seg)
-                for c in range(chunks)]                                  # C x [B, S/P, N/C, H]
+                for c in range(chunks)]                                  # C x [B, S/P, N'/C, H]
         b, s, _, h = outs[0].shape
         grouped = jnp.stack([o.reshape(b, s, p, n_local // chunks, h) for o in outs], axis=3)
-        return grouped.reshape(b, s, p * n_local, h)                     # [B, S/P, N, H]
+        return unpad_output(grouped.reshape(b, s, p * n_local, h), lay)  # [B, S/P, N, H]
 
     args = [shard(x, mesh, spec) for x in (q, k, v)]
     if segment_ids is not None:
