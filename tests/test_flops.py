@@ -45,3 +45,16 @@ def test_counts_the_weights_the_model_has():
         cfg = ModelConfig(**{**SMALL.__dict__, "tie_embeddings": tied})
         params = nnx.to_pure_dict(nnx.state(Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
         assert matmul_params_per_token(cfg) == _matmul_weights(params, tied), tied
+
+
+def test_sliding_window_counts_the_pairs_it_sees():
+    """A local layer counts the (query, key) pairs inside its window, by a loop; global
+    layers keep the causal count; a window as long as the row is no window."""
+    s, w = 128, 16
+    cfg = ModelConfig(**{**SMALL.__dict__, "sliding_window": w, "layer_pattern": "LG"})
+    pairs = sum(min(i + 1, w) for i in range(s))
+    local = 12 * 4 * 8 * pairs / s
+    assert attention_flops_per_token(cfg, s) == 6 * 4 * 8 * s + local
+    assert attention_flops_per_token(ModelConfig(**{**cfg.__dict__, "layer_pattern": "L"}),
+                                     s) == 2 * local
+    assert attention_flops_per_token(cfg, w) == attention_flops_per_token(SMALL, w)

@@ -84,7 +84,6 @@ NUMERIC = [  # (seq U, ring R, query heads, kv heads, causal, segments)
     (2, 1, 3, 3, True, False),     # MHA, one padded head
     (4, 1, 7, 1, False, True),     # MQA: 8 query heads, the kv head copied 4 times
     (8, 1, 12, 4, True, False),    # GQA: 4 query heads per kv head copy, 16 in all
-    (2, 1, 12, 3, True, True),     # kv heads copied twice, no query padding
     (8, 1, 3, 3, False, False),    # more devices than heads
     (2, 2, 7, 7, True, True)]      # hybrid: heads padded for the seq axis only
 

@@ -221,13 +221,6 @@ def _hf_config(**over):
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), {}, "RoPE scaling 'yarn'"),
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), {}, "RoPE scaling 'linear'"),
     (dict(partial_rotary_factor=0.5), {}, "partial_rotary_factor"),
-    (dict(model_type="mistral", sliding_window=16), {}, "sliding_window 16"),
-    (dict(model_type="mistral", sliding_window=16), dict(max_seq_len=32), "sliding_window 16"),
-    (dict(model_type="mistral"), dict(max_seq_len=8192), "sliding_window 4096"),
-    (dict(model_type="qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=0),
-     dict(max_seq_len=32), "sliding_window 8"),
-    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
-     dict(max_seq_len=32), "sliding_window 8"),
     (dict(model_type="qwen3", attention_bias=True), {}, "attention_bias=true"),
 ])
 def test_unsupported_configs_are_refused(over, kw, reason):
@@ -249,6 +242,11 @@ def test_config_translation():
     assert not config_from_hf(_hf_config()).qkv_bias
     assert config_from_hf(_hf_config(model_type="mistral", sliding_window=64),
                           max_seq_len=64).vocab_size == V
+    # Sliding windows load (tests/test_hf_variants.py checks them against transformers).
+    assert config_from_hf(_hf_config(model_type="mistral")).sliding_window == 4096
+    cfg = config_from_hf(_hf_config(model_type="qwen3", use_sliding_window=True, sliding_window=8,
+                                    max_window_layers=1))
+    assert (cfg.sliding_window, cfg.layer_kinds()) == (8, "GL")
     assert config_from_hf(_hf_config(), dtype=jnp.bfloat16).dtype == "bfloat16"
     for qk, bias, arch in ((True, False, "qwen3"), (False, False, "llama"),
                            (False, False, "mistral"), (False, True, "qwen2")):

@@ -141,8 +141,8 @@ def test_ring_pair_offset_uses_true_positions():
     assert float(jnp.abs(grads[1]).max()) > 0
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_xla_kernel_window_and_scale(causal):
+def test_xla_kernel_window_and_scale():
+    causal = False  # both sides of the window (the causal side: test_cudnn_gets_...)
     q, k, v, seg, ct = _inputs(4, 2, 40, 4, 2, segments=True)
     fn = lambda q, k, v: local_attention(q, k, v, causal=causal, segment_ids=seg, impl="xla",
                                          window=7, scale=0.3)
@@ -167,6 +167,10 @@ def test_cudnn_gets_the_window_and_scale(monkeypatch):
                          local_window_size=(4, 0))]
     chex.assert_trees_all_close(out, reference_attention(q, k, v, window=5, scale=0.25),
                                 atol=1e-5, rtol=1e-5)
+    out = local_attention(q, k, v, causal=False, impl="cudnn")           # encoders: both ways
+    assert seen[1] == dict(mask=None, is_causal=False, implementation="cudnn", scale=None)
+    chex.assert_trees_all_close(out, reference_attention(q, k, v, causal=False), atol=1e-5,
+                                rtol=1e-5)
     with pytest.raises(ValueError, match="kernel 'cudnn' cannot apply a logit softcap"):
         local_attention(q, k, v, causal=True, impl="cudnn", softcap=5.0)
 

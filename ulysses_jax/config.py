@@ -18,6 +18,8 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "offload")
 ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
+FAMILIES = ("llama", "gemma")
+LAYER_KINDS = "LG"  # local (sliding window), global
 
 
 class ConfigError(ValueError):
@@ -66,6 +68,22 @@ class ModelConfig:
     vocab_parallel: bool = True     # split embedding and head over the sequence devices
     mlp_chunk: int = 0              # tokens per device per MLP chunk (TiledMLP); 0 = untiled
     init_std: float = 0.02
+    # Attention variants and the Gemma block (models/gemma.py); the defaults are Llama's.
+    family: str = "llama"           # llama (Llama, Mistral, Qwen2/3) | gemma (Gemma 2 and 3)
+    sliding_window: int = 0         # keys a local layer's query sees, itself included; 0 = none
+    layer_pattern: str = ""         # kinds, repeated over the layers: L local, G global; "" =
+                                    # all L with a sliding_window, else all G
+    rope_local_theta: float = 0.0   # RoPE base of local layers (Gemma 3); 0 = rope_theta
+    attn_scale: float = 0.0         # softmax scale of q.k; 0 = head_dim ** -0.5
+    attn_softcap: float = 0.0       # tanh cap on attention logits (Gemma 2); 0 = none
+    final_softcap: float = 0.0      # tanh cap on the output logits (Gemma 2); 0 = none
+
+    def layer_kinds(self) -> str:
+        """One letter per layer, L (sliding window) or G (whole causal prefix)."""
+        if not self.sliding_window:
+            return "G" * self.n_layers
+        pattern = self.layer_pattern or "L"
+        return (pattern * -(-self.n_layers // len(pattern)))[:self.n_layers]
 
 
 @dataclass(frozen=True)
@@ -159,8 +177,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                       f"{m.max_segments}")
     if m.mlp_chunk < 0:
         errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
+    errors += _variant_errors(m)
     for key, value, allowed in (("model.dtype", m.dtype, DTYPES), ("model.remat", m.remat, REMAT),
                                 ("model.attn_impl", m.attn_impl, ATTN_IMPLS),
+                                ("model.family", m.family, FAMILIES),
                                 ("param_sharding", cfg.param_sharding, PARAM_SHARDING)):
         if value not in allowed:
             errors.append(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
@@ -176,17 +196,16 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         errors.append(f"seq_len {cfg.seq_len} is not divisible by mesh.seq {mesh.seq}")
     if cfg.batch_size % mesh.data:
         errors.append(f"batch_size {cfg.batch_size} is not divisible by mesh.data {mesh.data}")
-    if m.n_heads % mesh.seq:
-        errors.append(f"model.n_heads {m.n_heads} is not divisible by mesh.seq {mesh.seq}")
+    # Heads that mesh.seq does not divide are padded (attention/heads.py); only a GQA
+    # grouping that does not exist is an error.
     if m.n_heads % m.n_kv_heads:
         errors.append(f"model.n_heads {m.n_heads} is not divisible by model.n_kv_heads "
                       f"{m.n_kv_heads}")
-    if m.n_kv_heads % mesh.seq and mesh.seq % m.n_kv_heads:
-        errors.append(f"model.n_kv_heads {m.n_kv_heads} and mesh.seq {mesh.seq}: kv heads must "
-                      f"be a multiple of mesh.seq or divide it")
     chunks = cfg.ulysses.chunks
     if chunks > 1:
-        kv_local = max(m.n_kv_heads, mesh.seq) // mesh.seq
+        from .attention.heads import head_layout  # lazy: the config module stays import-light
+        kv_local = (head_layout(m.n_heads, m.n_kv_heads, mesh.seq).k_local
+                    if not m.n_heads % m.n_kv_heads else chunks)
         if mesh.ring > 1:
             errors.append(f"ulysses.chunks {chunks} > 1 is not supported with mesh.ring "
                           f"{mesh.ring} > 1")
@@ -205,6 +224,23 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         errors.append(f"data.heldout_fraction must be in [0, 1), got {cfg.data.heldout_fraction}")
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def _variant_errors(m: ModelConfig) -> list[str]:
+    """Messages for attention-variant keys that cannot work (see ModelConfig)."""
+    errors = [f"model.{k} must be 0 (off) or positive, got {v}"
+              for k, v in (("sliding_window", m.sliding_window),
+                           ("rope_local_theta", m.rope_local_theta),
+                           ("attn_scale", m.attn_scale), ("attn_softcap", m.attn_softcap),
+                           ("final_softcap", m.final_softcap)) if v < 0]
+    bad = sorted(set(m.layer_pattern) - set(LAYER_KINDS))
+    if bad:
+        errors.append(f"model.layer_pattern {m.layer_pattern!r} has {bad}; use L (local, "
+                      f"sliding window) and G (global)")
+    elif "L" in m.layer_pattern and not m.sliding_window:
+        errors.append(f"model.layer_pattern {m.layer_pattern!r} has local layers (L) but "
+                      f"model.sliding_window is 0")
+    return errors
 
 
 def to_dict(cfg: Config) -> dict:

@@ -12,8 +12,10 @@ half-split RoPE with inv_freq = theta^(-2i/head_dim); RMSNorm in fp32 times the 
 RMSNorm over head_dim before RoPE (Qwen3); q/k/v projection biases added before RoPE, none on
 o_proj (Qwen2); GQA query head n reads kv head n // (N/K); logits
 scale head_dim^-0.5; SiLU-gated MLP; ``lm_head`` = embedding when ``tie_word_embeddings``.
-What our Decoder cannot express (an o_proj or MLP bias, scaled RoPE, a sliding window shorter
-than the sequence, other activations) is refused with a ValueError, never silently dropped.
+Sliding windows (Mistral, Qwen2 / Qwen3 with use_sliding_window) and the Gemma 2 / Gemma 3
+text decoders are mapped by ``hf_variants.py``, which this module dispatches to.
+What our Decoder cannot express (an o_proj or MLP bias, scaled RoPE, other activations) is
+refused with a ValueError, never silently dropped.
 """
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from . import hf_variants
 from .config import DTYPES, PARAM_SHARDING, ModelConfig
 from .mesh import make_mesh
 from .models.decoder import Decoder
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", **hf_variants.GEMMA_ARCHS}
 
 # Our parameter path -> (HF tensor name, number of leading "in" dims of our array).
 # An HF Linear weight W [out, in] maps to ours as W.T.reshape(our shape): q_proj [N*H, D]
@@ -80,18 +83,6 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_attention_heads")
 
 
-def _sliding_window(hf: dict) -> int | None:
-    """The attention window transformers would apply (defaults as its config classes), or None."""
-    if hf["model_type"] == "mistral":  # MistralConfig defaults to 4096 when the key is absent
-        return hf.get("sliding_window", 4096)
-    if hf["model_type"] not in ("qwen2", "qwen3") or not hf.get("use_sliding_window", False):
-        return None  # Llama never slides; Qwen2 / Qwen3 only with use_sliding_window
-    window, n = hf.get("sliding_window", 4096), hf["num_hidden_layers"]
-    kinds = hf.get("layer_types") or ["full_attention" if i < hf.get("max_window_layers", 28)
-                                      else "sliding_attention" for i in range(n)]
-    return window if "sliding_attention" in kinds else None
-
-
 def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None = None,
                    **overrides) -> ModelConfig:
     """Translates a transformers ``config.json`` dict to a ModelConfig.
@@ -99,8 +90,8 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
     Args:
       hf: the parsed config.json (model_type llama, mistral, qwen2 or qwen3).
       dtype: compute dtype, float32 or bfloat16 (parameters stay float32).
-      max_seq_len: the longest sequence the model will see; required only when the checkpoint
-        has a sliding window (Mistral), which must then cover it.
+      max_seq_len: accepted for callers of earlier versions, which needed it to load a
+        sliding window; windows of any length now load as ``sliding_window``.
       **overrides: other ModelConfig fields (remat, attn_impl, loss_chunk, ...).
     Returns:
       The ModelConfig of an equivalent Decoder.
@@ -110,6 +101,8 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
     mt = hf.get("model_type")
     if mt not in ARCHS:
         raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(ARCHS)}")
+    if mt in hf_variants.GEMMA_ARCHS:
+        return hf_variants.gemma_config_from_hf(hf, dtype=_dtype_name(dtype), **overrides)
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} (only silu is implemented)")
@@ -124,18 +117,9 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
         problems.append(f"RoPE scaling {rope_type!r} (only unscaled RoPE is implemented)")
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         problems.append("partial_rotary_factor != 1 (RoPE on the whole head_dim only)")
-    window = _sliding_window(hf)
-    if window is not None and (max_seq_len is None or max_seq_len > window):
-        problems.append(f"sliding_window {window} (the Decoder attends to the whole causal "
-                        f"prefix; pass max_seq_len <= {window} to load it, got {max_seq_len})")
     if problems:
         raise ValueError(f"cannot import this {mt} checkpoint: " + "; ".join(problems))
-    try:
-        dtype = jnp.dtype(dtype).name
-    except TypeError:
-        pass  # not a dtype at all; reported below like any other unsupported one
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    dtype = _dtype_name(dtype)
     missing = [k for k in _REQUIRED if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {missing}")
@@ -149,7 +133,19 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=mt == "qwen3",
         qkv_bias=mt == "qwen2",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype, **overrides)
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype,
+        **hf_variants.window_from_hf(hf), **overrides)
+
+
+def _dtype_name(dtype) -> str:
+    """float32 or bfloat16 from a name or a dtype; ValueError otherwise."""
+    try:
+        dtype = jnp.dtype(dtype).name
+    except TypeError:
+        pass  # not a dtype at all; reported below like any other unsupported one
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return dtype
 
 
 def config_to_hf(cfg: ModelConfig, arch: str | None = None,
@@ -158,18 +154,23 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
 
     Args:
       cfg: the Decoder's config.
-      arch: llama, mistral, qwen2 or qwen3; None = qwen3 with QK-norm, qwen2 with q/k/v
-        biases, else llama.
+      arch: llama, mistral, qwen2, qwen3, gemma2 or gemma3_text; None = qwen3 with QK-norm,
+        qwen2 with q/k/v biases, mistral with a window on every layer, else llama; for the
+        gemma family gemma3_text with QK-norm, else gemma2.
       max_position_embeddings: written for transformers' RoPE cache; our model has no limit.
     Returns:
       A dict for config.json (both the transformers >= 5 and the older RoPE keys).
     """
+    if cfg.family == "gemma":
+        return hf_variants.gemma_config_to_hf(cfg, arch, max_position_embeddings)
     if cfg.qk_norm and cfg.qkv_bias:
         raise ValueError("no supported arch has both q/k RMSNorm and q/k/v biases (Qwen3's "
                          "attention_bias also biases o_proj); qk_norm=True, qkv_bias=True")
     fits = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    if fits == "llama" and "L" in cfg.layer_kinds():
+        fits = "mistral"
     arch = arch or fits
-    if arch not in ARCHS:
+    if arch not in ARCHS or arch in hf_variants.GEMMA_ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
     if cfg.qk_norm != (arch == "qwen3"):
         raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen3' else 'has no'} q/k RMSNorm "
@@ -194,6 +195,7 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
         hf["sliding_window"] = None
     if arch in ("qwen2", "qwen3"):
         hf.update(use_sliding_window=False, layer_types=["full_attention"] * cfg.n_layers)
+    hf.update(hf_variants.window_to_hf(cfg, arch))
     return hf
 
 
@@ -218,13 +220,14 @@ def _to_hf(x: np.ndarray, n_in: int) -> np.ndarray:
     return x.reshape(-1) if n_in == _FLAT else x.reshape(math.prod(x.shape[:n_in]), -1).T
 
 
-def _hf_names(keys: tuple[str, ...], n_layers: int) -> tuple[list[str], int]:
+def _hf_names(keys: tuple[str, ...], cfg: ModelConfig) -> tuple[list[str], int]:
     """HF tensor names (one per layer for stacked parameters) and n_in of our parameter path."""
     if keys[0] != "layers":
         name, n_in = _GLOBAL[keys]
         return [name], n_in
-    name, n_in = _LAYER[keys[1:]]
-    return [f"model.layers.{i}.{name}" for i in range(n_layers)], n_in
+    layer = hf_variants.GEMMA_LAYER if cfg.family == "gemma" else _LAYER
+    name, n_in = layer[keys[1:]]
+    return [f"model.layers.{i}.{name}" for i in range(cfg.n_layers)], n_in
 
 
 def _tensor_index(path: str) -> dict[str, str]:
@@ -270,7 +273,7 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
     abstract = nnx.to_pure_dict(nnx.state(
         nnx.eval_shape(lambda: Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0)))))
     paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)]
-    wanted = {n for keys in paths for n in _hf_names(keys, cfg.n_layers)[0]}
+    wanted = {n for keys in paths for n in _hf_names(keys, cfg)[0]}
     files = _tensor_index(path)
     # Checked before reading anything: a tensor we would drop changes the model's function.
     unused = sorted(k for k in set(files) - wanted if not k.endswith(_IGNORED_SUFFIXES)
@@ -296,7 +299,7 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
             return x.astype(np.float32)
 
         def load(keys: tuple[str, ...], leaf) -> jax.Array:
-            names, n_in = _hf_names(keys, cfg.n_layers)
+            names, n_in = _hf_names(keys, cfg)
             stacked = keys[0] == "layers"
             shape = leaf.shape[1:] if stacked else leaf.shape
             # One layer at a time into our layout, then stack.
@@ -345,7 +348,7 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     out = {}
 
     def put(keys: tuple[str, ...], x):
-        names, n_in = _hf_names(keys, cfg.n_layers)
+        names, n_in = _hf_names(keys, cfg)
         x = np.asarray(jax.device_get(x), np.float32)
         for name, layer in zip(names, x if keys[0] == "layers" else [x], strict=True):
             out[name] = np.ascontiguousarray(_to_hf(layer, n_in))
@@ -360,8 +363,7 @@ def save_pretrained(model: Decoder, out_dir: str, arch: str | None = None) -> No
     Args:
       model: a Decoder (parameters on any mesh, single process).
       out_dir: created if missing; only these two files are written.
-      arch: llama, mistral, qwen2 or qwen3; None = qwen3 when the model has QK-norm, qwen2
-        when it has q/k/v biases, else llama.
+      arch: as in ``config_to_hf`` (None: the arch that fits the model).
     """
     hf = config_to_hf(model.cfg, arch)
     tensors = to_hf_tensors(model.cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)))

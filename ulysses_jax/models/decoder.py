@@ -24,12 +24,14 @@ compile time does not grow with depth.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..config import ModelConfig
+from ..config import LAYER_KINDS, ModelConfig
 from .loss import largest_divisor_at_most
 from ..mesh import act_spec, shard
 from . import vocab
@@ -74,16 +76,23 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """RMS normalisation in fp32 with a learned scale; output in the input's dtype."""
+    """RMS normalisation in fp32 with a learned scale; output in the input's dtype.
+    ``one_plus``: the scale is (1 + w) with w initialised to 0 (Gemma)."""
 
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, one_plus: bool = False):
+        self.scale = nnx.Param((jnp.zeros if one_plus else jnp.ones)((dim,), jnp.float32))
+        self.eps, self.one_plus = eps, one_plus
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        scale = 1.0 + self.scale[...] if self.one_plus else self.scale[...]
+        return (y * scale).astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    """The family's RMSNorm over ``dim``."""
+    return RMSNorm(dim, cfg.norm_eps, one_plus=cfg.family == "gemma")
 
 
 class Attention(nnx.Module):
@@ -102,11 +111,13 @@ class Attention(nnx.Module):
         self.bq = zeros(n, h) if cfg.qkv_bias else None
         self.bk = zeros(k, h) if cfg.qkv_bias else None
         self.bv = zeros(k, h) if cfg.qkv_bias else None
-        self.q_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(h, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = norm(cfg, h) if cfg.qk_norm else None
+        self.k_norm = norm(cfg, h) if cfg.qk_norm else None
         self.cfg, self.mesh, self.layout, self.head_chunks = cfg, mesh, layout, head_chunks
 
-    def __call__(self, x, positions, segment_ids):
+    def __call__(self, x, positions, segment_ids, kind="G"):
+        """``kind``: "L" (local: sliding window, local RoPE base) or "G"; or, when the layers
+        mix both, a traced index into LAYER_KINDS (``lax.switch`` between the two)."""
         dt, mesh, cfg = x.dtype, self.mesh, self.cfg
         q = jnp.einsum("BSD,DNH->BSNH", x, _gathered(self.wq[...], dt, mesh))
         k = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wk[...], dt, mesh))
@@ -117,12 +128,24 @@ class Attention(nnx.Module):
             v = v + _gathered(self.bv[...], dt, mesh)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q, positions, cfg.rope_theta)                                       # [B, S, N, H]
-        k = rope(k, positions, cfg.rope_theta)                                       # [B, S, K, H]
-        o = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
-                              impl=cfg.attn_impl, head_chunks=self.head_chunks,
-                              layout=self.layout,
-                              max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS)  # [B, S, N, H]
+
+        def attend(kind, q, k, v):
+            local = kind == "L"
+            theta = (cfg.rope_local_theta or cfg.rope_theta) if local else cfg.rope_theta
+            q = rope(q, positions, theta)                                            # [B, S, N, H]
+            k = rope(k, positions, theta)                                            # [B, S, K, H]
+            return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
+                                     impl=cfg.attn_impl, head_chunks=self.head_chunks,
+                                     layout=self.layout,
+                                     max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
+                                     scale=cfg.attn_scale or None,
+                                     window=cfg.sliding_window if local else None,
+                                     softcap=cfg.attn_softcap or None)               # [B, S, N, H]
+
+        if isinstance(kind, str):
+            o = attend(kind, q, k, v)
+        else:
+            o = jax.lax.switch(kind, [partial(attend, c) for c in LAYER_KINDS], q, k, v)
         return jnp.einsum("BSNH,NHD->BSD", o, _gathered(self.wo[...], dt, mesh))
 
 
@@ -139,20 +162,23 @@ class MLP(nnx.Module):
         self.cfg, self.mesh = cfg, mesh
 
     @staticmethod
-    def _mlp(x, w_gate, w_up, w_down):
+    def _mlp(x, w_gate, w_up, w_down, activation=jax.nn.silu):
         gate = jnp.einsum("BSD,DF->BSF", x, w_gate)                                # [B, S, F]
         up = jnp.einsum("BSD,DF->BSF", x, w_up)
-        return jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate) * up, w_down)
+        return jnp.einsum("BSF,FD->BSD", activation(gate) * up, w_down)
 
     def __call__(self, x):
         dt, mesh, chunk = x.dtype, self.mesh, self.cfg.mlp_chunk
         weights = [_gathered(w[...], dt, mesh) for w in (self.w_gate, self.w_up, self.w_down)]
+        # GeGLU (tanh GELU) in the Gemma family, SwiGLU otherwise.
+        gelu = partial(jax.nn.gelu, approximate=True)
+        activation = gelu if self.cfg.family == "gemma" else jax.nn.silu
         if not chunk or mesh is None:
-            return self._mlp(x, *weights)
-        return _tiled_mlp(x, weights, mesh, chunk)
+            return self._mlp(x, *weights, activation=activation)
+        return _tiled_mlp(x, weights, mesh, chunk, activation)
 
 
-def _tiled_mlp(x, weights, mesh: Mesh, chunk: int):
+def _tiled_mlp(x, weights, mesh: Mesh, chunk: int, activation=jax.nn.silu):
     """The MLP over sequence chunks of each device's tokens (ALST's TiledMLP).
 
     Each device maps the MLP over its own tokens ``chunk`` at a time, recomputing each chunk
@@ -165,7 +191,7 @@ def _tiled_mlp(x, weights, mesh: Mesh, chunk: int):
         b, s, d = x.shape                                                  # x: [B/D, S/P, D]
         c = largest_divisor_at_most(s, chunk)
         xs = jnp.moveaxis(x.reshape(b, s // c, c, d), 1, 0)               # [S/P/C, B, C, D]
-        step = jax.checkpoint(lambda xc: MLP._mlp(xc, w_gate, w_up, w_down))
+        step = jax.checkpoint(lambda xc: MLP._mlp(xc, w_gate, w_up, w_down, activation))
         return jnp.moveaxis(jax.lax.map(step, xs), 0, 1).reshape(b, s, d)
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(), P(), P()), out_specs=act)
@@ -177,14 +203,14 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
                  layout: str = "natural", head_chunks: int = 1):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, mesh, rngs=rngs, layout=layout, head_chunks=head_chunks)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg, mesh, rngs=rngs)
         self.mesh = mesh
 
-    def __call__(self, x, positions, segment_ids):
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+    def __call__(self, x, positions, segment_ids, kind="G"):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, kind)
         x = x + self.mlp(self.mlp_norm(x))
         return x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))
 
@@ -204,10 +230,14 @@ class Decoder(nnx.Module):
         self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.vocab_size, cfg.d_model)))                          # [V, D]
         keys = jax.random.split(rngs.params(), cfg.n_layers)
+        if cfg.family == "gemma":
+            from .gemma import GemmaBlock as block  # gemma.py builds on this module's pieces
+        else:
+            block = Block
         self.layers = nnx.vmap(
-            lambda key: Block(cfg, mesh, rngs=nnx.Rngs(key), layout=layout,
+            lambda key: block(cfg, mesh, rngs=nnx.Rngs(key), layout=layout,
                               head_chunks=head_chunks))(keys)                        # [L, ...]
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = norm(cfg, cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
 
@@ -241,18 +271,42 @@ class Decoder(nnx.Module):
         else:
             x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)
             x = shard(x, self.mesh, act_spec(self.mesh, 1))
-        graphdef, stacked = nnx.split(self.layers)
-
-        def layer(x, state):
-            return nnx.merge(graphdef, state)(x, positions, segment_ids), None
-
-        if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat],
-                                   prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, stacked)
-        return self.final_norm(x)
+        if self.cfg.family == "gemma":  # embeddings x sqrt(D), the factor in the compute dtype
+            x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)
+        return self.final_norm(scan_layers(self.layers, self.cfg, x, positions, segment_ids))
 
     def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
         h = self.hidden(tokens, positions, segment_ids)
         w = _gathered(self.head_weight(), self.dtype, self.mesh)
-        return jnp.einsum("BSD,DV->BSV", h, w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("BSD,DV->BSV", h, w, preferred_element_type=jnp.float32)
+        cap = self.cfg.final_softcap
+        return cap * jnp.tanh(logits / cap) if cap else logits
+
+
+def scan_layers(layers, cfg: ModelConfig, x, positions, segment_ids):
+    """Runs the stacked layers [L, ...] over x [B, S, D] in one ``lax.scan``.
+
+    Per-layer attention kinds (``cfg.layer_kinds()``: L sliding window, G global): when all
+    layers are of one kind it is a static argument, the program of a model without windows.
+    When they mix (Gemma 3's five local then one global, Qwen2's max_window_layers) the scan
+    also walks an int [L] of kind indices, and each layer's attention chooses its branch by
+    ``lax.switch``: both branches are compiled once (each with a static window, RoPE base
+    and kernel: cuDNN's window length must be static, as must the ring's plan of steps), the
+    parameters stay stacked as they are, and the residuals the two branches save share
+    buffers where their types agree (JAX merges them), so memory stays that of one kind.
+    """
+    graphdef, stacked = nnx.split(layers)
+    kinds = cfg.layer_kinds()
+
+    def layer(x, xs):
+        state, kind = xs if len(set(kinds)) > 1 else (xs, kinds[0])
+        return nnx.merge(graphdef, state)(x, positions, segment_ids, kind), None
+
+    if cfg.remat != "none":
+        layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    if len(set(kinds)) > 1:
+        ids = jnp.asarray([LAYER_KINDS.index(c) for c in kinds], jnp.int32)           # [L]
+        x, _ = jax.lax.scan(layer, x, (stacked, ids))
+    else:
+        x, _ = jax.lax.scan(layer, x, stacked)
+    return x

@@ -34,7 +34,8 @@ def plain_cross_entropy(logits, targets, loss_mask):
     return jnp.sum(losses * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
 
 
-def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int = 1024):
+def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int = 1024,
+                          softcap: float = 0.0):
     """Mean next-token loss without materialising the logits.
 
     Args:
@@ -43,6 +44,7 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
       targets: [B, S] int next-token ids; loss_mask: [B, S] float weights (0 = ignore).
       mesh: the ("data", "seq") mesh.
       chunk: positions per device per chunk.
+      softcap: c > 0 caps the logits at c * tanh(logits / c) (Gemma 2); 0 = none.
 
     Returns:
       (mean loss, number of counted tokens), both fp32 scalars.
@@ -60,6 +62,8 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
             hc, tc, mc = args                                                 # hc: [B, C, D]
             logits = jnp.einsum("BCD,DV->BCV", hc, w.astype(hc.dtype),
                                 preferred_element_type=jnp.float32)          # [B, C, V]
+            if softcap:
+                logits = softcap * jnp.tanh(logits / softcap)
             return jnp.sum(token_losses(logits, tc) * mc)
 
         sums = jax.lax.map(chunk_loss, (as_chunks(h), as_chunks(t), as_chunks(m)))  # [S/P/C]

@@ -117,13 +117,15 @@ def embed(table, tokens, *, mesh: Mesh, dtype, chunk: int = 1024):
     return fn(table, tokens)
 
 
-def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int = 1024):
+def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int = 1024,
+                  softcap: float = 0.0):
     """Mean next-token loss with the output head split over the vocabulary.
 
     Same contract as ``loss.chunked_cross_entropy``: hidden [B, S, D] (sharded like the
     activations), w_head [D, V] (fp32 parameters, any sharding; cast to hidden's dtype per
-    chunk), targets [B, S] ints, loss_mask [B, S] weights. Returns (mean loss over the counted
-    tokens, number of counted tokens), fp32 scalars.
+    chunk), targets [B, S] ints, loss_mask [B, S] weights, softcap (final logit cap, 0 =
+    none). Returns (mean loss over the counted tokens, number of counted tokens), fp32
+    scalars.
     """
     axes = seq_axes(mesh)
     all_axes = tuple(a for a in (DATA, RING, SEQ) if a in mesh.axis_names)
@@ -145,6 +147,8 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
             ids, own = _owned(lax.all_gather(tc, axes, axis=1, tiled=True), cols, axes)
             logits = jnp.einsum("BTD,DV->BTV", h_all, w.astype(hc.dtype),
                                 preferred_element_type=_F32)              # [B, P*C, Vl]
+            if softcap:
+                logits = softcap * jnp.tanh(logits / softcap)
             # Padded columns are masked inside the reductions (fused; a masked copy of the
             # logits would be one more [B, P*C, Vl] fp32 buffer).
             row_max = jnp.where(real, logits, -jnp.inf).max(-1) if padded else logits.max(-1)

@@ -14,6 +14,7 @@ Per token, forward + backward = 3 x forward, a multiply-add = 2 FLOPs:
   - causal attention: QK^T and PV are 2·2·N·H FLOPs per (query, visible key) pair, forward;
     a query at position i sees i + 1 keys, about S/2 on average, so forward + backward is
     6·N·H·S per token per layer (6·L·N·H·S² per sequence). Without the causal mask: twice.
+    A sliding window W sees min(i + 1, W) keys: local layers count W·S - W(W-1)/2 pairs.
 Recomputation (remat) is not counted (that would be hardware FLOPs, HFU), nor the tiles the
 packed-document kernels skip: ``mfu`` counts every causal pair of the row, so packed rows do
 less work than it counts (their "useful" attention is sum(l²)/S² of it).
@@ -32,9 +33,17 @@ def matmul_params_per_token(m: ModelConfig) -> int:
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    """Forward + backward FLOPs of the score and value matmuls, per token of a row."""
+    """Forward + backward FLOPs of the score and value matmuls, per token of a row.
+
+    A local layer (``model.sliding_window`` W < S, causal) counts its visible pairs,
+    W·S - W(W-1)/2 per row instead of about S²/2."""
     per_layer = 6 * m.n_heads * m.head_dim * seq_len  # causal: 12·N·H·S²/2 per row / S
-    return m.n_layers * per_layer * (1 if causal else 2)
+    w = m.sliding_window
+    if not causal or not w or w >= seq_len:
+        return m.n_layers * per_layer * (1 if causal else 2)
+    local = m.layer_kinds().count("L")
+    windowed = 12 * m.n_heads * m.head_dim * (w * seq_len - w * (w - 1) / 2) / seq_len
+    return (m.n_layers - local) * per_layer + local * windowed
 
 
 def train_step_flops(m: ModelConfig, batch_size: int, seq_len: int) -> float:

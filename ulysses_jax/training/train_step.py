@@ -129,9 +129,10 @@ def loss_fn(graphdef, params, batch, mesh: Mesh):
     args = (batch["targets"], batch["loss_mask"])
     if model.vocab_parallel:
         return vocab.cross_entropy(hidden, model.head_weight(), *args, mesh=mesh,
-                                   chunk=model.cfg.loss_chunk)
+                                   chunk=model.cfg.loss_chunk, softcap=model.cfg.final_softcap)
     return chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype), *args,
-                                 mesh=mesh, chunk=model.cfg.loss_chunk)
+                                 mesh=mesh, chunk=model.cfg.loss_chunk,
+                                 softcap=model.cfg.final_softcap)
 
 
 def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callable:
