@@ -16,6 +16,11 @@ finishes (a timeout keeps what ran); a failing section records its error and the
                    packed cuDNN layout), the chunked kernel with and without segment skipping,
                    cuDNN on the same length without documents (a bound), torch SDPA (causal,
                    no documents: torch has no packed path there); 8k and 32k, head dims 128, 64.
+  window_attention sliding window W=1024 (issue 15): cuDNN's window (plain; packed layout,
+                   which decides cudnn.PACKED_WINDOW_CHECKED) and the chunked kernel, bf16,
+                   against the fp32 reference with the window; forward+backward times at 8k
+                   and 32k, 32 query / 8 kv heads of 128, cuDNN and chunked, with and
+                   without the window.
   throughput       the 1B preset (configs/llama-1b-32k.yaml) on one GPU: rows packed with 4
                    documents, batch 1, bf16, AdamW step included, 8k and 32k tokens, each
                    remat policy in --remat; tokens/s, step time, MFU from the model's FLOPs
@@ -204,6 +209,64 @@ def _packed_attention(smoke: bool, repeats: int = 5) -> dict:
     return out
 
 
+def _window_attention(smoke: bool, repeats: int = 5) -> dict:
+    """Sliding window (issue 15): cuDNN's window (plain and packed layout) and the chunked
+    kernel, bf16, against the fp32 reference (forward and gradients); then times of one
+    forward + backward with and without the window. What "auto" picks is recorded too."""
+    import jax
+    import jax.numpy as jnp
+    from ulysses_jax import make_mesh, reference_attention, ulysses_attention
+    from ulysses_jax.attention import cudnn
+    from ulysses_jax.attention.ulysses import mesh_kernel
+
+    mesh = make_mesh(seq=1, data=1, devices=jax.devices()[:1])
+    out = {"packed_window_checked_flag": cudnn.PACKED_WINDOW_CHECKED}
+    s, w = (256, 64) if smoke else (4096, 1024)
+    ks = jax.random.split(jax.random.key(15), 4)
+    q = jax.random.normal(ks[0], (1, s, 8, 128), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (1, s, 2, 128), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (1, s, 2, 128), jnp.bfloat16)
+    ct = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+    seg = jnp.asarray(_packed_segments(s, 4, seed=15)[0])
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, ct)]
+    for segments in (False, True):
+        sg = seg if segments else None
+        ref = _fwd_bwd(lambda q, k, v: reference_attention(q, k, v, segment_ids=sg,
+                                                           window=w))(*f32)
+        for impl in ("auto", "cudnn", "chunked"):
+            name = f"{impl}_seg{int(segments)}"
+            try:
+                kernel = mesh_kernel(impl, q, mesh, segments, (8, 2), causal=True, window=w)
+                got = _fwd_bwd(lambda q, k, v: ulysses_attention(
+                    q, k, v, mesh=mesh, segment_ids=sg, impl=impl, window=w,
+                    max_segments=8))(q, k, v, ct)
+            except Exception as e:  # noqa: BLE001 - refused off GPU, or cuDNN says no
+                out[name] = {"refused": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
+            errs = {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
+                    for n, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+            out[name] = {"kernel": kernel, "rel_err": errs,
+                         "pass": all(e <= 1e-2 for e in errs.values())}
+    for s in ([512] if smoke else [8192, 32768]):
+        ks = jax.random.split(jax.random.key(s), 4)
+        q = jax.random.normal(ks[0], (1, s, 32 if not smoke else 8, 128), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (1, s, 8 if not smoke else 2, 128), jnp.bfloat16)
+        v = jax.random.normal(ks[2], k.shape, jnp.bfloat16)
+        ct = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+        row = {}
+        for impl in ("cudnn", "chunked"):
+            for window in (None, w):
+                try:
+                    fn = _fwd_bwd(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh,
+                                                                    impl=impl, window=window))
+                    row[f"{impl}_w{window or 'none'}_ms"] = 1e3 * _timed(fn, (q, k, v, ct), 2,
+                                                                         repeats)
+                except Exception as e:  # noqa: BLE001
+                    row[f"{impl}_w{window or 'none'}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out[f"time_s{s}_w{w}"] = row
+    return out
+
+
 def _torch_sdpa(s, heads, h, repeats, flops) -> dict:
     try:
         import torch
@@ -370,8 +433,8 @@ def _pytest(smoke: bool, timeout: int) -> dict:
             "seconds": round(time.time() - t0, 1), "tail": text[-3000:]}
 
 
-SECTIONS = ("env", "attention_bf16", "packed_attention", "throughput", "transformers",
-            "longest_8b", "pytest")
+SECTIONS = ("env", "attention_bf16", "packed_attention", "window_attention", "throughput",
+            "transformers", "longest_8b", "pytest")
 
 
 def main():
@@ -401,6 +464,7 @@ def main():
         "env": lambda: _env(args.smoke),
         "attention_bf16": lambda: _attention_bf16(args.smoke),
         "packed_attention": lambda: _packed_attention(args.smoke),
+        "window_attention": lambda: _window_attention(args.smoke),
         "throughput": lambda: _throughput(args.smoke, args.remat.split(",")),
         "transformers": lambda: _transformers(args.smoke),
         "longest_8b": lambda: _longest_8b(args.smoke),

@@ -1,4 +1,5 @@
-"""Flax NNX decoder of the Llama 3 / Qwen3 family with Ulysses sequence-parallel attention.
+"""Flax NNX decoder of the Llama 3 / Mistral / Qwen family with Ulysses sequence-parallel
+attention; the Gemma 2 / 3 block (``model.family=gemma``) is gemma.py, built from these parts.
 
 Einsum letters: B batch, T query positions, S key positions (and the sequence in general),
 N query heads, K kv heads, G group (N // K), H head dim, D model dim, F ffn dim, V vocab,
@@ -20,7 +21,8 @@ exchange moves rotated q/k, which is all attention needs.
 Weights use an [in, out] layout per projection (``wq`` [D, N, H], ``wo`` [N, H, D],
 ``w_gate`` [D, F] ...), so a Hugging Face Linear weight [out, in] maps by a transpose and a
 reshape. Transformer blocks are stacked on a leading L axis and run with ``jax.lax.scan``, so
-compile time does not grow with depth.
+compile time does not grow with depth; local (sliding-window) and global layers share that
+scan (``scan_layers``).
 """
 from __future__ import annotations
 
