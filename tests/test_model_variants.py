@@ -8,7 +8,7 @@ from test_model import _batch, _loss_and_grads, _rel_close, _setup
 from ulysses_jax.config import ConfigError, load_config
 
 GEMMA = {"model.family": "gemma", "model.sliding_window": 8, "model.layer_pattern": "LG",
-         "model.n_layers": 3, "model.attn_softcap": 20.0, "model.final_softcap": 15.0,
+         "model.n_layers": 2, "model.attn_softcap": 20.0, "model.final_softcap": 15.0,
          "model.attn_scale": 0.3, "model.rope_local_theta": 1000.0}
 
 
