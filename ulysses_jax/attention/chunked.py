@@ -389,6 +389,11 @@ def chunked_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int =
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be positive, got block_q {block_q}, block_k {block_k}")
     scale = float(h ** -0.5 if scale is None else scale)
+    if segment_ids is not None:
+        # The tiles' masks depend only on the segment ids, the same in every layer: without
+        # this tie JAX's scan partial evaluation computes them for all tiles at once, outside
+        # the layer loop, and keeps them (a [nq, B, K, G, Tb, Sb] mask, growing with S).
+        q, segment_ids = lax.optimization_barrier((q, segment_ids))
     return _attention(q, k, v, segment_ids, block_plan(t, s, causal, block_q, block_k), scale)
 
 
