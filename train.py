@@ -79,7 +79,8 @@ def main(argv=None) -> int:
         else:
             jax.distributed.initialize()  # SLURM / Open MPI: read from the environment
 
-    from ulysses_jax.training.trainer import TrainingDiverged, dry_run, train
+    from ulysses_jax.training.dry_run import dry_run
+    from ulysses_jax.training.trainer import TrainingDiverged, train
     try:
         if args.dry_run:
             print(json.dumps(dry_run(cfg)))

@@ -12,7 +12,7 @@ import pytest
 from conftest import need_devices
 from ulysses_jax import plan
 from ulysses_jax.config import ConfigError, load_config
-from ulysses_jax.training.trainer import dry_run
+from ulysses_jax.training.dry_run import dry_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

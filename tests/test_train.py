@@ -15,7 +15,8 @@ from conftest import DEVICES, cli_env
 from ulysses_jax.training.checkpoint import Checkpointer
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.plot import plot_metrics
-from ulysses_jax.training.trainer import TrainingDiverged, dry_run, train
+from ulysses_jax.training.dry_run import dry_run
+from ulysses_jax.training.trainer import TrainingDiverged, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

@@ -18,6 +18,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "offload")
 ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
+MOMENT_DTYPES = ("float32", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"          # compute dtype; parameters are always float32
     remat: str = "none"             # none | full | save_dots | offload (dots to host memory)
+    # With remat=full: keep each layer's input (the checkpoint the backward pass recomputes
+    # the layer from) in host memory instead of the device's.
+    offload_checkpoints: bool = False
     attn_impl: str = "auto"         # see ulysses_jax.attention.kernels.resolve_impl
     # Bound on documents per packed row for cuDNN's packed layout (GPU); rows with more run
     # an exact fallback kernel. 0 = from the data: 1.5 x the most any row of the first epoch
@@ -79,6 +83,10 @@ class OptimizerConfig:
     b2: float = 0.95
     weight_decay: float = 0.1
     clip_norm: float = 1.0
+    # Keep fp32 parameters and AdamW moments in host memory and compute the update there;
+    # the device holds compute-dtype copies of the weights and the gradients.
+    offload: bool = False
+    moment_dtype: str = "float32"   # float32 | bfloat16: storage of AdamW's two moments
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,12 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                       f"{m.max_segments}")
     if m.mlp_chunk < 0:
         errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
+    if m.offload_checkpoints and m.remat != "full":
+        errors.append(f"model.offload_checkpoints=true needs model.remat=full (the layer "
+                      f"inputs are then the only checkpoints), got model.remat={m.remat!r}")
     for key, value, allowed in (("model.dtype", m.dtype, DTYPES), ("model.remat", m.remat, REMAT),
+                                ("optimizer.moment_dtype", cfg.optimizer.moment_dtype,
+                                 MOMENT_DTYPES),
                                 ("model.attn_impl", m.attn_impl, ATTN_IMPLS),
                                 ("param_sharding", cfg.param_sharding, PARAM_SHARDING)):
         if value not in allowed:

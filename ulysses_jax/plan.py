@@ -37,7 +37,7 @@ DEFAULT_MAX_SEQ_LEN = 1 << 20  # 1M tokens: past this the search stops and says 
 
 def peak_bytes(cfg: Config) -> int:
     """Per-device peak bytes of one compiled train step (XLA's memory analysis)."""
-    from .training.trainer import dry_run  # imported here: the CLI sets XLA_FLAGS before JAX starts
+    from .training.dry_run import dry_run  # imported here: the CLI sets XLA_FLAGS before JAX starts
     return dry_run(cfg)["peak_bytes_per_device"]
 
 

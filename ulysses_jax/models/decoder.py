@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import ModelConfig
@@ -35,11 +36,17 @@ from ..mesh import act_spec, shard
 from . import vocab
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 
+_LAYER_INPUT = "layer_input"
 _REMAT_POLICIES = {
     "full": None,  # save nothing inside a block: recompute all of it
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # Save the weight matmul outputs, but in host memory, copied back for the backward pass.
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    # remat full with model.offload_checkpoints: the layer input, the one value the layer
+    # loop keeps per layer for the backward pass, goes to host memory and comes back there.
+    "full_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[_LAYER_INPUT],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -184,8 +191,11 @@ class Block(nnx.Module):
         self.mesh = mesh
 
     def __call__(self, x, positions, segment_ids):
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        x = x + self.mlp(self.mlp_norm(x))
+        # Named scopes label the ops (profiles, benchmarks/memory_breakdown.py).
+        with jax.named_scope("attention"):
+            x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.mlp_norm(x))
         return x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))
 
 
@@ -235,21 +245,27 @@ class Decoder(nnx.Module):
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        if self.vocab_parallel:
-            x = vocab.embed(self.embed[...], tokens, mesh=self.mesh, dtype=self.dtype,
-                            chunk=self.cfg.loss_chunk)                              # [B, S, D]
-        else:
-            x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)
-            x = shard(x, self.mesh, act_spec(self.mesh, 1))
+        with jax.named_scope("embed"):
+            if self.vocab_parallel:
+                x = vocab.embed(self.embed[...], tokens, mesh=self.mesh, dtype=self.dtype,
+                                chunk=self.cfg.loss_chunk)                          # [B, S, D]
+            else:
+                x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)
+                x = shard(x, self.mesh, act_spec(self.mesh, 1))
         graphdef, stacked = nnx.split(self.layers)
 
+        offload = self.cfg.offload_checkpoints
+
         def layer(x, state):
+            if offload:
+                x = checkpoint_name(x, _LAYER_INPUT)                                 # [B, S, D]
             return nnx.merge(graphdef, state)(x, positions, segment_ids), None
 
         if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat],
-                                   prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, stacked)
+            policy = _REMAT_POLICIES["full_offload" if offload else self.cfg.remat]
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        with jax.named_scope("layers"):
+            x, _ = jax.lax.scan(layer, x, stacked)
         return self.final_norm(x)
 
     def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:

@@ -1,10 +1,11 @@
-"""Optimizer, parameter layout and the jitted sequence-parallel train step.
+"""Parameter layout and the jitted sequence-parallel train step (the optimizer: optimizer.py).
 
 The train state is a plain pytree ``{"step", "params", "opt_state"}`` (params as a nested
 dict of float32 arrays), so Orbax saves it and optax updates it with no wrappers. Parameters
 are either replicated or, with ``param_sharding="zero3"``, each split along one axis over all
 data x seq devices (ZeRO-3 as DeepSpeed-Ulysses runs); the optimizer state follows the
-parameters. The model gathers each weight where it is used.
+parameters. The model gathers each weight where it is used. With ``optimizer.offload`` the
+parameters and optimizer state are kept in host memory and updated there (optimizer.py).
 """
 from __future__ import annotations
 
@@ -15,39 +16,16 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..models import vocab
-from ..config import Config, OptimizerConfig
+from ..config import Config
 from .data import FIELDS
+from .optimizer import compute_copy_mask, make_optimizer, make_schedule
 from ..models.loss import chunked_cross_entropy
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
-
-
-def make_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
-    """Linear warmup to ``lr`` then cosine decay to ``lr * min_lr_ratio`` at schedule_steps."""
-    total = opt.schedule_steps or steps
-    warmup = min(opt.warmup_steps, max(total - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=opt.lr, warmup_steps=warmup,
-        decay_steps=max(total, warmup + 1), end_value=opt.lr * opt.min_lr_ratio)
-
-
-def _decays(path, _) -> bool:
-    """Weight decay for weight matrices and embeddings only: norm scales and biases are
-    spared. Decided by name, since stacked layers give a norm scale [L, D] two dims."""
-    names = [str(getattr(k, "key", k)) for k in path]
-    return not any("norm" in n or n in ("bq", "bk", "bv") for n in names)
-
-
-def make_optimizer(opt: OptimizerConfig, steps: int) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; no weight decay on norm scales and biases."""
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(_decays, params)
-    return optax.chain(
-        optax.clip_by_global_norm(opt.clip_norm),
-        optax.adamw(make_schedule(opt, steps), b1=opt.b1, b2=opt.b2,
-                    weight_decay=opt.weight_decay, mask=decay_mask))
 
 
 def param_spec(shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
@@ -82,12 +60,15 @@ def state_layout(cfg: Config, mesh: Mesh):
 
     abstract = jax.eval_shape(init)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, mesh)))
+    # optimizer.offload: parameters and moments live in host memory (optimizer.py).
+    kind = "pinned_host" if cfg.optimizer.offload else None
     params_sh = jax.tree.map(
-        lambda a: NamedSharding(mesh, param_spec(a.shape, mesh, cfg.param_sharding)),
-        abstract["params"])
+        lambda a: NamedSharding(mesh, param_spec(a.shape, mesh, cfg.param_sharding),
+                                memory_kind=kind), abstract["params"])
     replicated = NamedSharding(mesh, P())
     opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], params_sh,
-                                   transform_non_params=lambda _: replicated)
+                                   transform_non_params=lambda _: replicated.with_memory_kind(
+                                       kind) if kind else replicated)
     shardings = {"step": replicated, "params": params_sh, "opt_state": opt_sh}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
@@ -127,23 +108,61 @@ def loss_fn(graphdef, params, batch, mesh: Mesh):
     model = nnx.merge(graphdef, params)
     hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
     args = (batch["targets"], batch["loss_mask"])
-    if model.vocab_parallel:
-        return vocab.cross_entropy(hidden, model.head_weight(), *args, mesh=mesh,
-                                   chunk=model.cfg.loss_chunk)
-    return chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype), *args,
-                                 mesh=mesh, chunk=model.cfg.loss_chunk)
+    with jax.named_scope("loss"):
+        if model.vocab_parallel:
+            return vocab.cross_entropy(hidden, model.head_weight(), *args, mesh=mesh,
+                                       chunk=model.cfg.loss_chunk)
+        return chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype), *args,
+                                     mesh=mesh, chunk=model.cfg.loss_chunk)
 
 
 def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callable:
     """Jitted ``step(state, batch) -> (state, metrics)``; the old state is donated."""
     schedule = make_schedule(cfg.optimizer, cfg.steps)
 
+    offload = cfg.optimizer.offload
+    tx_adamw = make_optimizer(cfg.optimizer, cfg.steps, clip=False)
+    dtype = jnp.dtype(cfg.model.dtype)
+    on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings["params"])
+    replicated = NamedSharding(mesh, P())
+
+    def update(grads, opt_state, params):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+    def host_update(grads, opt_state, params, grad_norm):
+        """``update`` on the host, the clipping's norm taken on the device: optax's global
+        norm on the host builds zeros in device memory (for the imaginary parts), which
+        JAX refuses to mix with host arrays."""
+        clip_state, adamw_state = opt_state
+        max_norm = cfg.optimizer.clip_norm
+        grads = jax.tree.map(lambda g: jax.lax.select(
+            grad_norm < max_norm, g, (g / grad_norm.astype(g.dtype)) * max_norm), grads)
+        updates, adamw_state = tx_adamw.update(grads, adamw_state, params)
+        return optax.apply_updates(params, updates), (clip_state, adamw_state)
+
     def step(state, batch):
+        params = state["params"]
+        if offload:  # host: cast the layer weights, send the copy to the device
+            cast = compute_copy_mask(params)
+            with compute_on("device_host"):
+                copy = jax.tree.map(lambda p, c: p.astype(dtype) if c else p, params, cast)
+            params = jax.device_put(copy, on_device)
         (loss, count), grads = jax.value_and_grad(
-            lambda p: loss_fn(graphdef, p, batch, mesh), has_aux=True)(state["params"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads),
+            lambda p: loss_fn(graphdef, p, batch, mesh), has_aux=True)(params)
+        with jax.named_scope("optimizer"):
+            if offload:  # gradients to the host, fp32 update there
+                grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32),
+                                                         grads))
+                grads = jax.device_put(grads, shardings["params"])
+                norm_host = jax.device_put(grad_norm, replicated.with_memory_kind("pinned_host"))
+                with compute_on("device_host"):
+                    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+                    params, opt_state = host_update(grads, state["opt_state"],
+                                                    state["params"], norm_host)
+            else:
+                params, opt_state, grad_norm = update(grads, state["opt_state"], params)
+        metrics = {"loss": loss, "tokens": count, "grad_norm": grad_norm,
                    "lr": schedule(state["step"])}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 

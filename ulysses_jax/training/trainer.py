@@ -22,7 +22,6 @@ from . import data as data_lib
 from .checkpoint import Checkpointer
 from .flops import train_step_flops
 from ..config import Config, ConfigError, to_dict, to_yaml, validate
-from ..hlo import collective_counts
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
 from .train_step import (batch_shardings, init_state, make_eval_step, make_train_step,
@@ -127,56 +126,6 @@ def chunk_notes(cfg: Config) -> list[str]:
             notes.append(f"{key}={want} does not divide the {local} tokens per device; chunks "
                          f"of {largest_divisor_at_most(local, want)} tokens are used")
     return notes
-
-
-def compile_step(cfg: Config):
-    """The train step compiled for ``cfg``'s mesh from abstract shapes (nothing allocated).
-
-    Returns:
-      (the compiled step, the abstract train state it takes).
-    """
-    mesh = build_mesh(cfg)
-    graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
-    step = make_train_step(cfg, mesh, graphdef, tx, shardings)
-    return step.lower(abstract, _abstract_batch(cfg, mesh)).compile(), abstract
-
-
-def peak_bytes_per_device(compiled) -> int:
-    """XLA's per-device peak of a compiled program: its reported peak, or live buffers
-    (arguments + outputs + temporaries - aliased) where that is larger or not reported."""
-    mem = compiled.memory_analysis()
-    live = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes)
-    return int(max(getattr(mem, "peak_memory_in_bytes", 0) or 0, live))
-
-
-def dry_run(cfg: Config) -> dict:
-    """Compiles the train step for the configured mesh without allocating or training.
-
-    Returns:
-      A dict with ``peak_bytes_per_device`` (XLA's memory analysis), ``flops_per_device``
-      (the model's FLOPs per step and device, ``flops.py``), ``xla_flops_per_device`` (XLA's
-      cost analysis of the partitioned step: loop bodies counted once, custom calls not at
-      all, so not a FLOP count), ``collectives`` (op -> count in the compiled HLO) and the
-      parts of the memory estimate.
-    """
-    cfg = resolve_init_from(cfg)
-    t0 = time.time()
-    compiled, abstract = compile_step(cfg)
-    mem = compiled.memory_analysis()
-    return {
-        "peak_bytes_per_device": peak_bytes_per_device(compiled),
-        "flops_per_device": model_flops_per_device(cfg),
-        "xla_flops_per_device": _xla_flops(compiled) or 0.0,
-        "collectives": collective_counts(compiled.as_text()),
-        "argument_bytes": int(mem.argument_size_in_bytes),
-        "temp_bytes": int(mem.temp_size_in_bytes),
-        "params": param_count(abstract["params"]),
-        "mesh": {"data": cfg.mesh.data, "ring": cfg.mesh.ring, "seq": cfg.mesh.seq},
-        "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
-        "compile_seconds": round(time.time() - t0, 2),
-        "notes": chunk_notes(cfg),
-    }
 
 
 def model_flops_per_device(cfg: Config) -> float:
