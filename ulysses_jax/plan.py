@@ -164,7 +164,7 @@ def _plan_configs(args) -> tuple[Config, dict[int, Config]]:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     try:
         cfg, per_p = _plan_configs(args)
     except ValueError as e:  # ConfigError included
