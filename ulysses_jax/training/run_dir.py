@@ -80,6 +80,10 @@ class WorkdirLock:
                 f"{holder}, lock file {self.path}); two runs in one workdir would mix their "
                 f"checkpoints and metrics. Wait for that run to end or stop it, or pass "
                 f"another --workdir") from None
+        except OSError as e:  # e.g. ENOLCK: a network file system without flock
+            f.close()
+            raise RunError(f"cannot lock {self.path}: {e.strerror}; put --workdir on a file "
+                           f"system that supports flock") from None
         try:
             f.seek(0)
             f.truncate()
