@@ -276,8 +276,9 @@ def _close_after_error(ckpt: Checkpointer) -> None:
 
 def _save_failed_message(error: SaveFailed, ckpt: Checkpointer) -> str:
     steps = ckpt.all_steps()
-    kept = (f"the checkpoints of steps {', '.join(map(str, steps))} are intact"
-            if steps else "there was no checkpoint before it")
+    kept = (f"the checkpoint of step {steps[0]} is intact" if len(steps) == 1 else
+            f"the checkpoints of steps {', '.join(map(str, steps))} are intact" if steps else
+            "there was no checkpoint before it")
     return (f"{error}. Nothing older was lost: {kept}, and metrics.jsonl keeps its records. "
             f"Free disk space (or fix the file system) and run the same command again to "
             f"resume from step {steps[-1] if steps else 0}")
