@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 DTYPES = ("float32", "bfloat16")
@@ -19,6 +21,7 @@ REMAT = ("none", "full", "save_dots", "offload")
 ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
 MOMENT_DTYPES = ("float32", "bfloat16")
+INT32_MAX = 2**31 - 1  # integer settings reach jitted code (step counter, positions) as int32
 
 
 class ConfigError(ValueError):
@@ -123,24 +126,76 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """Builds a Config from defaults, an optional YAML preset and ``key=value`` overrides.
 
     Raises:
-      ConfigError: unknown keys, wrong types, malformed overrides or impossible combinations.
+      ConfigError: an unreadable or malformed file, unknown keys, wrong types, malformed
+        overrides or impossible combinations.
     """
+    cfg = OmegaConf.structured(Config)
+    if path is not None:
+        cfg = _merge(cfg, _load_yaml(path), f"--config {path}: ")
+    for item in overrides:
+        cfg = _merge(cfg, _parse_override(item), "")
     try:
-        cfg = OmegaConf.structured(Config)
-        if path is not None:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form key=value")
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
         result = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(_describe(e)) from None
-    except FileNotFoundError as e:
-        raise ConfigError(f"config file not found: {e.filename}") from None
     validate(result)
     return result
+
+
+# Top-level keys that hold a group of keys (mesh, model, ...), not a value.
+_SECTIONS = tuple(f.name for f in dataclasses.fields(Config)
+                  if f.default_factory is not dataclasses.MISSING)
+
+
+def _merge(cfg: DictConfig, update: DictConfig, where: str) -> DictConfig:
+    for name in _SECTIONS:
+        if name in update and not isinstance(update[name], DictConfig):
+            raise ConfigError(f"{where}config key {name!r}: must hold keys such as "
+                              f"{name}.<key>, not one value; got {update[name]!r}")
+    try:
+        return OmegaConf.merge(cfg, update)
+    except OmegaConfBaseException as e:
+        raise ConfigError(where + _describe(e)) from None
+
+
+def _parse_override(item: str) -> DictConfig:
+    key, eq, _ = item.partition("=")
+    if not eq:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    if not key or "" in key.split("."):
+        raise ConfigError(f"override {item!r}: the key before '=' must be a dotted name such "
+                          f"as mesh.seq")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"override {item!r}: {_describe(e)}") from None
+
+
+def _load_yaml(path: str) -> DictConfig:
+    """The preset at ``path`` as a mapping; any problem with the file is a ConfigError."""
+    try:
+        loaded = OmegaConf.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path}: is a directory; pass a YAML file such as "
+                          f"configs/tiny.yaml") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: is not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path}: invalid YAML{where}: {problem}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of keys to values "
+                          f"(e.g. 'seq_len: 512'), got a list")
+    return loaded
 
 
 def _describe(e: OmegaConfBaseException) -> str:
@@ -165,6 +220,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.max_segments < 0:
         errors.append(f"model.max_segments must be 0 (from the data) or positive, got "
                       f"{m.max_segments}")
+    errors += _number_errors(cfg)
     if m.mlp_chunk < 0:
         errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
     if m.offload_checkpoints and m.remat != "full":
@@ -218,6 +274,47 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         errors.append(f"data.heldout_fraction must be in [0, 1), got {cfg.data.heldout_fraction}")
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def _number_errors(cfg: Config) -> list[str]:
+    """Ranges of the numeric settings: finite floats, int32 ints, signs and intervals."""
+    values = _numbers(cfg)
+    errors = [f"{k} must be a finite number, got {v}" for k, v in values.items()
+              if isinstance(v, float) and not math.isfinite(v)]
+    errors += [f"{k} must be at most {INT32_MAX} (it is an int32 in the compiled step), got {v}"
+               for k, v in values.items() if isinstance(v, int) and v > INT32_MAX]
+    if errors:  # the range rules below would only repeat these values
+        return errors
+    o, m = cfg.optimizer, cfg.model
+    rules = (
+        ("seed", cfg.seed >= 0, "must be 0 or positive"),
+        ("checkpoint_every", cfg.checkpoint_every >= 0, "must be 0 (final step only) or positive"),
+        ("eval_every", cfg.eval_every >= 0, "must be 0 (final step only) or positive"),
+        ("eval_batches", cfg.eval_batches >= 0, "must be 0 (no evaluation) or positive"),
+        ("optimizer.lr", o.lr > 0, "must be positive"),
+        ("optimizer.warmup_steps", o.warmup_steps >= 0, "must be 0 or positive"),
+        ("optimizer.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "must be in [0, 1]"),
+        ("optimizer.b1", 0 <= o.b1 < 1, "must be in [0, 1)"),
+        ("optimizer.b2", 0 <= o.b2 < 1, "must be in [0, 1)"),
+        ("optimizer.weight_decay", o.weight_decay >= 0, "must be 0 or positive"),
+        ("optimizer.clip_norm", o.clip_norm > 0, "must be positive"),
+        ("model.rope_theta", m.rope_theta > 0, "must be positive"),
+        ("model.norm_eps", m.norm_eps > 0, "must be positive"),
+        ("model.init_std", m.init_std > 0, "must be positive"),
+    )
+    return [f"{key} {rule}, got {values[key]}" for key, ok, rule in rules if not ok]
+
+
+def _numbers(cfg, prefix: str = "") -> dict:
+    """Dotted key -> value of every int and float setting (bools excluded)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_numbers(value, f"{prefix}{f.name}."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"{prefix}{f.name}"] = value
+    return out
 
 
 def to_dict(cfg: Config) -> dict:
