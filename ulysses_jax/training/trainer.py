@@ -55,7 +55,7 @@ def peak_flops(device) -> float | None:
 
 
 _RUNTIME_FIELDS = ("dtype", "remat", "attn_impl", "loss_chunk", "vocab_parallel", "mlp_chunk",
-                   "init_std")
+                   "init_std", "moe_capacity_factor")
 
 
 def _runtime_options(cfg: Config) -> dict:
@@ -310,6 +310,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
                               "tokens": _scalar(metrics["tokens"])}
                     if flops and peak:
                         record["mfu"] = flops / dt / peak
+                    record.update(_moe_metrics(metrics))
                     record.update(_memory_in_use())
                     if evaluate:
                         record["eval_loss"] = _evaluate(eval_fn, state["params"], held_rows,
@@ -374,6 +375,13 @@ def _flops(compiled) -> float | None:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float((cost or {}).get("flops", 0.0)) or None
+
+
+def _moe_metrics(metrics: dict) -> dict:
+    """An MoE model's router metrics (train_step.objective): ``moe_aux_loss``, ``moe_load``
+    (list, per expert) and ``moe_dropped``; nothing for a dense model."""
+    return {k: np.asarray(v.addressable_data(0)).tolist() for k, v in metrics.items()
+            if k.startswith("moe_")}
 
 
 def _memory_in_use() -> dict:
