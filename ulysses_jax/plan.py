@@ -163,6 +163,16 @@ def _plan_configs(args) -> tuple[Config, dict[int, Config]]:
     return cfg, per_p
 
 
+def _moe_note(m) -> str:
+    """The MoE shape for the header: experts are split over all P x data devices, so each P
+    also changes the experts per device (and must divide them; checked per P)."""
+    if not m.num_experts:
+        return ""
+    cf = m.moe_capacity_factor
+    return (f" experts={m.num_experts} top-{m.num_experts_per_tok} moe_ffn_dim={m.moe_ffn_dim}"
+            f" capacity_factor={cf if cf else 'none (no dropping)'}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -180,8 +190,9 @@ def main(argv=None) -> int:
     budget = int(args.memory_gb * GIB)
     print(f"plan: {args.config}  d_model={m.d_model} layers={m.n_layers} heads={m.n_heads}/"
           f"{m.n_kv_heads} dtype={m.dtype} remat={m.remat} param_sharding={cfg.param_sharding} "
-          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}; budget {args.memory_gb:g} GiB "
-          f"per device; {jax.device_count()} {jax.devices()[0].platform} devices", flush=True)
+          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}{_moe_note(m)}; budget "
+          f"{args.memory_gb:g} GiB per device; {jax.device_count()} {jax.devices()[0].platform} "
+          f"devices", flush=True)
     results = {}
     for p, c in per_p.items():
         print(f"P={p}: searching multiples of {search_unit(p, args.granularity)}", flush=True)

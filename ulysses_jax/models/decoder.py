@@ -10,7 +10,9 @@ None) on a mesh with a ring axis): every device holds S/P tokens, and only atten
 sequence, for N/P heads.
 Norms, projections and the MLP are token-local. The embedding and the loss split the
 vocabulary over the same devices by default (``vocab.py``, ``model.vocab_parallel``); with
-that off they are token-local too.
+that off they are token-local too. In a mixture-of-experts layer (``model.num_experts``,
+``moe.py``) the experts are split over all devices and tokens visit them by all-to-all
+(``expert_parallel.py``); ``layer_groups`` says how dense and MoE layers are stacked.
 
 RoPE runs before the exchange, on each device's own tokens, with the global (or per-document)
 position of every token carried in the batch (``positions`` [B, S], sharded like the tokens).
