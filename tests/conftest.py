@@ -1,6 +1,12 @@
 """Test devices: 8 fake CPU devices, or the real GPUs when at least two are visible.
 
 XLA_FLAGS must be set before JAX initialises its backends, so this runs at import time.
+
+With exactly one GPU the suite runs on the 8 CPU devices, exactly as on a machine without a
+GPU (same devices, same tolerances): the CPU becomes JAX's default device, so arrays made
+without a sharding (the references) stay on the CPU, and the trainer picks its devices from
+there too. Only the GPU tests (``gpu_devices``) use the GPU. Subprocesses that must see the
+same devices get ``cli_env()``.
 """
 import os
 
@@ -12,16 +18,26 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 
-def _test_devices():
+def _gpus():
     try:
-        gpus = jax.devices("gpu")
+        return jax.devices("gpu")
     except RuntimeError:
-        gpus = []
-    if len(gpus) >= 2:
-        # fp32 comparisons need true fp32 matmuls, not TF32.
+        return []
+
+
+GPUS = _gpus()
+
+
+def _test_devices():
+    if GPUS:
+        # fp32 comparisons need true fp32 matmuls, not TF32 (the GPU default).
         jax.config.update("jax_default_matmul_precision", "highest")
-        return gpus
-    return jax.devices("cpu")
+    if len(GPUS) >= 2:
+        return GPUS
+    cpus = jax.devices("cpu")
+    if GPUS:
+        jax.config.update("jax_default_device", cpus[0])
+    return cpus
 
 
 DEVICES = _test_devices()
@@ -37,6 +53,23 @@ def need_devices(n: int):
     if len(DEVICES) < n:
         pytest.skip(f"needs {n} devices, only {len(DEVICES)} {DEVICES[0].platform} devices visible")
     return DEVICES[:n]
+
+
+def gpu_devices(n: int = 1):
+    """The first ``n`` GPUs, for the tests of GPU-only kernels; skips without them."""
+    if len(GPUS) < n:
+        pytest.skip(f"needs {n} GPU(s), {len(GPUS)} visible")
+    return GPUS[:n]
+
+
+def cli_env(**extra) -> dict:
+    """Environment for a subprocess (train.py, ...) that must use the test devices: 8 CPU
+    devices, and on a one-GPU host no GPU (JAX_PLATFORMS=cpu)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env.update(extra)
+    if DEVICES[0].platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
 
 
 def tolerance(dtype) -> float:

@@ -132,10 +132,94 @@ def test_resolve_auto_and_errors():
     assert resolve_impl("auto", jnp.float32, 64, backend="gpu") == "chunked"
     assert resolve_impl("auto", jnp.bfloat16, 64, backend="gpu") == "cudnn"
     assert resolve_impl("auto", jnp.bfloat16, 64, backend="gpu", segments=True) == "chunked"
-    assert resolve_impl("cudnn", jnp.bfloat16, 64, backend="gpu", segments=True) == "cudnn"
+    with pytest.raises(ValueError, match="packed layout"):  # never a dense [S, S] mask
+        resolve_impl("cudnn", jnp.bfloat16, 64, backend="gpu", segments=True)
     assert resolve_impl("chunked", jnp.float32, 64, backend="cpu") == "chunked"
     q, k, v, _, _ = _inputs(4, 1, 8, 12, 4, 2, 8)
     with pytest.raises(ValueError, match="T == S, got T 8, S 12"):
         chunked_attention(q, k, v, causal=True)
     with pytest.raises(ValueError, match="query heads 4 not divisible by kv heads 3"):
         chunked_attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2), causal=False)
+
+
+def _packed_ids(rng, b, s, docs, pad):
+    """Rows of ``docs`` documents with random boundaries, ids 1..docs in order, then ``pad``
+    padding positions with id 0 (as the data loader packs them)."""
+    rows = []
+    for _ in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, s - pad), docs - 1, replace=False))
+        ids = np.zeros(s, np.int32)
+        ids[:s - pad] = 1 + np.searchsorted(cuts, np.arange(s - pad), side="right")
+        rows.append(ids)
+    return np.stack(rows)
+
+
+def _tiles_sharing_a_document(seg, t, bq, bk, causal):
+    """Independent count: tiles holding a (query, key) pair of one document (any row)."""
+    same = (seg[:, :, None] == seg[:, None, :]).any(0)                    # [T, S]
+    if causal:
+        same &= np.tril(np.ones((t, t), bool))
+    return sum(same[i:i + bq, j:j + bk].any() for i in range(0, t, bq) for j in range(0, t, bk))
+
+
+def _visits(q, k, v, seg, ct, plan):
+    padded = _pad_inputs(q, k, v, seg, seg, plan)
+    out, lse, fwd = jax.jit(lambda *a: _forward(*a, plan, 1.0))(*padded)
+    d_out = _pad_inputs(ct, k, v, None, None, plan)[0]
+    *grads, bwd = jax.jit(lambda *a: _backward(*a, plan, 1.0))(*padded, lse,
+                                                                _delta(out, d_out), d_out)
+    return int(fwd), int(bwd)
+
+
+@pytest.mark.parametrize("causal,b,s,bq,bk", [(True, 1, 512, 16, 16), (True, 2, 300, 16, 24),
+                                              (False, 1, 512, 32, 32)])
+def test_packed_rows_skip_tiles_between_documents(causal, b, s, bq, bk):
+    """With ids that increase along the row the loops visit exactly the tiles that hold a
+    pair of one document: about the sum of the documents' squares, not S²."""
+    rng = np.random.default_rng(7)
+    seg = _packed_ids(rng, b, s, docs=8, pad=0)
+    q, k, v, _, ct = _inputs(5, b, s, s, 2, 1, 4)
+    plan = _Plan(s, s, bq, bk, causal)
+    want = _tiles_sharing_a_document(seg, s, bq, bk, causal)
+    assert _visits(q, k, v, jnp.asarray(seg), ct, plan) == (want, want)
+    before = _visits(q, k, v, jnp.asarray(seg), ct, _Plan(s, s, bq, bk, causal,
+                                                           skip_segments=False))
+    assert before == (_tiles_with_visible_keys(s, s, bq, bk, causal),) * 2
+    if b == 1:  # one row of 8 documents: far fewer tiles than the causal skip alone
+        assert want < before[0] / 2, (want, before)
+
+
+@pytest.mark.parametrize("ids", ["packed_with_padding", "recurring", "one_document"])
+def test_segment_skipping_is_exact_for_any_ids(ids):
+    """Padding (id 0 after the last document), ids that come back later in the row, a row
+    that is one document: values and gradients equal the dense reference."""
+    rng = np.random.default_rng(11)
+    b, s = 2, 120
+    if ids == "packed_with_padding":
+        seg = _packed_ids(rng, b, s, docs=5, pad=17)
+    elif ids == "recurring":
+        seg = rng.integers(1, 4, (b, s)).repeat(1, axis=1)
+        seg = np.repeat(seg[:, ::10], 10, axis=1)[:, :s]                  # runs of 10, ids recur
+    else:
+        seg = np.full((b, s), 3)
+    seg = jnp.asarray(seg, jnp.int32)
+    q, k, v, _, ct = _inputs(6, b, s, s, 4, 2, 8)
+    for causal in (True, False):
+        fn = lambda q, k, v: chunked_attention(q, k, v, causal=causal, segment_ids=seg,
+                                               block_q=16, block_k=12)
+        ref = lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=seg)
+        _assert_matches(fn, ref, q, k, v, ct)
+
+
+def test_key_range_with_no_shared_document_gives_no_output():
+    """A ring pair whose query chunk and key chunk share no document: output 0, logsumexp
+    -inf, zero gradients (never NaN)."""
+    from ulysses_jax.attention.chunked import block_backward, block_forward, block_plan
+    q, k, v, _, ct = _inputs(8, 1, 40, 40, 4, 2, 8)
+    seg_q, seg_k = jnp.ones((1, 40), jnp.int32), jnp.full((1, 40), 2, jnp.int32)
+    plan = block_plan(40, 40, False, 16, 16)
+    out, lse = block_forward(q, k, v, seg_q, seg_k, plan, 0.3)
+    assert bool(jnp.all(out == 0)) and bool(jnp.all(lse == -jnp.inf))
+    grads = block_backward(q, k, v, seg_q, seg_k, lse, jnp.zeros_like(lse), ct, plan, 0.3)
+    for g in grads:
+        assert bool(jnp.all(g == 0)), g

@@ -309,3 +309,18 @@ def test_shard_batch_matches_numpy_and_materialises_per_block():
         data.shard_batch(fn, mesh, (4, 10))
     with pytest.raises(ValueError, match="batch size 3 is not divisible by the data axis size 2"):
         data.shard_batch(fn, mesh, (3, 16))
+
+
+def test_segments_per_row_counts_the_ids_of_each_row():
+    """From the layout alone, the number of distinct segment ids each built row holds."""
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 200, int(n)).astype(np.int32) for n in rng.integers(1, 90, 60)]
+    rows = data.PackedRows(docs, seq_len=64, eos_id=256)
+    checked = 0
+    for epoch in (0, 1):
+        counts = rows.segments_per_row(epoch, seed=5)
+        assert counts.shape == (rows.num_rows,)
+        for r in range(rows.num_rows):
+            assert counts[r] == len(np.unique(rows.row(r, epoch, seed=5)["segment_ids"])), r
+            checked += 1
+    assert checked == 2 * rows.num_rows

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import DEVICES
+from conftest import DEVICES, cli_env
 from ulysses_jax.training.checkpoint import Checkpointer
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.plot import plot_metrics
@@ -93,7 +93,7 @@ def test_cli_rejects_bad_config(args, match, capsys):
 def test_cli_no_traceback_subprocess(tmp_path):
     out = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.yaml",
                           "--workdir", str(tmp_path), "mesh.seq=5"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env=cli_env())
     assert out.returncode == 2
     assert "seq_len 512 is not divisible by mesh.seq 5" in out.stderr
     assert "Traceback" not in out.stderr
@@ -144,7 +144,7 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path):
 
 
 def test_sigterm_saves_and_exits_zero(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = cli_env()
     proc = subprocess.Popen(
         [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--workdir", str(tmp_path),
          "--no-progress", *SMALL, "steps=100000", "checkpoint_every=0"],
@@ -174,7 +174,7 @@ def test_two_processes_match_one(tmp_path):
             "checkpoint_every=2", "eval_batches=0"]
     train(_cfg(*over[len(SMALL):]), str(tmp_path / "one"), progress=False)
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
     procs = [subprocess.Popen(
         [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--workdir",
          str(tmp_path / "two"), "--no-progress", "--coordinator", f"127.0.0.1:{port}",

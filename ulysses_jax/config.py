@@ -58,6 +58,10 @@ class ModelConfig:
     dtype: str = "float32"          # compute dtype; parameters are always float32
     remat: str = "none"             # none | full | save_dots | offload (dots to host memory)
     attn_impl: str = "auto"         # see ulysses_jax.attention.kernels.resolve_impl
+    # Bound on documents per packed row for cuDNN's packed layout (GPU); rows with more run
+    # an exact fallback kernel. 0 = from the data: 1.5 x the most any row of the first epoch
+    # holds, rounded up to a multiple of 8 (64 where no data is loaded, e.g. --dry-run).
+    max_segments: int = 0
     loss_chunk: int = 1024          # tokens per device per chunk of the loss and embedding
     vocab_parallel: bool = True     # split embedding and head over the sequence devices
     mlp_chunk: int = 0              # tokens per device per MLP chunk (TiledMLP); 0 = untiled
@@ -165,6 +169,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                 "model.vocab_size": m.vocab_size, "model.loss_chunk": m.loss_chunk,
                 "keep_checkpoints": cfg.keep_checkpoints}
     errors += [f"{k} must be positive, got {v}" for k, v in positive.items() if v < 1]
+    if m.max_segments < 0:
+        errors.append(f"model.max_segments must be 0 (from the data) or positive, got "
+                      f"{m.max_segments}")
     if m.mlp_chunk < 0:
         errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
     for key, value, allowed in (("model.dtype", m.dtype, DTYPES), ("model.remat", m.remat, REMAT),

@@ -9,13 +9,15 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from ..mesh import RING, axis_size
+from .cudnn import DEFAULT_MAX_SEGMENTS
 from .kernels import local_attention, reference_attention, resolve_impl
 from .ring import hybrid_attention, inverse_zigzag_permutation, zigzag_permutation
 from .ulysses import heads_to_seq, seq_to_heads, ulysses_only_attention
 
 
 def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
-                      impl: str = "auto", head_chunks: int = 1, layout: str = "natural"):
+                      impl: str = "auto", head_chunks: int = 1, layout: str = "natural",
+                      max_segments: int = DEFAULT_MAX_SEGMENTS):
     """Sequence-parallel attention over the mesh's sequence axes (DeepSpeed-Ulysses).
 
     Args:
@@ -32,6 +34,8 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=N
       layout: token order of the inputs and the result on a ring mesh ("natural", or
         "zigzag" as the training loader emits; see ``ring.hybrid_attention``). Without a ring
         axis only "natural" exists.
+      max_segments: bound on documents per row for cuDNN's packed layout (the kernel for
+        segment ids on Hopper GPUs, ``cudnn.py``); rows with more run an exact fallback.
 
     Returns:
       [B, S, N, H], sharded P("data", "seq").
@@ -51,9 +55,10 @@ def ulysses_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=N
         raise ValueError(f"layout {layout!r} needs a ring axis; this mesh has none "
                          f"(axes {mesh.axis_names})")
     return ulysses_only_attention(q, k, v, mesh=mesh, causal=causal, segment_ids=segment_ids,
-                                  impl=impl, head_chunks=head_chunks)
+                                  impl=impl, head_chunks=head_chunks,
+                                  max_segments=max_segments)
 
 
-__all__ = ["ulysses_attention", "ulysses_only_attention", "hybrid_attention",
+__all__ = ["DEFAULT_MAX_SEGMENTS", "ulysses_attention", "ulysses_only_attention", "hybrid_attention",
            "local_attention", "reference_attention", "resolve_impl", "seq_to_heads",
            "heads_to_seq", "zigzag_permutation", "inverse_zigzag_permutation"]

@@ -17,6 +17,18 @@ block index (a traced value, so it lowers to a while loop with a dynamic trip co
 block i visits key blocks 0 .. ceil(min((i+1)*Tb, T) / Sb) - 1 only. Blocks above the diagonal
 are never computed, not computed-and-masked; the diagonal blocks apply the position mask.
 
+Segment skipping. With segment ids (packed documents) a tile whose query rows and key columns
+share no document is skipped too: from the smallest and largest id of each block's valid
+positions, tile (i, j) is visible only if the two id ranges intersect (and, causal, j is not
+above the diagonal). Query block i visits key blocks lo_i .. hi_i - 1, a range covering
+every visible one found by two binary searches (``_covering``), seeded by block lo_i; the
+backward pass walks each key block's query range the same way. For packed rows (ids that
+increase along the row, as the loader emits them) the ranges are exactly the first and last
+visible blocks, so a row costs about the sum of its documents' squares, not S². For any
+other ids they still cover every visible tile (exact results, less skipping: padding id 0
+after the last document removes the upper bound, which the causal bound then gives); rows
+of a batch share one range (the union).
+
 Backward (custom_vjp). The residuals are q, k, v, out and the per-row logsumexp (O(S) extra).
 One scan walks over key blocks j; an inner fori_loop walks over the query blocks that can see
 block j (from floor(j*Sb / Tb) when causal, from 0 otherwise), recomputes the score tile,
@@ -59,6 +71,9 @@ class _Plan:
     bq: int         # query block, already clamped to t
     bk: int         # key block, already clamped to s
     causal: bool
+    # Skip tiles that share no segment (module docstring). False keeps only the causal skip,
+    # the kernel as it was before segment skipping: for benchmarks that compare the two.
+    skip_segments: bool = True
 
     @property
     def nq(self) -> int:
@@ -79,6 +94,28 @@ class _Plan:
         """First query block that can see key block ``j``."""
         return (j * self.bk) // self.bq if self.causal else 0
 
+    def ranges(self, seg_q, seg_k):
+        """Which tiles each loop visits: ((lo [nq], hi [nq]) key blocks per query block,
+        (lo [nk], hi [nk]) query blocks per key block), int32.
+
+        Without segment ids these are the static causal bounds. With them (module
+        docstring), each range covers every tile whose id ranges intersect, and may be empty
+        (lo >= hi) when a query block sees no key. Memory O(blocks), not O(blocks²).
+        """
+        qi, kj = jnp.arange(self.nq), jnp.arange(self.nk)
+        if seg_q is None or not self.skip_segments:
+            full = lambda x, n: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (n,))
+            return ((full(0, self.nq), full(self.key_hi(qi), self.nq)),
+                    (full(self.query_lo(kj), self.nk), full(self.nq, self.nk)))
+        q_lo, q_hi = _id_ranges(seg_q, self.bq, self.nq, self.t)          # [B, nq]
+        k_lo, k_hi = _id_ranges(seg_k, self.bk, self.nk, self.s)          # [B, nk]
+        key_lo, key_hi = _covering(q_lo, q_hi, k_lo, k_hi)                # [nq] each
+        query_lo, query_hi = _covering(k_lo, k_hi, q_lo, q_hi)            # [nk] each
+        if self.causal:
+            key_hi = jnp.minimum(key_hi, self.key_hi(qi))
+            query_lo = jnp.maximum(query_lo, self.query_lo(kj))
+        return (key_lo, key_hi), (query_lo, query_hi)
+
     def mask(self, i, j, seg_q, seg_k):
         """Boolean [B|1, 1, 1, Tb, Sb] mask for tile (i, j), or None when nothing is masked."""
         qpos = i * self.bq + jnp.arange(self.bq)                          # [Tb]
@@ -97,6 +134,39 @@ class _Plan:
             e = sq[:, :, None] == sk[:, None, :]                          # [B, Tb, Sb]
             m = e if m is None else m & e
         return None if m is None else m[:, None, None]
+
+
+def _id_ranges(seg, block: int, n: int, valid: int):
+    """Smallest and largest segment id of each block's valid positions: [B, n*block] ->
+    ([B, n], [B, n]). Positions past ``valid`` (padding added here) are left out."""
+    b = seg.shape[0]
+    ok = (jnp.arange(n * block) < valid)[None]                            # [1, n*block]
+    info = jnp.iinfo(seg.dtype)
+    lo = jnp.where(ok, seg, info.max).reshape(b, n, block).min(-1)
+    hi = jnp.where(ok, seg, info.min).reshape(b, n, block).max(-1)
+    return lo, hi
+
+
+def _covering(a_lo, a_hi, b_lo, b_hi):
+    """For each block i of side a, a range [lo_i, hi_i) of side-b blocks holding every j
+    whose id range [b_lo_j, b_hi_j] meets [a_lo_i, a_hi_i], in some row; int32 [n_a] each.
+
+    Per row, the running maximum of b_hi and the running minimum of b_lo from the end are
+    non-decreasing, so two binary searches bound the meeting blocks: j meets i only if
+    max(b_hi[:j+1]) >= a_lo_i and min(b_lo[j:]) <= a_hi_i. For ids that never decrease along
+    the row the bounds are exact. Rows are joined by the union of their ranges.
+    """
+    first_hi = lax.cummax(b_hi, axis=1)                                   # [B, n_b]
+    last_lo = lax.cummin(b_lo, axis=1, reverse=True)                      # [B, n_b]
+    search = jax.vmap(lambda arr, x, side: jnp.searchsorted(arr, x, side=side),
+                      in_axes=(0, 0, None))
+    lo = search(first_hi, a_lo, "left")                                   # [B, n_a]
+    hi = search(last_lo, a_hi, "right")
+    seen = lo < hi
+    n_b = b_lo.shape[1]
+    lo = jnp.where(seen, lo, n_b).min(0)
+    hi = jnp.where(seen, hi, 0).max(0)
+    return lo.astype(jnp.int32), jnp.maximum(hi, lo).astype(jnp.int32)
 
 
 def _scores(plan, scale, q_i, k, i, j, seg_q, seg_k):
@@ -142,8 +212,10 @@ def _forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, out_dtype=None):
     g = n // kh
     q_blocks = q.reshape(b, plan.nq, plan.bq, kh, g, h).swapaxes(0, 1)    # [nq, B, Tb, K, G, H]
 
+    (key_lo, key_hi), _ = plan.ranges(seg_q, seg_k)                      # [nq] each
+
     def one_query_block(visits, xs):
-        i, q_i = xs                                                       # q_i: [B, Tb, K, G, H]
+        i, lo, hi, q_i = xs                                               # q_i: [B, Tb, K, G, H]
 
         def tile(j):
             """Softmax stats of one key block on its own: local max, sum, unnormalised P @ V."""
@@ -165,17 +237,25 @@ def _forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, out_dtype=None):
             a, c = jnp.exp(m - shift), jnp.exp(m_j - shift)               # [B, K, G, Tb]
             return m_new, a * l + c * l_j, a[..., None] * acc + c[..., None] * pv_j, visits + 1
 
-        # Key block 0 is visited by every query block; it seeds the carry, so the carry is
-        # computed from the inputs (inside shard_map it then varies over the same mesh axes as
-        # the loop body's output, which a jnp.zeros init would not).
-        m, l, acc = tile(0)
-        m, l, acc, visits = lax.fori_loop(1, plan.key_hi(i), merge, (m, l, acc, visits + 1))
+        # The first visible key block seeds the carry, so the carry is computed from the
+        # inputs (inside shard_map it then varies over the same mesh axes as the loop body's
+        # output, which a jnp.zeros init would not). A query block that sees no key block
+        # (possible for a ring pair) computes that one tile and discards it: l = 0 below.
+        nonempty = hi > lo
+        m, l, acc = tile(jnp.minimum(lo, plan.nk - 1))
+        m = jnp.where(nonempty, m, -jnp.inf)
+        l, acc = l * nonempty, acc * nonempty
+        m, l, acc, visits = lax.fori_loop(lo + 1, hi, merge,
+                                          (m, l, acc, visits + nonempty.astype(jnp.int32)))
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[..., None]                    # [B, K, G, Tb, H]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)  # [B, K, G, Tb]
         return visits, (out.transpose(0, 3, 1, 2, 4).astype(out_dtype or q.dtype), lse)
 
-    visits, (out, lse) = lax.scan(one_query_block, jnp.int32(0), (jnp.arange(plan.nq), q_blocks))
+    # zeros_like(key_lo): inside shard_map the count then varies over the same mesh axes as
+    # the ids it is counted from.
+    visits, (out, lse) = lax.scan(one_query_block, jnp.zeros_like(key_lo[0]),
+                                  (jnp.arange(plan.nq), key_lo, key_hi, q_blocks))
     # out: [nq, B, Tb, K, G, H]
     out = out.swapaxes(0, 1).reshape(b, plan.nq * plan.bq, n, h)          # [B, nq*Tb, N, H]
     return out, _lse_rows(lse), visits
@@ -208,7 +288,10 @@ def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: floa
     # A row that saw no key: lse +inf makes p = exp(-inf - inf) = 0 instead of NaN.
     lse = _lse_blocks(jnp.where(lse == -jnp.inf, jnp.inf, lse), plan, kh)
 
-    def one_key_block(carry, j):
+    _, (query_lo, query_hi) = plan.ranges(seg_q, seg_k)                  # [nk] each
+
+    def one_key_block(carry, xs):
+        j, lo, hi = xs
         dq_acc, visits = carry                                            # [nq, B, Tb, K, G, H], []
         v_j = lax.dynamic_slice_in_dim(v, j * plan.bk, plan.bk, 1)        # [B, Sb, K, H]
 
@@ -229,13 +312,14 @@ def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: floa
 
         zeros = jnp.zeros_like(delta, shape=(b, plan.bk, kh, h))          # see init below
         dk_j, dv_j, dq_acc, visits = lax.fori_loop(
-            plan.query_lo(j), plan.nq, one_query_block, (zeros, zeros, dq_acc, visits))
+            lo, hi, one_query_block, (zeros, zeros, dq_acc, visits))
         return (dq_acc, visits), (dk_j * scale, dv_j)
 
     # zeros_like(delta): delta depends on every input, so inside shard_map the zeros vary over
     # the same mesh axes as the loop bodies' outputs (a plain jnp.zeros would not).
     init = (jnp.zeros_like(delta, shape=(plan.nq, b, plan.bq, kh, g, h)), jnp.int32(0))
-    (dq, visits), (dk, dv) = lax.scan(one_key_block, init, jnp.arange(plan.nk))
+    (dq, visits), (dk, dv) = lax.scan(one_key_block, init,
+                                      (jnp.arange(plan.nk), query_lo, query_hi))
     dq = (dq * scale).swapaxes(0, 1).reshape(b, tp, n, h)                 # [B, nq*Tb, N, H]
     dk = dk.swapaxes(0, 1).reshape(b, plan.nk * plan.bk, kh, h)           # [B, nk*Sb, K, H]
     dv = dv.swapaxes(0, 1).reshape(b, plan.nk * plan.bk, kh, h)

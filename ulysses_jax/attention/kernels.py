@@ -6,13 +6,15 @@ N query heads, K kv heads, G = N // K, H head dim.
 ``reference_attention`` is the truth the tests compare against: plain einsums, an explicit
 boolean mask and an fp32 softmax. It shares no code with the fast paths on purpose.
 ``local_attention`` is what runs on each device after the Ulysses exchange; ``impl`` picks
-the kernel.
+the kernel (``resolve_impl``: cuDNN on GPUs, its packed layout for packed documents, the
+memory-linear chunked kernel elsewhere).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from . import cudnn
 from .chunked import chunked_attention
 
 IMPLS = ("auto", "xla", "cudnn", "chunked")
@@ -51,46 +53,80 @@ def reference_attention(q, k, v, causal: bool = True, segment_ids=None, scale: f
 
 
 def resolve_impl(impl: str, dtype, head_dim: int, backend: str | None = None,
-                 segments: bool = False) -> str:
-    """Turns ``impl`` ("auto", "xla", "cudnn", "chunked") into the kernel that will run.
+                 segments: bool = False, capability: tuple[int, int] | None = None,
+                 heads: tuple[int, int] | None = None) -> str:
+    """Turns ``impl`` ("auto", "xla", "cudnn", "chunked") into the kernel that will run:
+    "xla", "cudnn", "cudnn_packed" or "chunked".
+
+    Args:
+      impl: the requested kernel.
+      dtype, head_dim: of q.
+      backend: platform the attention runs on ("cpu", "gpu", ...); default JAX's default.
+      segments: segment ids are given (packed documents).
+      capability: the GPU's CUDA compute capability, e.g. (9, 0) for Hopper; None if unknown.
+      heads: (query heads, kv heads) each device attends with (for the packed layout's GQA rule).
 
     "auto" picks cuDNN flash attention on a GPU for bf16/fp16 with a head dim it supports
-    (multiple of 8, at most 128) and no segment ids, and the memory-linear "chunked" kernel
-    otherwise: jax's cuDNN path turns a segment mask into a dense [B, 1, S, S] bias, which
-    would undo the point of a long sequence. An explicit "cudnn" is honoured either way.
+    (a multiple of 8, at most 128, or 256 on Hopper): plain causal without segment ids, and
+    cuDNN's packed layout with them where jax allows it (``cudnn.packed_supported``: Hopper
+    or newer; GQA needs jax 0.11). Everything else gets the memory-linear "chunked" kernel,
+    which skips the tiles between documents too. An explicit "cudnn" is honoured or refused
+    with the reason; it never builds a dense [S, S] segment mask.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {', '.join(IMPLS)}")
     backend = backend or jax.default_backend()
+    max_dim = 256 if capability is not None and capability >= (9, 0) else 128
     cudnn_ok = (backend == "gpu" and jnp.dtype(dtype) in [jnp.dtype(d) for d in _CUDNN_DTYPES]
-                and head_dim % 8 == 0 and head_dim <= 128)
+                and head_dim % 8 == 0 and head_dim <= max_dim)
+    packed_why = None
+    if segments:
+        n, kh = heads if heads is not None else (1, 1)
+        packed_why = cudnn.packed_supported(capability, n, kh)
     if impl == "cudnn":
         if backend != "gpu":
             raise ValueError(f"impl='cudnn' needs a GPU backend, but the backend is {backend!r}")
         if not cudnn_ok:
             raise ValueError(
                 f"impl='cudnn' needs bfloat16/float16 inputs and a head dim that is a multiple "
-                f"of 8 and at most 128; got dtype {jnp.dtype(dtype).name}, head dim {head_dim}")
-        return "cudnn"
+                f"of 8 and at most {max_dim}; got dtype {jnp.dtype(dtype).name}, head dim "
+                f"{head_dim}")
+        if packed_why:
+            raise ValueError(f"impl='cudnn' with segment ids runs cuDNN's packed layout, but "
+                             f"{packed_why}; use impl='auto' or 'chunked'")
+        return "cudnn_packed" if segments else "cudnn"
     if impl == "auto":
-        return "cudnn" if cudnn_ok and not segments else "chunked"
+        if not cudnn_ok:
+            return "chunked"
+        if not segments:
+            return "cudnn"
+        return "chunked" if packed_why else "cudnn_packed"
     return impl
 
 
-def local_attention(q, k, v, *, causal: bool, segment_ids=None, impl: str = "xla"):
+def local_attention(q, k, v, *, causal: bool, segment_ids=None, impl: str = "xla",
+                    max_segments: int = cudnn.DEFAULT_MAX_SEGMENTS):
     """Attention over the full sequence held by one device.
 
     Args:
       q: [B, T, N, H]; k, v: [B, S, K, H] with N a multiple of K.
       causal: causal masking.
       segment_ids: optional [B, S] ints (packed documents).
-      impl: a resolved kernel name, "xla", "cudnn" or "chunked".
+      impl: a resolved kernel name, "xla", "cudnn", "cudnn_packed" or "chunked".
+      max_segments: the bound on documents per row for "cudnn_packed".
 
     Returns:
       [B, T, N, H].
     """
     if impl == "chunked":
         return chunked_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    if impl == "cudnn_packed":
+        if segment_ids is None:
+            raise ValueError("impl 'cudnn_packed' needs segment ids")
+        return cudnn.packed_attention(q, k, v, segment_ids, causal=causal,
+                                      max_segments=max_segments)
+    if impl == "cudnn" and segment_ids is not None:
+        raise ValueError("impl 'cudnn' takes no segment ids; resolve_impl gives 'cudnn_packed'")
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]

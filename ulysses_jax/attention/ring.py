@@ -368,7 +368,7 @@ def _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, blocks, counts: bo
         raise ValueError(f"mesh has no {RING!r} axis (axes: {mesh.axis_names}); build it with "
                          f"make_mesh(seq=U, ring=R)")
     reps = validate(q, k, v, segment_ids, mesh, chunks=2 if layout == "zigzag" else 1)
-    kernels.resolve_impl(impl, q.dtype, q.shape[3])
+    kernels.resolve_impl(impl, q.dtype, q.shape[3], backend=mesh.devices.flat[0].platform)
     b, s, n, h = q.shape
     u, r = axis_size(mesh, SEQ), axis_size(mesh, RING)
     reorder = layout == "natural" and causal and s % (2 * r * u) == 0

@@ -16,6 +16,8 @@ this module's exchange; this module's own path and its one shard_map site serve 
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
@@ -94,6 +96,16 @@ def validate(q, k, v, segment_ids, mesh: Mesh, chunks: int = 1) -> int:
     return kv_repeats(n, k.shape[2], p, r)
 
 
+def mesh_kernel(impl: str, q, mesh: Mesh, segments: bool, heads: tuple[int, int]) -> str:
+    """``kernels.resolve_impl`` for the devices of ``mesh`` (not JAX's default backend: on a
+    GPU host a mesh of CPU devices must not get cuDNN). ``heads`` = (query, kv) heads each
+    device attends with."""
+    device = mesh.devices.flat[0]
+    return kernels.resolve_impl(impl, q.dtype, q.shape[3], backend=device.platform,
+                                segments=segments,
+                                capability=kernels.cudnn.compute_capability(device), heads=heads)
+
+
 # ----------------------------------------------------------------------------- packing
 
 def _pack_qkv(q, k, v, p: int):
@@ -126,7 +138,8 @@ def _unpack_qkv(qkv, n_local: int, k_local: int):
 # ----------------------------------------------------------------------------- public API
 
 def ulysses_only_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_ids=None,
-                           impl: str = "auto", head_chunks: int = 1):
+                           impl: str = "auto", head_chunks: int = 1,
+                           max_segments: int = kernels.cudnn.DEFAULT_MAX_SEGMENTS):
     """Sequence-parallel attention over the mesh's "seq" axis (DeepSpeed-Ulysses), R == 1.
 
     Args:
@@ -139,6 +152,8 @@ def ulysses_only_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_
       head_chunks: C > 1 splits each device's heads into C groups, each exchanged and attended
         on its own (2C all-to-alls of 1/C the size), so XLA can overlap the exchange of one
         group with the attention of another. C must divide the kv heads per device.
+      max_segments: bound on documents per row for cuDNN's packed layout (the kernel with
+        segment ids on Hopper GPUs; see ``cudnn.py``); rows with more run an exact fallback.
 
     Returns:
       [B, S, N, H], sharded P("data", "seq").
@@ -150,7 +165,6 @@ def ulysses_only_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_
         raise ValueError(f"ulysses_only_attention serves meshes without a ring axis (ring axis "
                          f"size {axis_size(mesh, RING)}); call ulysses_attention")
     reps = validate(q, k, v, segment_ids, mesh)
-    kernel = kernels.resolve_impl(impl, q.dtype, q.shape[3], segments=segment_ids is not None)
     p = axis_size(mesh, SEQ)
     batch_axis = DATA if DATA in mesh.axis_names else None
     spec = P(batch_axis, SEQ)
@@ -160,12 +174,15 @@ def ulysses_only_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_
         raise ValueError(f"head_chunks {head_chunks} must be a positive divisor of the kv heads "
                          f"per device, {k_local} (kv heads {k.shape[2]} x {reps} copies / seq "
                          f"axis size {p})")
+    kernel = mesh_kernel(impl, q, mesh, segment_ids is not None, (n_local, k_local))
+    attend = partial(kernels.local_attention, causal=causal, impl=kernel,
+                     max_segments=max_segments)
 
     def exchange_and_attend(q, k, v, seg):
         # q: [B, S/P, N', H]; k, v: [B, S/P, K', H], heads destination-major
         qkv = seq_to_heads(_pack_qkv(q, k, v, p))                        # [B, S, (N'+2K')/P, H]
         q, k, v = _unpack_qkv(qkv, q.shape[2] // p, k.shape[2] // p)    # q: [B, S, N'/P, H]
-        out = kernels.local_attention(q, k, v, causal=causal, segment_ids=seg, impl=kernel)
+        out = attend(q, k, v, segment_ids=seg)                           # [B, S, N'/P, H]
         return heads_to_seq(out)                                         # [B, S/P, N', H]
 
     def body(q, k, v, *seg):
@@ -175,7 +192,7 @@ def ulysses_only_attention(q, k, v, *, mesh: Mesh, causal: bool = True, segment_
             k = jnp.repeat(k, reps, axis=2)                              # [B, S/P, K*reps, H]
             v = jnp.repeat(v, reps, axis=2)
         if p == 1:
-            return kernels.local_attention(q, k, v, causal=causal, segment_ids=seg, impl=kernel)
+            return attend(q, k, v, segment_ids=seg)
         if seg is not None:
             seg = jax.lax.all_gather(seg, SEQ, axis=1, tiled=True)      # [B, S]
         if chunks == 1:

@@ -35,7 +35,7 @@ from ..config import ModelConfig
 from .loss import largest_divisor_at_most
 from ..mesh import act_spec, shard
 from . import vocab
-from ..attention import ulysses_attention
+from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from .moe import MoE, STAT_KEYS, is_moe_layer
 
 _REMAT_POLICIES = {
@@ -124,7 +124,8 @@ class Attention(nnx.Module):
         k = rope(k, positions, cfg.rope_theta)                                       # [B, S, K, H]
         o = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
                               impl=cfg.attn_impl, head_chunks=self.head_chunks,
-                              layout=self.layout)                                    # [B, S, N, H]
+                              layout=self.layout,
+                              max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS)  # [B, S, N, H]
         return jnp.einsum("BSNH,NHD->BSD", o, _gathered(self.wo[...], dt, mesh))
 
 

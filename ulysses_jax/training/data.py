@@ -297,6 +297,16 @@ class PackedRows:
         out["positions"][:n] = j - np.maximum(starts[k], a)
         return out
 
+    def segments_per_row(self, epoch: int = 0, seed: int = 0) -> np.ndarray:
+        """Segment ids per row of ``epoch`` (document pieces, plus one for a padded tail),
+        int [num_rows], from the layout alone (no row is built)."""
+        order, starts = self._layout(seed, epoch)
+        a = np.arange(self.num_rows, dtype=np.int64) * self.seq_len
+        stop = np.minimum(a + self.seq_len, self.num_tokens)  # one past each row's last token
+        first = np.searchsorted(starts, a, side="right") - 1
+        last = np.searchsorted(starts, stop - 1, side="right") - 1
+        return (last - first + 1 + (stop - a < self.seq_len)).astype(np.int64)
+
     def rows(self, global_rows: Sequence[int], seed: int = 0) -> Batch:
         """Stacks rows by global index g (epoch g // num_rows, row g % num_rows): [len, S]."""
         rs = [self.row(g % self.num_rows, g // self.num_rows, seed) for g in global_rows]

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import data as data_lib
 from .checkpoint import Checkpointer
+from .flops import train_step_flops
 from ..config import Config, ConfigError, to_dict, to_yaml, validate
 from ..hlo import collective_counts
 from ..models.loss import largest_divisor_at_most
@@ -83,8 +84,18 @@ def resolve_init_from(cfg: Config) -> Config:
     return cfg
 
 
+def training_devices() -> list:
+    """The devices a run uses: those of the platform of JAX's default device when one is set
+    (``jax_default_device``, e.g. the CPU test devices on a one-GPU host), else
+    ``jax.devices()``."""
+    default = jax.config.jax_default_device
+    if default is not None:
+        return jax.devices(default if isinstance(default, str) else default.platform)
+    return jax.devices()
+
+
 def build_mesh(cfg: Config):
-    devices = jax.devices()
+    devices = training_devices()
     validate(cfg, num_devices=len(devices))
     return make_mesh(seq=cfg.mesh.seq, data=cfg.mesh.data, ring=cfg.mesh.ring, devices=devices)
 
@@ -144,8 +155,10 @@ def dry_run(cfg: Config) -> dict:
 
     Returns:
       A dict with ``peak_bytes_per_device`` (XLA's memory analysis), ``flops_per_device``
-      (XLA's cost analysis of the partitioned step), ``collectives`` (op -> count in the
-      compiled HLO) and the parts of the memory estimate.
+      (the model's FLOPs per step and device, ``flops.py``), ``xla_flops_per_device`` (XLA's
+      cost analysis of the partitioned step: loop bodies counted once, custom calls not at
+      all, so not a FLOP count), ``collectives`` (op -> count in the compiled HLO) and the
+      parts of the memory estimate.
     """
     cfg = resolve_init_from(cfg)
     t0 = time.time()
@@ -153,7 +166,8 @@ def dry_run(cfg: Config) -> dict:
     mem = compiled.memory_analysis()
     return {
         "peak_bytes_per_device": peak_bytes_per_device(compiled),
-        "flops_per_device": _flops(compiled) or 0.0,
+        "flops_per_device": model_flops_per_device(cfg),
+        "xla_flops_per_device": _xla_flops(compiled) or 0.0,
         "collectives": collective_counts(compiled.as_text()),
         "argument_bytes": int(mem.argument_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
@@ -163,6 +177,12 @@ def dry_run(cfg: Config) -> dict:
         "compile_seconds": round(time.time() - t0, 2),
         "notes": chunk_notes(cfg),
     }
+
+
+def model_flops_per_device(cfg: Config) -> float:
+    """Model FLOPs of one step on each device (``flops.train_step_flops`` / devices)."""
+    devices = cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq
+    return train_step_flops(cfg.model, cfg.batch_size, cfg.seq_len) / devices
 
 
 def _load_data(cfg: Config):
@@ -179,6 +199,20 @@ def _load_data(cfg: Config):
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"data.source {cfg.data.source!r} / data.tokenizer "
                           f"{cfg.data.tokenizer!r}: {e}") from None
+
+
+def with_segment_bound(cfg: Config, train_rows, held_rows) -> Config:
+    """``model.max_segments`` resolved: as given, or (0) from the data: 1.5 x the most
+    documents any row of the first epoch holds (padding counts as one), rounded up to a
+    multiple of 8. It sizes cuDNN's packed-layout arguments; rows with more still run
+    exactly, through the fallback kernel (``attention/cudnn.py``)."""
+    most = max(int(rows.segments_per_row(0, cfg.seed).max())
+               for rows in (train_rows, held_rows) if rows is not None)
+    bound = cfg.model.max_segments or 8 * math.ceil(1.5 * most / 8)
+    _log(f"data: up to {most} documents per row in the first epoch; packed attention "
+         f"bound model.max_segments={bound}"
+         f"{'' if cfg.model.max_segments else ' (from the data)'}")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=bound))
 
 
 def _evaluate(eval_step, params, held_rows, cfg: Config, mesh) -> float | None:
@@ -235,12 +269,12 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         with open(os.path.join(workdir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
     train_rows, held_rows = _load_data(cfg)
+    cfg = with_segment_bound(cfg, train_rows, held_rows)
     batches = data_lib.BatchIterator(train_rows, cfg.batch_size, cfg.seed)
     _log(f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"
          f"{'' if held_rows is None else f', {held_rows.num_rows} held-out rows'}; "
          f"mesh data={cfg.mesh.data} x ring={cfg.mesh.ring} x seq={cfg.mesh.seq} on "
-         f"{jax.device_count()} "
-         f"{jax.devices()[0].platform} devices")
+         f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices")
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints,
                         save_every=cfg.checkpoint_every if cfg.checkpoint_every > 0 else None)
@@ -274,8 +308,15 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     t0 = time.time()
     step_fn = step_fn.lower(_abstract(state), _abstract_batch(cfg, mesh)).compile()
     _log(f"compiled the train step in {time.time() - t0:.1f} s")
-    flops = _flops(step_fn)
-    peak = peak_flops(jax.devices()[0])
+    flops = model_flops_per_device(cfg)
+    xla_flops = _xla_flops(step_fn)
+    device = mesh.local_devices[0]
+    peak = peak_flops(device)
+    _log(f"model FLOPs per step and device {flops:.3e} (XLA's cost analysis: "
+         f"{xla_flops or 0:.3e}); "
+         + (f"MFU against {peak / 1e12:.0f} TFLOP/s ({device.device_kind})" if peak else
+            f"no MFU: peak FLOP/s of {getattr(device, 'device_kind', device.platform)!r} "
+            f"unknown"))
     tokens_per_step = cfg.batch_size * cfg.seq_len
     order = token_order(cfg)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
@@ -308,17 +349,21 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
                               "step_time": dt, "lr": _scalar(metrics["lr"]),
                               "grad_norm": _scalar(metrics["grad_norm"]),
                               "tokens": _scalar(metrics["tokens"])}
-                    if flops and peak:
+                    record["flops_per_device"] = flops
+                    if xla_flops:
+                        record["xla_flops_per_device"] = xla_flops
+                    if peak:
                         record["mfu"] = flops / dt / peak
                     record.update(_moe_metrics(metrics))
-                    record.update(_memory_in_use())
+                    record.update(_memory_in_use(device))
                     if evaluate:
                         record["eval_loss"] = _evaluate(eval_fn, state["params"], held_rows,
                                                         cfg, mesh)
                         summary["eval_loss"] = record["eval_loss"]
                     _write_metrics(metrics_path, record)
                     bar.set_postfix(loss=f"{loss:.4f}",
-                                    tok_s=f"{record['tokens_per_sec']:.0f}")
+                                    tok_s=f"{record['tokens_per_sec']:.0f}",
+                                    **({"mfu": f"{record['mfu']:.1%}"} if peak else {}))
                     last_time, last_step = time.time(), step
                 if _agreed(preempt.requested):
                     save(step, force=True)
@@ -370,8 +415,9 @@ def _abstract(tree):
                         tree)
 
 
-def _flops(compiled) -> float | None:
-    """FLOPs of one step per device from XLA's cost analysis (None if unavailable)."""
+def _xla_flops(compiled) -> float | None:
+    """XLA's cost-analysis FLOPs of one step per device (None if unavailable). Not the
+    model's FLOPs (see flops.py): loop bodies count once, custom calls not at all."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float((cost or {}).get("flops", 0.0)) or None
@@ -384,8 +430,8 @@ def _moe_metrics(metrics: dict) -> dict:
             if k.startswith("moe_")}
 
 
-def _memory_in_use() -> dict:
-    stats = jax.local_devices()[0].memory_stats()
+def _memory_in_use(device) -> dict:
+    stats = device.memory_stats()
     if not stats or "bytes_in_use" not in stats:
         return {}
     out = {"memory_bytes_in_use": int(stats["bytes_in_use"])}

@@ -1,0 +1,43 @@
+"""Model FLOPs of a train step, from the shapes: what MFU divides by the step time.
+
+XLA's ``cost_analysis()`` is no FLOP counter for this: it counts a loop body once (our
+layers run in a ``lax.scan``, attention in while loops) and custom calls such as cuDNN not at
+all; on an H200 it reported 2.09e11 flops for a step that does 7.39e13. So the trainer counts
+the model's FLOPs the standard way (PaLM appendix B; Megatron's MFU) and keeps XLA's number
+beside it under another name.
+
+Per token, forward + backward = 3 x forward, a multiply-add = 2 FLOPs:
+  - 6 x the weights a token passes through in matmuls: per layer q, k, v, o projections
+    (D·N·H + 2·D·K·H + N·H·D) and the MLP (3·D·F, SwiGLU), plus the output head D·V. The
+    embedding lookup is a gather, no matmul: an untied input table is not counted (a tied
+    one is, once, as the head).
+  - causal attention: QK^T and PV are 2·2·N·H FLOPs per (query, visible key) pair, forward;
+    a query at position i sees i + 1 keys, about S/2 on average, so forward + backward is
+    6·N·H·S per token per layer (6·L·N·H·S² per sequence). Without the causal mask: twice.
+Recomputation (remat) is not counted (that would be hardware FLOPs, HFU), nor the tiles the
+packed-document kernels skip: ``mfu`` counts every causal pair of the row, so packed rows do
+less work than it counts (their "useful" attention is sum(l²)/S² of it).
+"""
+from __future__ import annotations
+
+from ..config import ModelConfig
+
+
+def matmul_params_per_token(m: ModelConfig) -> int:
+    """Weights each token multiplies through: L x (attention + MLP projections) + head."""
+    d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_dim
+    attention = d * n * h + 2 * d * k * h + n * h * d
+    mlp = 3 * d * f
+    return m.n_layers * (attention + mlp) + d * m.vocab_size
+
+
+def attention_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Forward + backward FLOPs of the score and value matmuls, per token of a row."""
+    per_layer = 6 * m.n_heads * m.head_dim * seq_len  # causal: 12·N·H·S²/2 per row / S
+    return m.n_layers * per_layer * (1 if causal else 2)
+
+
+def train_step_flops(m: ModelConfig, batch_size: int, seq_len: int) -> float:
+    """Model FLOPs of one optimizer step (all devices together)."""
+    per_token = 6 * matmul_params_per_token(m) + attention_flops_per_token(m, seq_len)
+    return float(per_token) * batch_size * seq_len
