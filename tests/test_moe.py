@@ -337,6 +337,9 @@ def test_active_params_count():
     moe_layer = attn + 2 * 8 + 8 * 4 + 2 * 3 * 8 * 6
     dense_layer = attn + 2 * 8 + 3 * 8 * 12
     assert moe.active_params_per_token(cfg) == moe_layer + dense_layer + 8 + 8 * 100
+    from ulysses_jax.training.flops import matmul_params_per_token
+    matmuls = 2 * 8 * 4 * (2 * 2 + 2 * 1) + (8 * 4 + 2 * 3 * 8 * 6) + 3 * 8 * 12 + 8 * 100
+    assert matmul_params_per_token(cfg) == matmuls  # MFU counts routed experts only
 
 
 def test_tiny_moe_preset_trains_with_the_seq1_loss_curve(tmp_path):

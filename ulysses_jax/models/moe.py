@@ -138,17 +138,23 @@ def reference_moe(x, w_router, w_gate, w_up, w_down, *, top_k: int, norm_topk_pr
     return jnp.einsum("TE,TED->TD", dense_w.astype(x.dtype), y), probs, top_i
 
 
+def mlp_matmul_params(cfg: ModelConfig, i: int) -> int:
+    """Weights one token multiplies through in layer ``i``'s MLP: the dense SwiGLU, or the
+    router, its A routed experts and the shared expert with its gate (training/flops.py)."""
+    d = cfg.d_model
+    if not is_moe_layer(cfg, i):
+        return 3 * d * cfg.ffn_dim
+    shared = 3 * d * cfg.moe_shared_ffn_dim + d if cfg.moe_shared_ffn_dim else 0
+    return d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.moe_ffn_dim + shared
+
+
 def active_params_per_token(cfg: ModelConfig) -> int:
     """Parameters a token passes through in one forward pass (MoE layers count only the
     A routed experts, the router and the shared expert); the embedding lookup is excluded,
-    the output head included. For MFU: model FLOPs per token ~ 6 x this (+ attention)."""
+    the output head and the norm scales included."""
     d, h = cfg.d_model, cfg.head_dim
     attn = d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + (2 * h if cfg.qk_norm else 0)
-    dense_mlp = 3 * d * cfg.ffn_dim
-    moe = (d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.moe_ffn_dim
-           + (3 * d * cfg.moe_shared_ffn_dim + d if cfg.moe_shared_ffn_dim else 0))
-    layers = sum(attn + 2 * d + (moe if is_moe_layer(cfg, i) else dense_mlp)
-                 for i in range(cfg.n_layers))
+    layers = sum(attn + 2 * d + mlp_matmul_params(cfg, i) for i in range(cfg.n_layers))
     return layers + d + d * cfg.vocab_size
 
 
