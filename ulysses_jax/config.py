@@ -73,6 +73,21 @@ class ModelConfig:
     vocab_parallel: bool = True     # split embedding and head over the sequence devices
     mlp_chunk: int = 0              # tokens per device per MLP chunk (TiledMLP); 0 = untiled
     init_std: float = 0.02
+    # Mixture of experts (Qwen3-MoE; models/moe.py). num_experts 0 = a dense model. Layer i is
+    # an MoE layer when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0;
+    # the others keep the dense MLP of ffn_dim. Experts are split over all mesh devices.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2    # top-k
+    moe_ffn_dim: int = 64           # each expert's SwiGLU width (moe_intermediate_size)
+    norm_topk_prob: bool = False    # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in the objective
+    # Slots per (device, expert) = ceil(factor * tokens per device * top-k / num_experts);
+    # assignments past them are dropped (counted in metrics). 0 = never drop (slots = tokens
+    # per device, the worst case).
+    moe_capacity_factor: float = 0.0
+    moe_shared_ffn_dim: int = 0     # a sigmoid-gated shared expert (Qwen3-Next); 0 = none
 
 
 @dataclass(frozen=True)
@@ -263,6 +278,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             errors.append(f"ulysses.chunks {chunks} must divide the kv heads per device, "
                           f"{kv_local} (model.n_kv_heads {m.n_kv_heads}, mesh.seq {mesh.seq})")
     need = mesh.data * mesh.ring * mesh.seq
+    errors += _moe_errors(m, need)
     if num_devices is not None and need > num_devices:
         ring = f" x mesh.ring {mesh.ring}" if mesh.ring > 1 else ""
         errors.append(f"mesh.data {mesh.data}{ring} x mesh.seq {mesh.seq} = {need} "
@@ -315,6 +331,35 @@ def _numbers(cfg, prefix: str = "") -> dict:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             out[f"{prefix}{f.name}"] = value
     return out
+
+
+def _moe_errors(m: ModelConfig, devices: int) -> list[str]:
+    """Rules of the mixture-of-experts keys (none apply when model.num_experts is 0)."""
+    if m.num_experts < 0:
+        return [f"model.num_experts must be 0 (dense) or positive, got {m.num_experts}"]
+    if m.num_experts == 0:
+        return []
+    errors = []
+    if not 1 <= m.num_experts_per_tok <= m.num_experts:
+        errors.append(f"model.num_experts_per_tok must be in [1, model.num_experts "
+                      f"{m.num_experts}], got {m.num_experts_per_tok}")
+    for key, value in (("model.moe_ffn_dim", m.moe_ffn_dim),
+                       ("model.decoder_sparse_step", m.decoder_sparse_step)):
+        if value < 1:
+            errors.append(f"{key} must be positive, got {value}")
+    bad = [i for i in m.mlp_only_layers if not 0 <= i < m.n_layers]
+    if bad:
+        errors.append(f"model.mlp_only_layers {list(bad)} lie outside layers 0..{m.n_layers - 1}")
+    if m.num_experts % devices:
+        errors.append(f"model.num_experts {m.num_experts} is not divisible by the mesh's "
+                      f"{devices} devices (mesh.data x mesh.ring x mesh.seq): experts are split "
+                      f"evenly over all of them")
+    for key, value in (("model.router_aux_loss_coef", m.router_aux_loss_coef),
+                       ("model.moe_capacity_factor", m.moe_capacity_factor),
+                       ("model.moe_shared_ffn_dim", m.moe_shared_ffn_dim)):
+        if value < 0:
+            errors.append(f"{key} must be >= 0, got {value}")
+    return errors
 
 
 def to_dict(cfg: Config) -> dict:

@@ -220,10 +220,10 @@ def categorize(b: Buffer, n_layers: int) -> str:
     dims = _ARRAY.findall(b.shape)
     lead = int(dims[0][1].split(",")[0]) if dims and dims[0][1] else 0
     in_layers = "layers" in n
-    if in_layers and lead == n_layers and not backward and "attention" not in n \
-            and "mlp" not in n:
-        return "layer checkpoints"   # the layer loop's stacked residuals
-    if backward and lead == n_layers and (n.endswith("while") or "layers" in n) and \
+    stacked = n.rstrip("/").endswith("while") or "dynamic_update_slice" in n
+    if in_layers and stacked and not backward and "attention" not in n and "mlp" not in n:
+        return "layer checkpoints"   # the layer loop's stacked residuals (one stack per group)
+    if backward and in_layers and (stacked or lead == n_layers) and \
             not ("attention" in n or "mlp" in n):
         return "gradients"           # stacked per-layer weight gradients
     if "attention" in n:

@@ -185,6 +185,16 @@ def _plan_configs(args) -> tuple[Config, dict[int, Config]]:
     return cfg, per_p
 
 
+def _moe_note(m) -> str:
+    """The MoE shape for the header: experts are split over all P x data devices, so each P
+    also changes the experts per device (and must divide them; checked per P)."""
+    if not m.num_experts:
+        return ""
+    cf = m.moe_capacity_factor
+    return (f" experts={m.num_experts} top-{m.num_experts_per_tok} moe_ffn_dim={m.moe_ffn_dim}"
+            f" capacity_factor={cf if cf else 'none (no dropping)'}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     try:
@@ -207,7 +217,7 @@ def main(argv=None) -> int:
     host_budget = None if args.host_memory_gb is None else int(args.host_memory_gb * GIB)
     print(f"plan: {args.config}  d_model={m.d_model} layers={m.n_layers} heads={m.n_heads}/"
           f"{m.n_kv_heads} dtype={m.dtype} remat={m.remat} param_sharding={cfg.param_sharding} "
-          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data} offload: checkpoints="
+          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}{_moe_note(m)} offload: checkpoints="
           f"{m.offload_checkpoints} optimizer={cfg.optimizer.offload}; budget "
           f"{args.memory_gb:g} GiB per device"
           f"{'' if host_budget is None else f', {args.host_memory_gb:g} GiB host per device'}; "

@@ -10,7 +10,9 @@ None) on a mesh with a ring axis): every device holds S/P tokens, and only atten
 sequence, for N/P heads.
 Norms, projections and the MLP are token-local. The embedding and the loss split the
 vocabulary over the same devices by default (``vocab.py``, ``model.vocab_parallel``); with
-that off they are token-local too.
+that off they are token-local too. In a mixture-of-experts layer (``model.num_experts``,
+``moe.py``) the experts are split over all devices and tokens visit them by all-to-all
+(``expert_parallel.py``); ``layer_groups`` says how dense and MoE layers are stacked.
 
 RoPE runs before the exchange, on each device's own tokens, with the global (or per-document)
 position of every token carried in the batch (``positions`` [B, S], sharded like the tokens).
@@ -35,6 +37,7 @@ from .loss import largest_divisor_at_most
 from ..mesh import act_spec, shard
 from . import vocab
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
+from .moe import MoE, STAT_KEYS, is_moe_layer
 
 _LAYER_INPUT = "layer_input"
 _REMAT_POLICIES = {
@@ -180,23 +183,76 @@ def _tiled_mlp(x, weights, mesh: Mesh, chunk: int):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
+
+    ``sparse``: the MLP is a mixture of experts (``self.moe``, models/moe.py) instead of the
+    dense SwiGLU (``self.mlp``). Calls return (x, router stats or None).
+    """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
-                 layout: str = "natural", head_chunks: int = 1):
+                 layout: str = "natural", head_chunks: int = 1, sparse: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, mesh, rngs=rngs, layout=layout, head_chunks=head_chunks)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg, mesh, rngs=rngs)
+        self.mlp = None if sparse else MLP(cfg, mesh, rngs=rngs)
+        self.moe = MoE(cfg, mesh, rngs=rngs) if sparse else None
         self.mesh = mesh
 
     def __call__(self, x, positions, segment_ids):
-        # Named scopes label the ops (profiles, benchmarks/memory_breakdown.py).
+        # Named scopes label the ops (profiles, ulysses_jax/memory.py's categories).
         with jax.named_scope("attention"):
             x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        stats = None
         with jax.named_scope("mlp"):
-            x = x + self.mlp(self.mlp_norm(x))
-        return x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))
+            if self.moe is None:
+                x = x + self.mlp(self.mlp_norm(x))
+            else:
+                valid = jnp.ones(x.shape[:2], jnp.float32) if segment_ids is None else \
+                    (segment_ids > 0).astype(jnp.float32)                   # [B, S]
+                y, stats = self.moe(self.mlp_norm(x), valid)
+                x = x + y
+        return (x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))), stats
+
+
+def layer_groups(cfg: ModelConfig) -> list[tuple[int, tuple[bool, ...], int]]:
+    """How the layers are stacked: [(first layer, unit, repeats)], in order.
+
+    ``unit`` lists which layers of one repeat are sparse (MoE); a group is one
+    ``lax.scan`` over ``repeats`` copies of its unit, layer ``first + r * len(unit) + u``
+    being position u of repeat r. Layers of one kind form one group of unit length 1 (the
+    dense model as always); a pattern with a period (decoder_sparse_step = 2: dense, MoE,
+    dense, MoE, ...) one group whose unit is the period; anything else one group per run
+    of equal layers.
+    """
+    kinds = tuple(is_moe_layer(cfg, i) for i in range(cfg.n_layers))
+    n = len(kinds)
+    for p in range(1, n + 1):
+        if n % p == 0 and kinds == kinds[:p] * (n // p):
+            if p < n or p == 1:
+                return [(0, kinds[:p], n // p)]
+            break
+    groups, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or kinds[i] != kinds[start]:
+            groups.append((start, (kinds[start],), i - start))
+            start = i
+    return groups
+
+
+def stacked_layer_indices(cfg: ModelConfig, keys: tuple) -> tuple[list[int], tuple]:
+    """Which layers a stacked parameter under ``layers`` holds, in stack order.
+
+    Args:
+      keys: its path below the model, starting with "layers" (as in ``nnx.to_pure_dict``).
+    Returns:
+      (layer indices, the path inside one Block).
+    """
+    groups = layer_groups(cfg)
+    if len(groups) == 1 and len(groups[0][1]) == 1:
+        return list(range(cfg.n_layers)), tuple(keys[1:])
+    g, u = int(keys[1]), int(keys[2])
+    first, unit, repeats = groups[g]
+    return [first + r * len(unit) + u for r in range(repeats)], tuple(keys[3:])
 
 
 class Decoder(nnx.Module):
@@ -214,9 +270,19 @@ class Decoder(nnx.Module):
         self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.vocab_size, cfg.d_model)))                          # [V, D]
         keys = jax.random.split(rngs.params(), cfg.n_layers)
-        self.layers = nnx.vmap(
-            lambda key: Block(cfg, mesh, rngs=nnx.Rngs(key), layout=layout,
-                              head_chunks=head_chunks))(keys)                        # [L, ...]
+
+        def stack(layer_keys, sparse):
+            return nnx.vmap(lambda key: Block(cfg, mesh, rngs=nnx.Rngs(key), layout=layout,
+                                              head_chunks=head_chunks, sparse=sparse))(
+                layer_keys)                                                          # [R, ...]
+
+        groups = layer_groups(cfg)
+        if len(groups) == 1 and len(groups[0][1]) == 1:
+            self.layers = stack(keys, groups[0][1][0])                               # [L, ...]
+        else:  # layers/{group}/{position in unit}: [repeats, ...] each; layer i keeps keys[i]
+            self.layers = nnx.List([nnx.List([
+                stack(keys[first + u::len(unit)][:repeats], sparse)
+                for u, sparse in enumerate(unit)]) for first, unit, repeats in groups])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
@@ -235,12 +301,20 @@ class Decoder(nnx.Module):
         return self.embed[...].T if self.lm_head is None else self.lm_head[...]
 
     def hidden(self, tokens, positions=None, segment_ids=None) -> jax.Array:
-        """Final-normed hidden states [B, S, D] in the compute dtype.
+        """Final-normed hidden states [B, S, D] in the compute dtype (``hidden_and_stats``
+        without the router statistics)."""
+        return self.hidden_and_stats(tokens, positions, segment_ids)[0]
+
+    def hidden_and_stats(self, tokens, positions=None, segment_ids=None):
+        """Final-normed hidden states [B, S, D] in the compute dtype, and router statistics.
 
         Args:
           tokens: [B, S] int32.
           positions: [B, S] ints (default 0..S-1 in every row).
-          segment_ids: [B, S] ints for packed documents, or None.
+          segment_ids: [B, S] ints for packed documents (0 = padding), or None.
+        Returns:
+          (hidden, stats): stats is None for a dense model, else ``moe.router_stats`` summed
+          over all devices and MoE layers (the inputs of ``moe.aux_loss``).
         """
         b, s = tokens.shape
         if positions is None:
@@ -252,21 +326,45 @@ class Decoder(nnx.Module):
             else:
                 x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)
                 x = shard(x, self.mesh, act_spec(self.mesh, 1))
-        graphdef, stacked = nnx.split(self.layers)
-
-        offload = self.cfg.offload_checkpoints
-
-        def layer(x, state):
-            if offload:
-                x = checkpoint_name(x, _LAYER_INPUT)                                 # [B, S, D]
-            return nnx.merge(graphdef, state)(x, positions, segment_ids), None
-
-        if self.cfg.remat != "none":
-            policy = _REMAT_POLICIES["full_offload" if offload else self.cfg.remat]
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         with jax.named_scope("layers"):
-            x, _ = jax.lax.scan(layer, x, stacked)
-        return self.final_norm(x)
+            x, stats = self._run_layers(x, positions, segment_ids)
+        return self.final_norm(x), stats
+
+    def _run_layers(self, x, positions, segment_ids):
+        """All layer groups in order; returns (x, router stats summed over MoE layers)."""
+        offload = self.cfg.offload_checkpoints
+        homogeneous = not isinstance(self.layers, nnx.List)
+        groups = [[self.layers]] if homogeneous else self.layers
+        totals = None
+        for units in groups:
+            graphdefs, states = zip(*(nnx.split(m) for m in units))
+
+            def apply(graphdef):
+                def fn(x, state):
+                    if offload:  # the checkpoint the backward pass recomputes the layer from
+                        x = checkpoint_name(x, _LAYER_INPUT)                         # [B, S, D]
+                    return nnx.merge(graphdef, state)(x, positions, segment_ids)
+
+                if self.cfg.remat == "none":
+                    return fn
+                policy = _REMAT_POLICIES["full_offload" if offload else self.cfg.remat]
+                return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+            blocks = [apply(g) for g in graphdefs]
+
+            def body(x, states):
+                found = []
+                for block, state in zip(blocks, states):
+                    x, stats = block(x, state)
+                    found.append(stats)
+                return x, found
+
+            x, found = jax.lax.scan(body, x, list(states))
+            for stats in found:  # [repeats, ...] each, or None for dense layers
+                if stats is not None:
+                    summed = {k: jnp.sum(stats[k], axis=0) for k in STAT_KEYS}
+                    totals = summed if totals is None else jax.tree.map(jnp.add, totals, summed)
+        return x, totals
 
     def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
         h = self.hidden(tokens, positions, segment_ids)

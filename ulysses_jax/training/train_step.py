@@ -26,6 +26,8 @@ from .optimizer import compute_copy_mask, make_optimizer, make_schedule
 from ..models.loss import chunked_cross_entropy
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
+from ..models.expert_parallel import expert_spec
+from ..models.moe import aux_loss, is_expert_param
 
 
 def param_spec(shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
@@ -40,6 +42,27 @@ def param_spec(shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
     spec = [None] * len(shape)
     spec[axes[0]] = tuple(mesh.axis_names)
     return P(*spec)
+
+
+def leaf_spec(keys: tuple, shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
+    """``param_spec`` for a named parameter: expert weights (``moe.is_expert_param``) are
+    split over all devices along their expert axis in every mode (expert parallelism);
+    everything else as ``param_spec``."""
+    if is_expert_param(keys):
+        return expert_spec(len(shape), mesh)
+    return param_spec(shape, mesh, mode)
+
+
+def param_shardings(params, mesh: Mesh, mode: str, memory_kind: str | None = None):
+    """NamedSharding of every leaf of a parameter pytree (``leaf_spec``), in ``memory_kind``
+    (None: the device's)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: NamedSharding(mesh, leaf_spec(_names(path), a.shape, mesh, mode),
+                                      memory_kind=memory_kind), params)
+
+
+def _names(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
 
 def build_model(cfg: Config, mesh: Mesh, seed: int | None = None) -> Decoder:
@@ -62,9 +85,7 @@ def state_layout(cfg: Config, mesh: Mesh):
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, mesh)))
     # optimizer.offload: parameters and moments live in host memory (optimizer.py).
     kind = "pinned_host" if cfg.optimizer.offload else None
-    params_sh = jax.tree.map(
-        lambda a: NamedSharding(mesh, param_spec(a.shape, mesh, cfg.param_sharding),
-                                memory_kind=kind), abstract["params"])
+    params_sh = param_shardings(abstract["params"], mesh, cfg.param_sharding, memory_kind=kind)
     replicated = NamedSharding(mesh, P())
     opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], params_sh,
                                    transform_non_params=lambda _: replicated.with_memory_kind(
@@ -104,16 +125,43 @@ def loss_fn(graphdef, params, batch, mesh: Mesh):
 
     Vocabulary-parallel (vocab.py) when the model is: each device holds V/P columns of the
     head, in fp32. Otherwise the head enters the loss replicated, in the compute dtype (with
-    bf16 compute the copy each device holds of the [D, V] head is then half the size)."""
+    bf16 compute the copy each device holds of the [D, V] head is then half the size).
+    The cross-entropy only: the objective of an MoE model adds the router loss
+    (``objective``)."""
+    _, (loss, metrics) = objective(graphdef, params, batch, mesh)
+    return loss, metrics["tokens"]
+
+
+def objective(graphdef, params, batch, mesh: Mesh):
+    """What training minimises, with the loss and metrics it reports.
+
+    Returns:
+      (objective, (cross-entropy, metrics)): the objective is the mean next-token loss plus,
+      for an MoE model, ``router_aux_loss_coef`` x the load-balancing loss (moe.aux_loss, as
+      transformers' Qwen3MoeForCausalLM adds it). metrics: ``tokens`` (counted tokens) and,
+      for MoE, ``moe_aux_loss``, ``moe_load`` [E] (fraction of assignments per expert,
+      pooled over MoE layers) and ``moe_dropped`` (fraction of assignments dropped).
+    """
     model = nnx.merge(graphdef, params)
-    hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    hidden, stats = model.hidden_and_stats(batch["tokens"], batch["positions"],
+                                           batch["segment_ids"])
     args = (batch["targets"], batch["loss_mask"])
     with jax.named_scope("loss"):
         if model.vocab_parallel:
-            return vocab.cross_entropy(hidden, model.head_weight(), *args, mesh=mesh,
-                                       chunk=model.cfg.loss_chunk)
-        return chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype), *args,
-                                     mesh=mesh, chunk=model.cfg.loss_chunk)
+            loss, count = vocab.cross_entropy(hidden, model.head_weight(), *args, mesh=mesh,
+                                              chunk=model.cfg.loss_chunk)
+        else:
+            loss, count = chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype),
+                                                *args, mesh=mesh, chunk=model.cfg.loss_chunk)
+    metrics = {"tokens": count}
+    if stats is None:
+        return loss, (loss, metrics)
+    cfg = model.cfg
+    aux = aux_loss(stats, cfg.num_experts)
+    assignments = jnp.maximum(stats["tokens"] * cfg.num_experts_per_tok, 1.0)
+    metrics.update(moe_aux_loss=aux, moe_load=stats["load"] / assignments,
+                   moe_dropped=stats["dropped"] / assignments)
+    return loss + cfg.router_aux_loss_coef * aux, (loss, metrics)
 
 
 def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callable:
@@ -148,8 +196,8 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
             with compute_on("device_host"):
                 copy = jax.tree.map(lambda p, c: p.astype(dtype) if c else p, params, cast)
             params = jax.device_put(copy, on_device)
-        (loss, count), grads = jax.value_and_grad(
-            lambda p: loss_fn(graphdef, p, batch, mesh), has_aux=True)(params)
+        (_, (loss, extra)), grads = jax.value_and_grad(
+            lambda p: objective(graphdef, p, batch, mesh), has_aux=True)(params)
         with jax.named_scope("optimizer"):
             if offload:  # gradients to the host, fp32 update there
                 grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32),
@@ -162,8 +210,7 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
                                                     state["params"], norm_host)
             else:
                 params, opt_state, grad_norm = update(grads, state["opt_state"], params)
-        metrics = {"loss": loss, "tokens": count, "grad_norm": grad_norm,
-                   "lr": schedule(state["step"])}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **extra}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     return jax.jit(step, in_shardings=(shardings, batch_shardings(mesh)),

@@ -323,6 +323,7 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                         record["xla_flops_per_device"] = xla_flops
                     if peak:
                         record["mfu"] = flops / dt / peak
+                    record.update(_moe_metrics(metrics))
                     record.update(_memory_in_use(device))
                     if evaluate:
                         record["eval_loss"] = _evaluate(eval_fn, state["params"], held_rows,
@@ -381,6 +382,13 @@ def _xla_flops(compiled) -> float | None:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float((cost or {}).get("flops", 0.0)) or None
+
+
+def _moe_metrics(metrics: dict) -> dict:
+    """An MoE model's router metrics (train_step.objective): ``moe_aux_loss``, ``moe_load``
+    (list, per expert) and ``moe_dropped``; nothing for a dense model."""
+    return {k: np.asarray(v.addressable_data(0)).tolist() for k, v in metrics.items()
+            if k.startswith("moe_")}
 
 
 def _memory_in_use(device) -> dict:
