@@ -183,12 +183,15 @@ def _groups(buffers: list[Buffer]):
     return out
 
 
-def usage(buffers: list[Buffer], exclude=lambda b: False) -> tuple[int, int]:
-    """(peak bytes, step of the peak) without the physical buffers of which ``exclude`` takes
-    out any member."""
+def usage(buffers: list[Buffer], exclude=lambda b: False,
+          only=None) -> tuple[int, int]:
+    """(peak bytes, step of the peak) of the physical buffers: without those of which
+    ``exclude`` takes out any member, or (``only`` given) just those of which ``only`` takes
+    any member."""
     events: dict[int, int] = {}
     for start, end, size, members in _groups(buffers):
-        if not any(exclude(b) for b in members):
+        keep = any(only(b) for b in members) if only else not any(exclude(b) for b in members)
+        if keep:
             events[start] = events.get(start, 0) + size
             events[end + 1] = events.get(end + 1, 0) - size
     level, peak, at = 0, 0, 0
@@ -201,8 +204,8 @@ def usage(buffers: list[Buffer], exclude=lambda b: False) -> tuple[int, int]:
 
 # Categories, from the name stack (the model's named scopes) and the state path of arguments.
 CATEGORIES = ("parameters", "optimizer state", "batch", "layer checkpoints", "attention",
-              "mlp", "loss / vocabulary", "embedding", "gradients", "optimizer update",
-              "other")
+              "mlp", "loss / vocabulary", "embedding", "layer gradients", "gradients",
+              "optimizer update", "other")
 
 
 def categorize(b: Buffer, n_layers: int) -> str:
@@ -225,7 +228,7 @@ def categorize(b: Buffer, n_layers: int) -> str:
         return "layer checkpoints"   # the layer loop's stacked residuals (one stack per group)
     if backward and in_layers and (stacked or lead == n_layers) and \
             not ("attention" in n or "mlp" in n):
-        return "gradients"           # stacked per-layer weight gradients
+        return "layer gradients"     # stacked per-layer weight gradients
     if "attention" in n:
         return "attention"
     if "mlp" in n:

@@ -276,23 +276,34 @@ def _forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, out_dtype=None):
 
 
 def _delta(out, d_out):
-    """rowsum(dO * O), fp32 [B, T, N]: the softmax-backward term of FlashAttention-2."""
-    return jnp.einsum("btnh,btnh->btn", out.astype(_F32), d_out.astype(_F32))
+    """rowsum(dO * O), fp32 [B, T, N]: the softmax-backward term of FlashAttention-2.
+    (Accumulated in fp32 by the contraction itself: no fp32 copies of O and dO.)"""
+    return jnp.einsum("btnh,btnh->btn", out, d_out, preferred_element_type=_F32)
 
 
 def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: float,
-              grad_dtype=None):
+              grad_dtype=None, out=None):
     """Blocked FlashAttention-2 backward on padded inputs (shapes as in ``_forward``).
 
     Args:
       lse: [B, nq*Tb, N] fp32, the logsumexp of each row over ALL the keys its output saw
         (for a partial key range inside a ring, the merged one); -inf on rows that saw none.
-      delta: [B, nq*Tb, N] fp32, ``_delta`` of the final output and its cotangent.
+      delta: [B, nq*Tb, N] fp32, ``_delta`` of the final output and its cotangent; or None,
+        and ``out`` (the final output) given: each query block's delta is then formed where
+        it is used, with no fp32 [B, T, N, H] operands.
       grad_dtype: dtype of dq, dk, dv; default the dtypes of q, k, v.
 
     Returns:
       dq, dk, dv and the number of tiles recomputed.
+
+    Two loop orders, the same tiles: over key blocks outside (dq accumulates in an fp32
+    [B, T, N, H] buffer) or, when a kv head serves more than two query heads (G > 2, GQA),
+    over query blocks outside (dk and dv accumulate in fp32 [B, S, K, H] buffers, 2K < N
+    heads' worth: less memory).
     """
+    if q.shape[2] > 2 * k.shape[2]:
+        return _backward_by_query(q, k, v, seg_q, seg_k, lse, delta, d_out, plan, scale,
+                                  grad_dtype, out)
     b, tp, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
@@ -312,7 +323,7 @@ def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: floa
             dk_j, dv_j, dq_acc, visits = inner
             q_i, do_i = _rows(q, i, plan.bq, kh), _rows(d_out, i, plan.bq, kh)  # [B, Tb, K, G, H]
             lse_i = _row_stats(lse, i, plan.bq, kh)                       # [B, K, G, Tb]
-            delta_i = _row_stats(delta, i, plan.bq, kh)
+            delta_i = _block_delta(delta, out, do_i, i, plan.bq, kh)      # [B, K, G, Tb]
             s, k_j = _scores(plan, scale, q_i, k, i, j, seg_q, seg_k)     # [B, K, G, Tb, Sb]
             p = jnp.exp(s - lse_i[..., None])                             # [B, K, G, Tb, Sb]
             dv_j += jnp.einsum("bkgts,btkgh->bskh", p.astype(do_i.dtype), do_i,
@@ -327,7 +338,7 @@ def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: floa
             dk_j += jnp.einsum("bkgts,btkgh->bskh", ds, q_i, preferred_element_type=_F32)
             return dk_j, dv_j, dq_acc, visits + 1
 
-        zeros = jnp.zeros_like(delta, shape=(b, plan.bk, kh, h))          # see init below
+        zeros = jnp.zeros_like(lse, shape=(b, plan.bk, kh, h))            # see init below
         if plan.nq > 1:
             dk_j, dv_j, dq_acc, visits = lax.fori_loop(
                 lo, hi, one_query_block, (zeros, zeros, dq_acc, visits))
@@ -340,16 +351,79 @@ def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: floa
                                                  j * plan.bk, 1)
         return (dq_acc, dk_all, dv_all, visits), None
 
-    # zeros_like(delta): delta depends on every input, so inside shard_map the zeros vary over
+    # zeros_like(lse): lse depends on every input, so inside shard_map the zeros vary over
     # the same mesh axes as the loop bodies' outputs (a plain jnp.zeros would not).
-    init = (jnp.zeros_like(delta, shape=(b, tp, kh, g, h)),
-            jnp.zeros_like(delta, shape=(b, sp, kh, h), dtype=dt(k)),
-            jnp.zeros_like(delta, shape=(b, sp, kh, h), dtype=dt(v)),
+    init = (jnp.zeros_like(lse, shape=(b, tp, kh, g, h)),
+            jnp.zeros_like(lse, shape=(b, sp, kh, h), dtype=dt(k)),
+            jnp.zeros_like(lse, shape=(b, sp, kh, h), dtype=dt(v)),
             jnp.zeros_like(query_lo[0]))
     (dq, dk, dv, visits), _ = lax.scan(one_key_block, init,
                                        (jnp.arange(plan.nk), query_lo, query_hi))
     dq = (dq * scale).reshape(b, tp, n, h)                                # [B, T, N, H]
     return dq.astype(dt(q)), dk, dv, visits
+
+
+def _block_delta(delta, out, do_i, i, block: int, kh: int):
+    """Query block i's delta [B, K, G, Tb]: a slice of ``delta``, or (None) formed from the
+    block of the output and its cotangent do_i [B, Tb, K, G, H]."""
+    if delta is not None:
+        return _row_stats(delta, i, block, kh)
+    o_i = _rows(out, i, block, kh)                                        # [B, Tb, K, G, H]
+    return jnp.einsum("btkgh,btkgh->bkgt", o_i, do_i, preferred_element_type=_F32)
+
+
+def _backward_by_query(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: float,
+                       grad_dtype=None, out=None):
+    """``_backward`` with the query blocks in the outer loop (see there): dq of a block is
+    finished in its inner loop and written once; dk and dv accumulate over query blocks."""
+    b, tp, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    sp = plan.nk * plan.bk
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)                       # [B, T, N]
+    dt = lambda x: grad_dtype or x.dtype
+    (key_lo, key_hi), _ = plan.ranges(seg_q, seg_k)                      # [nq] each
+
+    def one_query_block(carry, xs):
+        i, lo, hi = xs
+        dq_all, dk_acc, dv_acc, visits = carry        # [B, T, N, H], [B, S, K, H] fp32 x2, []
+        q_i, do_i = _rows(q, i, plan.bq, kh), _rows(d_out, i, plan.bq, kh)  # [B, Tb, K, G, H]
+        lse_i = _row_stats(lse, i, plan.bq, kh)                           # [B, K, G, Tb]
+        delta_i = _block_delta(delta, out, do_i, i, plan.bq, kh)          # [B, K, G, Tb]
+
+        def one_key_block(j, inner):
+            dq_i, dk_acc, dv_acc, visits = inner
+            s, k_j = _scores(plan, scale, q_i, k, i, j, seg_q, seg_k)     # [B, K, G, Tb, Sb]
+            v_j = lax.dynamic_slice_in_dim(v, j * plan.bk, plan.bk, 1)    # [B, Sb, K, H]
+            p = jnp.exp(s - lse_i[..., None])                             # [B, K, G, Tb, Sb]
+            dv_j = jnp.einsum("bkgts,btkgh->bskh", p.astype(do_i.dtype), do_i,
+                              preferred_element_type=_F32)                # [B, Sb, K, H]
+            dp = jnp.einsum("btkgh,bskh->bkgts", do_i, v_j, preferred_element_type=_F32)
+            ds = (p * (dp - delta_i[..., None])).astype(q.dtype)          # [B, K, G, Tb, Sb]
+            dq_i += jnp.einsum("bkgts,bskh->btkgh", ds, k_j, preferred_element_type=_F32)
+            dk_j = jnp.einsum("bkgts,btkgh->bskh", ds, q_i, preferred_element_type=_F32)
+            add = lambda acc, x: lax.dynamic_update_slice_in_dim(
+                acc, lax.dynamic_slice_in_dim(acc, j * plan.bk, plan.bk, 1) + x, j * plan.bk, 1)
+            return dq_i, add(dk_acc, dk_j), add(dv_acc, dv_j), visits + 1
+
+        zeros = jnp.zeros_like(lse, shape=(b, plan.bq, kh, g, h))         # see init below
+        if plan.nk > 1:
+            dq_i, dk_acc, dv_acc, visits = lax.fori_loop(
+                lo, hi, one_key_block, (zeros, dk_acc, dv_acc, visits))
+        else:  # one key block: no loop. If the block sees no key, its p is 0.
+            dq_i, dk_acc, dv_acc, _ = one_key_block(0, (zeros, dk_acc, dv_acc, visits))
+            visits = visits + (hi > lo).astype(jnp.int32)
+        dq_i = (dq_i * scale).reshape(b, plan.bq, n, h).astype(dq_all.dtype)
+        return (lax.dynamic_update_slice_in_dim(dq_all, dq_i, i * plan.bq, 1), dk_acc,
+                dv_acc, visits), None
+
+    # zeros_like of the inputs: inside shard_map the carries vary over the same mesh axes as
+    # what the loops write into them.
+    init = (jnp.zeros_like(q, dtype=dt(q)), jnp.zeros_like(lse, shape=(b, sp, kh, h)),
+            jnp.zeros_like(lse, shape=(b, sp, kh, h)), jnp.zeros_like(key_lo[0]))
+    (dq, dk, dv, visits), _ = lax.scan(one_query_block, init,
+                                       (jnp.arange(plan.nq), key_lo, key_hi))
+    return dq, (dk * scale).astype(dt(k)), dv.astype(dt(v)), visits
 
 
 def _pad_inputs(q, k, v, seg_q, seg_k, plan: _Plan):
@@ -379,7 +453,7 @@ def _attention_fwd(q, k, v, seg, plan, scale):
 def _attention_bwd(plan, scale, res, d_out):
     padded, out, lse = res
     d_out = _pad_to(d_out, 1, out.shape[1])
-    dq, dk, dv, _ = _backward(*padded, lse, _delta(out, d_out), d_out, plan, scale)
+    dq, dk, dv, _ = _backward(*padded, lse, None, d_out, plan, scale, out=out)
     return dq[:, :plan.t], dk[:, :plan.s], dv[:, :plan.s], None
 
 

@@ -34,6 +34,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import ModelConfig
 from .loss import largest_divisor_at_most
+from .norms import rms_norm
+from .tiled_mlp import tiled
 from ..mesh import act_spec, shard
 from . import vocab
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
@@ -91,9 +93,16 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)  # norms.py: no fp32 copy kept
+
+    def over_chunks(self, x, mesh: Mesh | None, chunk: int):
+        """The norm over ``chunk`` tokens of each device at a time (``model.mlp_chunk``):
+        its fp32 work exists one chunk at a time, never for all of a device's tokens."""
+        if not chunk or mesh is None:
+            return self(x)
+        eps = self.eps
+        return _token_chunks(lambda xc, s: rms_norm(xc, s, eps), x,
+                             (_gathered(self.scale[...], jnp.float32, mesh),), mesh, chunk)
 
 
 class Attention(nnx.Module):
@@ -154,32 +163,37 @@ class MLP(nnx.Module):
         up = jnp.einsum("BSD,DF->BSF", x, w_up)
         return jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate) * up, w_down)
 
-    def __call__(self, x):
+    def __call__(self, x, norm: RMSNorm):
+        """mlp(norm(x)). With ``model.mlp_chunk`` (ALST's TiledMLP) the norm and the MLP run
+        over chunks of each device's tokens together, recomputed per chunk in the backward
+        pass: the [B, S/P, F] intermediates and the normed input exist one [B, C, .] chunk
+        at a time."""
         dt, mesh, chunk = x.dtype, self.mesh, self.cfg.mlp_chunk
         weights = [_gathered(w[...], dt, mesh) for w in (self.w_gate, self.w_up, self.w_down)]
         if not chunk or mesh is None:
-            return self._mlp(x, *weights)
-        return _tiled_mlp(x, weights, mesh, chunk)
+            return self._mlp(norm(x), *weights)
+        eps = norm.eps
+        return _token_chunks(lambda xc, s, *w: MLP._mlp(rms_norm(xc, s, eps), *w), x,
+                             (_gathered(norm.scale[...], jnp.float32, mesh), *weights),
+                             mesh, chunk)
 
 
-def _tiled_mlp(x, weights, mesh: Mesh, chunk: int):
-    """The MLP over sequence chunks of each device's tokens (ALST's TiledMLP).
+def _token_chunks(fn, x, weights, mesh: Mesh, chunk: int):
+    """``fn(x_chunk, *weights)`` over ``chunk`` tokens of each device at a time
+    (``tiled_mlp.tiled``: recomputed per chunk in the backward pass, no stacked copies).
 
-    Each device maps the MLP over its own tokens ``chunk`` at a time, recomputing each chunk
-    in the backward pass, so the [B, S/P, F] intermediates never exist whole: only one
-    [B, C, F] chunk at a time.
+    Args:
+      fn: token-local [B, C, D] -> [B, C, D]; x: [B, S, D] sharded like the activations;
+      weights: replicated (``_gathered``) arrays.
     """
     act = act_spec(mesh, 1)
 
-    def body(x, w_gate, w_up, w_down):
-        b, s, d = x.shape                                                  # x: [B/D, S/P, D]
-        c = largest_divisor_at_most(s, chunk)
-        xs = jnp.moveaxis(x.reshape(b, s // c, c, d), 1, 0)               # [S/P/C, B, C, D]
-        step = jax.checkpoint(lambda xc: MLP._mlp(xc, w_gate, w_up, w_down))
-        return jnp.moveaxis(jax.lax.map(step, xs), 0, 1).reshape(b, s, d)
+    def body(x, *w):
+        c = largest_divisor_at_most(x.shape[1], chunk)                     # x: [B/D, S/P, D]
+        return tiled(fn, x, w, c)
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(), P(), P()), out_specs=act)
-    return fn(x, *weights)
+    return jax.shard_map(body, mesh=mesh, in_specs=(act,) + (P(),) * len(weights),
+                         out_specs=act)(x, *weights)
 
 
 class Block(nnx.Module):
@@ -196,16 +210,17 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = None if sparse else MLP(cfg, mesh, rngs=rngs)
         self.moe = MoE(cfg, mesh, rngs=rngs) if sparse else None
-        self.mesh = mesh
+        self.mesh, self.chunk = mesh, cfg.mlp_chunk
 
     def __call__(self, x, positions, segment_ids):
         # Named scopes label the ops (profiles, ulysses_jax/memory.py's categories).
         with jax.named_scope("attention"):
-            x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+            normed = self.attn_norm.over_chunks(x, self.mesh, self.chunk)             # [B, S, D]
+            x = x + self.attn(normed, positions, segment_ids)
         stats = None
         with jax.named_scope("mlp"):
             if self.moe is None:
-                x = x + self.mlp(self.mlp_norm(x))
+                x = x + self.mlp(x, self.mlp_norm)
             else:
                 valid = jnp.ones(x.shape[:2], jnp.float32) if segment_ids is None else \
                     (segment_ids > 0).astype(jnp.float32)                   # [B, S]
@@ -265,8 +280,12 @@ class Decoder(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, layout: str = "natural",
-                 head_chunks: int = 1):
+                 head_chunks: int = 1, stream_layers: bool = False):
         self.cfg, self.mesh = cfg, mesh
+        # The layer weights live in host memory (optimizer.offload): each layer's are moved
+        # to the device inside the layer loop, so one layer's weights are on it at a time,
+        # and their gradients go back to the host the same way (the transpose of the move).
+        self.stream_layers = stream_layers
         self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.vocab_size, cfg.d_model)))                          # [V, D]
         keys = jax.random.split(rngs.params(), cfg.n_layers)
@@ -332,7 +351,7 @@ class Decoder(nnx.Module):
 
     def _run_layers(self, x, positions, segment_ids):
         """All layer groups in order; returns (x, router stats summed over MoE layers)."""
-        offload = self.cfg.offload_checkpoints
+        offload, stream = self.cfg.offload_checkpoints, self.stream_layers
         homogeneous = not isinstance(self.layers, nnx.List)
         groups = [[self.layers]] if homogeneous else self.layers
         totals = None
@@ -341,6 +360,8 @@ class Decoder(nnx.Module):
 
             def apply(graphdef):
                 def fn(x, state):
+                    if stream:
+                        state = jax.device_put(state, jax.memory.Space.Device)
                     if offload:  # the checkpoint the backward pass recomputes the layer from
                         x = checkpoint_name(x, _LAYER_INPUT)                         # [B, S, D]
                     return nnx.merge(graphdef, state)(x, positions, segment_ids)

@@ -56,8 +56,8 @@ def host_categories(cfg: Config) -> set[str]:
     out = set()
     if cfg.model.offload_checkpoints:
         out.add("layer checkpoints")
-    if cfg.optimizer.offload:
-        out |= {"parameters", "optimizer state", "optimizer update"}
+    if cfg.optimizer.offload:  # the layers' weights stream in, their gradients out
+        out |= {"parameters", "optimizer state", "optimizer update", "layer gradients"}
     return out
 
 
@@ -116,7 +116,7 @@ def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
             result.update(
                 peak_bytes_per_device=device_peak,
                 host_bytes_per_device=memory.usage(
-                    buffers, exclude=lambda b: b.category not in offloaded)[0],
+                    buffers, only=lambda b: b.category in offloaded)[0],
                 memory_model=f"CPU compile's live ranges, {', '.join(sorted(offloaded))} "
                              f"in host memory (XLA's own device peak: {xla_peak})")
         memory.clear_dump(dump)

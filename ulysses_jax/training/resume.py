@@ -135,8 +135,11 @@ def _refusal(cfg: Config, ckpt: Checkpointer, step: int, extra: dict, what: str,
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    """{"a": {"b": 1}} -> {"a.b": 1}; tuples become lists, as config.yaml stores them."""
     out = {}
     for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
     return out

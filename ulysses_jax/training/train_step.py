@@ -69,7 +69,8 @@ def build_model(cfg: Config, mesh: Mesh, seed: int | None = None) -> Decoder:
     """The training model: on a ring mesh it expects batches in zigzag order (the loader's)."""
     layout = "zigzag" if axis_size(mesh, RING) > 1 else "natural"
     return Decoder(cfg.model, mesh=mesh, rngs=nnx.Rngs(cfg.seed if seed is None else seed),
-                   layout=layout, head_chunks=cfg.ulysses.chunks)
+                   layout=layout, head_chunks=cfg.ulysses.chunks,
+                   stream_layers=cfg.optimizer.offload)
 
 
 def state_layout(cfg: Config, mesh: Mesh):
@@ -179,9 +180,8 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
         return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
     def host_update(grads, opt_state, params, grad_norm):
-        """``update`` on the host, the clipping's norm taken on the device: optax's global
-        norm on the host builds zeros in device memory (for the imaginary parts), which
-        JAX refuses to mix with host arrays."""
+        """``update`` on the host, clipping with the given global norm (optax's own clip
+        takes the norm with ``optax.tree.norm``, see the caller)."""
         clip_state, adamw_state = opt_state
         max_norm = cfg.optimizer.clip_norm
         grads = jax.tree.map(lambda g: jax.lax.select(
@@ -191,23 +191,25 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
 
     def step(state, batch):
         params = state["params"]
-        if offload:  # host: cast the layer weights, send the copy to the device
+        if offload:  # cast the layer weights on the host; the model streams them per layer
             cast = compute_copy_mask(params)
-            with compute_on("device_host"):
+            with jax.named_scope("optimizer"), compute_on("device_host"):
                 copy = jax.tree.map(lambda p, c: p.astype(dtype) if c else p, params, cast)
-            params = jax.device_put(copy, on_device)
+            params = jax.tree.map(lambda p, c, s: p if c else jax.device_put(p, s), copy, cast,
+                                  on_device)
         (_, (loss, extra)), grads = jax.value_and_grad(
             lambda p: objective(graphdef, p, batch, mesh), has_aux=True)(params)
         with jax.named_scope("optimizer"):
-            if offload:  # gradients to the host, fp32 update there
-                grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32),
-                                                         grads))
+            if offload:  # gradients to the host (the layers' are there already), update there
                 grads = jax.device_put(grads, shardings["params"])
-                norm_host = jax.device_put(grad_norm, replicated.with_memory_kind("pinned_host"))
                 with compute_on("device_host"):
                     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+                    # optax.tree.norm would build device zeros (imaginary parts) on the host
+                    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g))
+                                             for g in jax.tree.leaves(grads)))
                     params, opt_state = host_update(grads, state["opt_state"],
-                                                    state["params"], norm_host)
+                                                    state["params"], grad_norm)
+                grad_norm = jax.device_put(grad_norm, replicated)
             else:
                 params, opt_state, grad_norm = update(grads, state["opt_state"], params)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **extra}
