@@ -4,13 +4,22 @@ Thin CLI over ``ulysses_jax.training.trainer.train``. On a machine with no accel
 many fake CPU devices as the mesh needs (set before JAX starts). Multi-host: pass
 --coordinator/--num-processes/--process-id, or launch under SLURM / Open MPI, and every process
 runs this same command.
+
+Exit codes: 0 done, or stopped by SIGTERM/SIGINT (during training after saving a checkpoint,
+before it with nothing to save); 2 a bad input or a fault (config, data, paths, workdir in
+use, damaged checkpoints, disk full), with a one-paragraph ``error: ...`` and no traceback;
+3 the loss became NaN or infinite.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shutil
+import signal
 import sys
+import tempfile
 
 
 def parse_args(argv=None):
@@ -23,8 +32,63 @@ def parse_args(argv=None):
     p.add_argument("--coordinator", help="host:port of process 0 (multi-process runs)")
     p.add_argument("--num-processes", type=int, help="number of processes (multi-process runs)")
     p.add_argument("--process-id", type=int, help="index of this process (multi-process runs)")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. mesh.seq=4")
-    return p.parse_args(argv)
+    p.add_argument("overrides", nargs="*",
+                   help="key=value config overrides, e.g. mesh.seq=4 (before or after options)")
+    return p.parse_intermixed_args(argv)
+
+
+def _process_args_error(args) -> str | None:
+    """What is wrong with --coordinator/--num-processes/--process-id, or None."""
+    given = [f"--{k.replace('_', '-')}" for k in ("num_processes", "process_id")
+             if getattr(args, k) is not None]
+    if not args.coordinator:
+        return (f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --coordinator "
+                f"HOST:PORT (the address of process 0); a multi-process run needs all three"
+                if given else None)
+    if len(given) < 2:
+        return "--coordinator needs --num-processes and --process-id"
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        return f"--coordinator must be HOST:PORT, got {args.coordinator!r}"
+    if args.num_processes < 1:
+        return f"--num-processes must be positive, got {args.num_processes}"
+    if not 0 <= args.process_id < args.num_processes:
+        return (f"--process-id must be in [0, --num-processes) = [0, {args.num_processes}), "
+                f"got {args.process_id}")
+    return None
+
+
+def _stop_now(signum, frame):
+    """SIGTERM/SIGINT before the training loop (which saves first, then exits 0): end the
+    process at once. Safe at any moment: the workdir's files are written so that even kill -9
+    loses nothing (atomic renames, an flock the kernel releases), and nothing is lost yet."""
+    sys.stdout.flush()
+    print(f"stopped by {signal.Signals(signum).name} before training started (during start-up "
+          f"or compilation); nothing new was saved. Run the same command again to start, or "
+          f"to resume from the latest checkpoint", file=sys.stderr, flush=True)
+    os._exit(0)  # not an exception: raised inside an import or a C call it gets mangled
+
+
+def _quiet_library_logs() -> dict:
+    """Orbax logs every failed write with a traceback before we report it in one paragraph;
+    asyncio logs the futures such a failure leaves behind. Returns the old levels."""
+    loggers = {name: logging.getLogger(name) for name in ("absl", "asyncio")}
+    old = {name: logger.level for name, logger in loggers.items()}
+    for logger in loggers.values():
+        logger.setLevel(logging.CRITICAL)
+    return old
+
+
+def _without_closed_loop_noise(previous):
+    """An unraisable-exception hook that drops "Event loop is closed": when one read or write
+    of a checkpoint fails, Orbax closes its event loop while TensorStore still completes the
+    others, and each of their callbacks then fails that way. The failure itself is reported
+    once, as a clean message."""
+    def hook(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+    return hook
 
 
 # XLA flags for GPU runs: the latency-hiding scheduler orders independent work so that
@@ -52,9 +116,21 @@ def _launched_by_scheduler() -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.coordinator and (args.num_processes is None or args.process_id is None):
-        print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
+    problem = _process_args_error(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
+    old_levels, old_hook = _quiet_library_logs(), sys.unraisablehook
+    sys.unraisablehook = _without_closed_loop_noise(old_hook)
+    try:
+        return _main(args)
+    finally:
+        for name, level in old_levels.items():
+            logging.getLogger(name).setLevel(level)
+        sys.unraisablehook = old_hook
+
+
+def _main(args) -> int:
     from ulysses_jax.config import ConfigError, load_config
     from ulysses_jax.mesh import request_cpu_devices
     try:
@@ -70,6 +146,11 @@ def main(argv=None) -> int:
         flags = os.environ.get("XLA_FLAGS", "")
         flags += "".join(f" {f}" for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags)
         os.environ["XLA_FLAGS"] = flags.strip()
+    dump, flags_before = None, os.environ.get("XLA_FLAGS")
+    if args.dry_run:  # XLA's buffer live ranges: memory by category, the offload options' host
+        from ulysses_jax.memory import dump_flags  # (read by XLA only if JAX starts below)
+        dump = tempfile.mkdtemp(prefix="ulysses_dry_run_")
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump_flags(dump)}"
     import jax
     if args.coordinator or _launched_by_scheduler():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -79,15 +160,24 @@ def main(argv=None) -> int:
         else:
             jax.distributed.initialize()  # SLURM / Open MPI: read from the environment
 
-    from ulysses_jax.training.trainer import TrainingDiverged, dry_run, train
+    from ulysses_jax.training.dry_run import dry_run
+    from ulysses_jax.training.run_dir import RunError
+    from ulysses_jax.training.trainer import TrainingDiverged, train
     try:
         if args.dry_run:
-            print(json.dumps(dry_run(cfg)))
+            try:
+                print(json.dumps(dry_run(cfg)))
+            finally:
+                shutil.rmtree(dump, ignore_errors=True)
+                if flags_before is None:  # main() called from Python: leave no flags behind
+                    os.environ.pop("XLA_FLAGS", None)
+                else:
+                    os.environ["XLA_FLAGS"] = flags_before
             return 0
         name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
         train(cfg, args.workdir or os.path.join("runs", name), progress=not args.no_progress)
-    except ConfigError as e:
-        print(f"error: bad config: {e}", file=sys.stderr)
+    except (ConfigError, RunError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
@@ -96,4 +186,12 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # The process's own handlers until the training loop installs its saving ones (and
+    # after it ends); main() called from Python leaves its caller's handlers alone.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_now)
+    # For the whole process, not only main(): asyncio logs a failed write's leftover futures
+    # when they are garbage collected, which can be after main() has returned.
+    _quiet_library_logs()
+    sys.unraisablehook = _without_closed_loop_noise(sys.unraisablehook)
     sys.exit(main())

@@ -48,15 +48,18 @@ def worker(tree: str, seq_len: int, repeats: int, timing_only: bool) -> dict:
     import jax.numpy as jnp
     from ulysses_jax.attention.chunked import chunked_attention
     from ulysses_jax.config import load_config
-    from ulysses_jax.training import trainer
+    try:
+        from ulysses_jax.training.dry_run import compile_step, peak_bytes_per_device
+    except ImportError:  # a tree from before dry_run.py moved out of trainer.py
+        from ulysses_jax.training.trainer import compile_step, peak_bytes_per_device
 
     out = {"tree": tree}
     if not timing_only:
         for name, over in DRY_RUNS.items():
             cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), over)
-            compiled, _ = trainer.compile_step(cfg)
+            compiled, _ = compile_step(cfg)
             mem = compiled.memory_analysis()
-            out[name] = {"peak_bytes_per_device": trainer.peak_bytes_per_device(compiled),
+            out[name] = {"peak_bytes_per_device": peak_bytes_per_device(compiled),
                          "temp_bytes": int(mem.temp_size_in_bytes),
                          "hlo_fingerprint": _fingerprint(compiled.as_text())}
     ks = jax.random.split(jax.random.key(0), 4)

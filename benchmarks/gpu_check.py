@@ -29,6 +29,9 @@ finishes (a timeout keeps what ran); a failing section records its error and the
                    checkpointing, forward+backward, no optimizer): tokens/s and peak memory.
   longest_8b       the longest sequence whose compiled 8B step fits this GPU (planner search;
                    returns at once with "none" when the shortest probe does not fit).
+  offload_8b       the one-GPU 8B preset (host offload of checkpoints and optimizer): the GPU
+                   compiler's memory analysis at the preset's length against the CPU
+                   planner's, and one executed step at 131,072 tokens (time, peak bytes).
   pytest           the test suite on this host (one GPU: the GPU tests on the GPU, the rest on
                    8 CPU devices as in CI), in a subprocess with --pytest-timeout; pass and
                    fail counts and the failures' names.
@@ -414,6 +417,59 @@ def _longest_8b(smoke: bool) -> dict:
     return {"budget_bytes": budget, "longest_seq_len": best, "overrides": over}
 
 
+def _offload_8b(smoke: bool, seq_len: int | None) -> dict:
+    """Issue 13 on a GPU: (a) the GPU compiler's memory analysis of the one-GPU 8B preset
+    (configs/llama3-8b-1gpu.yaml, at its seq_len or --offload-seq-len), next to the CPU
+    planner's numbers recorded in the preset; (b) one executed 8B step at 131,072 tokens with
+    the offload options on: time, peak device bytes in use, loss."""
+    import jax
+    import numpy as np
+    from ulysses_jax.config import load_config
+    from ulysses_jax.training.dry_run import dry_run
+    from ulysses_jax.training.train_step import init_state, make_train_step
+
+    path = os.path.join(ROOT, "configs", "llama3-8b-1gpu.yaml")
+    small = ["model.n_layers=1", "model.d_model=64", "model.ffn_dim=128", "model.n_heads=8",
+             "model.n_kv_heads=2", "model.head_dim=8", "model.vocab_size=512"] if smoke else []
+    out = {}
+    plan_cfg = load_config(path, small + ([f"seq_len={seq_len}"] if seq_len else []))
+    t0 = time.perf_counter()
+    compiled = dry_run(plan_cfg)
+    out["compile_at_preset"] = {k: compiled[k] for k in (
+        "seq_len", "peak_bytes_per_device", "host_bytes_per_device", "memory_model",
+        "compiled_dtype", "argument_bytes", "temp_bytes")}
+    out["compile_at_preset"]["seconds"] = time.perf_counter() - t0
+    run_len = 1024 if smoke else 131072
+    cfg = load_config(path, small + [f"seq_len={run_len}"])
+    try:
+        from ulysses_jax.training.trainer import build_mesh
+        mesh = build_mesh(cfg)
+        t0 = time.perf_counter()
+        graphdef, state, sh, tx = init_state(cfg, mesh)
+        step = make_train_step(cfg, mesh, graphdef, tx, sh)
+        rng = np.random.default_rng(0)
+        toks = rng.integers(0, cfg.model.vocab_size, (1, run_len + 1)).astype(np.int32)
+        seg, pos = _packed_segments(run_len, 4, seed=1)
+        mask = np.ones((1, run_len), np.float32)
+        mask[0, :-1][seg[0, 1:] != seg[0, :-1]] = 0
+        batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": mask,
+                 "segment_ids": seg, "positions": pos}
+        compiled_step = step.lower(state, batch).compile()
+        setup_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        state, m = compiled_step(state, batch)
+        loss = float(m["loss"])
+        step_s = time.perf_counter() - t0
+        stats = jax.devices()[0].memory_stats() or {}
+        out["step_131k"] = {"seq_len": run_len, "setup_s": setup_s, "step_s": step_s,
+                            "tokens_per_sec": run_len / step_s, "loss": loss,
+                            "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+                            "bytes_limit": stats.get("bytes_limit")}
+    except Exception as e:  # noqa: BLE001 - out of memory, say: keep the compile numbers
+        out["step_131k"] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+    return out
+
+
 def _pytest(smoke: bool, timeout: int) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-rfE"]
     if smoke:
@@ -434,7 +490,7 @@ def _pytest(smoke: bool, timeout: int) -> dict:
 
 
 SECTIONS = ("env", "attention_bf16", "packed_attention", "window_attention", "throughput",
-            "transformers", "longest_8b", "pytest")
+            "transformers", "longest_8b", "offload_8b", "pytest")
 
 
 def main():
@@ -446,6 +502,9 @@ def main():
     p.add_argument("--remat", default="save_dots,full",
                    help="remat policies the throughput section tries (default save_dots,full)")
     p.add_argument("--pytest-timeout", type=int, default=420)
+    p.add_argument("--offload-seq-len", type=int,
+                   help="offload_8b: compile the one-GPU 8B preset at this length instead of "
+                        "its own")
     args = p.parse_args()
     names = args.only.split(",") if args.only else list(SECTIONS)
     unknown = [n for n in names if n not in SECTIONS]
@@ -468,6 +527,7 @@ def main():
         "throughput": lambda: _throughput(args.smoke, args.remat.split(",")),
         "transformers": lambda: _transformers(args.smoke),
         "longest_8b": lambda: _longest_8b(args.smoke),
+        "offload_8b": lambda: _offload_8b(args.smoke, args.offload_seq_len),
         "pytest": lambda: _pytest(args.smoke, args.pytest_timeout),
     }
     for name in names:

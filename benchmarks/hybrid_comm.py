@@ -63,7 +63,7 @@ from ulysses_jax.hlo import (COLLECTIVES, collective_bytes, collective_counts,  
                              executed_collectives)
 from ulysses_jax.mesh import act_spec, make_mesh  # noqa: E402
 from ulysses_jax.attention.ring import hybrid_attention  # noqa: E402
-from ulysses_jax.training.trainer import dry_run  # noqa: E402
+from ulysses_jax.training.dry_run import dry_run  # noqa: E402
 from ulysses_jax.attention import ulysses_attention  # noqa: E402
 from ulysses_jax.attention.ulysses import kv_repeats  # noqa: E402
 

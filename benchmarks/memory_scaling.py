@@ -68,7 +68,7 @@ def measure(preset: str, lengths, ps, extra_overrides=()) -> list[dict]:
       compile seconds.
     """
     from ulysses_jax.config import load_config
-    from ulysses_jax.training.trainer import dry_run
+    from ulysses_jax.training.dry_run import dry_run
 
     path, _, preset_overrides = PRESETS[preset]
     records = []

@@ -73,7 +73,7 @@ def decayed_hf_names(cfg, params) -> set[str]:
     import jax
     import jax.numpy as jnp
     from ulysses_jax.hf import to_hf_tensors
-    from ulysses_jax.training.train_step import make_optimizer
+    from ulysses_jax.training.optimizer import make_optimizer
 
     opt = dataclasses.replace(cfg.optimizer, warmup_steps=0)
     tx = make_optimizer(opt, cfg.steps)
@@ -138,7 +138,7 @@ def run_torch(cfg, export_dir: str, batches, decayed: set[str]) -> dict:
     import jax.numpy as jnp
     import torch
     import transformers
-    from ulysses_jax.training.train_step import make_schedule
+    from ulysses_jax.training.optimizer import make_schedule
 
     transformers.logging.disable_progress_bar()
     kind = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"

@@ -39,7 +39,7 @@ import jax  # noqa: E402
 from hybrid_comm import executed_collectives  # noqa: E402
 from ulysses_jax.config import load_config  # noqa: E402
 from ulysses_jax.hlo import COLLECTIVES  # noqa: E402
-from ulysses_jax.training.trainer import compile_step, peak_bytes_per_device  # noqa: E402
+from ulysses_jax.training.dry_run import compile_step, peak_bytes_per_device  # noqa: E402
 
 GIB, MIB = 2 ** 30, 2 ** 20
 

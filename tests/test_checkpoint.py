@@ -13,7 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 
 from conftest import need_devices
-from ulysses_jax.training.checkpoint import Checkpointer
+from ulysses_jax.training.checkpoint import (Checkpointer, IncompatibleCheckpoint,
+                                             NoCheckpointRestores, SaveFailed)
 from ulysses_jax.mesh import DATA, SEQ, make_mesh
 
 # Orbax's name for a step directory that is still being written (not public API; if Orbax
@@ -172,7 +173,7 @@ def test_failed_commit_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", crash)
     assert ck.save(2, jax.tree.map(lambda x: -x, state), {"step": 2})
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(SaveFailed, match="saving checkpoint step 2 .* simulated crash"):
         ck.wait()
     monkeypatch.undo()
     assert sorted(os.listdir(root)) == ["1", f"2{TMP_SUFFIX}"]
@@ -209,6 +210,68 @@ def test_restore_waits_for_inflight_save(tmp_path, monkeypatch):
         restored, extra = ck.restore(abstract)
     assert extra == {"step": 2}
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"] + 1))
+
+
+def _damage(step_dir, how):
+    if how == "truncated":  # every file of the arrays cut to half
+        for path in (step_dir / "state").rglob("*"):
+            if path.is_file():
+                os.truncate(path, path.stat().st_size // 2)
+    elif how == "deleted_arrays_file":
+        os.remove(step_dir / "state" / "manifest.ocdbt")
+    elif how == "deleted_extra":
+        os.remove(step_dir / "extra" / "metadata")
+    else:  # an empty step directory
+        shutil.rmtree(step_dir)
+        step_dir.mkdir()
+
+
+def _three_steps(root):
+    """Steps 1, 2, 3 of a small state w; returns (state, abstract)."""
+    state = {"w": jax.random.normal(jax.random.key(6), (8, 4))}
+    with Checkpointer(root) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, jax.tree.map(lambda x: x * step, state), {"step": step})
+    return state, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted_arrays_file", "deleted_extra", "empty"])
+def test_restore_newest_sets_damaged_steps_aside(tmp_path, how):
+    root = tmp_path / "ckpt"
+    state, abstract = _three_steps(root)
+    _damage(root / "3", how)
+    _damage(root / "2", how)
+    with Checkpointer(root) as ck:
+        step, restored, extra, moved = ck.restore_newest(abstract)
+        assert (step, extra) == (1, {"step": 1})
+        np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"]))
+        assert [line.split(" (")[0] for line in moved] == [
+            f"step 3 -> {root}.damaged/3", f"step 2 -> {root}.damaged/2"]
+        assert ck.all_steps() == [1] and ck.latest_step() == 1
+        assert ck.save(2, state, {"step": 2})  # the run goes on past the set-aside steps
+    assert _steps_on_disk(root) == [1, 2]
+    assert sorted(os.listdir(f"{root}.damaged")) == ["2", "3"]  # kept, not deleted
+
+
+def test_restore_newest_refuses_other_shapes_and_all_damaged(tmp_path):
+    root = tmp_path / "ckpt"
+    _, abstract = _three_steps(root)
+    with Checkpointer(tmp_path / "none") as empty:
+        assert empty.restore_newest(abstract) is None
+    with Checkpointer(root) as ck:
+        wider = {"w": jax.ShapeDtypeStruct((8, 5), abstract["w"].dtype,
+                                           sharding=abstract["w"].sharding)}
+        with pytest.raises(IncompatibleCheckpoint, match=r"w: saved \(8, 4\) float32, wanted "
+                                                         r"\(8, 5\) float32") as err:
+            ck.restore_newest(wider)
+        assert err.value.step == 3 and err.value.extra == {"step": 3}
+        for step in (1, 2, 3):
+            _damage(root / str(step), "empty")
+        with pytest.raises(NoCheckpointRestores, match="step 3: .*; step 2: .*; step 1: "):
+            ck.restore_newest(abstract)
+    assert _steps_on_disk(root) == [1, 2, 3]  # nothing moved when nothing restores
+    assert not os.path.exists(f"{root}.damaged")
 
 
 def test_bad_calls(tmp_path):

@@ -178,10 +178,13 @@ def test_packed_rows_skip_tiles_between_documents(causal, b, s, bq, bk):
     pair of one document: about the sum of the documents' squares, not S²."""
     rng = np.random.default_rng(7)
     seg = _packed_ids(rng, b, s, docs=8, pad=0)
-    q, k, v, _, ct = _inputs(5, b, s, s, 2, 1, 4)
     plan = _Plan(s, s, bq, bk, causal)
     want = _tiles_sharing_a_document(seg, s, bq, bk, causal)
-    assert _visits(q, k, v, jnp.asarray(seg), ct, plan) == (want, want)
+    # 2 query heads per kv head: the backward loops over key blocks outside; 4: over query
+    # blocks outside (chunked._backward). Both visit the same tiles.
+    for n in (4, 2):
+        q, k, v, _, ct = _inputs(5, b, s, s, n, 1, 4)
+        assert _visits(q, k, v, jnp.asarray(seg), ct, plan) == (want, want), n
     before = _visits(q, k, v, jnp.asarray(seg), ct, _Plan(s, s, bq, bk, causal,
                                                            skip_segments=False))
     assert before == (_tiles_with_visible_keys(s, s, bq, bk, causal),) * 2

@@ -302,7 +302,7 @@ def test_tiled_mlp_same_numbers_less_memory():
 
 def test_weight_decay_spares_norms_and_biases():
     """Stacked layers make norm scales [L, D]; decay must still skip them (by name)."""
-    from ulysses_jax.training.train_step import _decays
+    from ulysses_jax.training.optimizer import _decays
     cfg, mesh, g, state, sh, tx = _setup(1, 1, **{"model.qkv_bias": True})
     flags = {"/".join(str(getattr(k, "key", k)) for k in path): _decays(path, leaf)
              for path, leaf in jax.tree_util.tree_leaves_with_path(state["params"])}
@@ -333,3 +333,32 @@ def test_ring_mesh_model_matches_one_device():
 
 def test_ulysses_head_chunks_do_not_change_numbers():
     _assert_option_keeps_numbers(_batch(15), {"ulysses.chunks": 2}, **{"model.n_kv_heads": 4})
+
+
+def _array_dims(hlo_text: str, dtype: str) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in dims.split(",") if d)
+            for dims in re.findall(dtype + r"\[([0-9,]*)\]", hlo_text)]
+
+
+def test_train_step_keeps_no_per_tile_masks_or_embedding_masks():
+    """Nothing the layers or the embedding keep grows with S beyond activations: no stack
+    of the attention kernel's tile masks ([blocks, ..., block, block], which JAX's scan
+    partial evaluation used to compute for all tiles outside the layer loop), and no
+    embedding ownership mask broadcast over D ([..., tokens, D] booleans kept for the
+    backward pass)."""
+    s, d = 2048, 64
+    cfg, mesh, g, st, sh, tx = _setup(2, 1, **{"seq_len": s, "model.d_model": d,
+                                               "model.attn_impl": "chunked",
+                                               "model.remat": "full"})
+    batch = _batch(23, s=s)
+    step = make_train_step(cfg, mesh, g, tx, sh)
+    text = step.lower(st, batch).compile().as_text()
+    block = 512  # chunked_attention's default tiles
+    preds = _array_dims(text, "pred")
+    assert preds, "no boolean arrays at all: the check would pass vacuously"
+    tile_stacks = [p for p in preds if len(p) >= 3 and p[-2:] == (block, block) and
+                   p[0] == s // block]
+    assert not tile_stacks, tile_stacks
+    local = 2 * (s // 2)  # B x S/P tokens per device
+    d_masks = [p for p in preds if p and p[-1] == d and np.prod(p) >= local * d]
+    assert not d_masks, d_masks

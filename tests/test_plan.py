@@ -12,7 +12,7 @@ import pytest
 from conftest import need_devices
 from ulysses_jax import plan
 from ulysses_jax.config import ConfigError, load_config
-from ulysses_jax.training.trainer import dry_run
+from ulysses_jax.training.dry_run import dry_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,12 +64,16 @@ def test_bad_input_raises_and_cli_exits_cleanly(capsys):
         plan.longest_fitting_seq_len(cfg, 0, measure=never)
     with pytest.raises(ValueError, match="below the search unit 1024"):
         plan.longest_fitting_seq_len(cfg, 1 << 30, max_seq_len=512, measure=never)
-    bad_heads = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, seq=3))
-    with pytest.raises(ConfigError, match="n_heads 4 is not divisible by mesh.seq 3"):
-        plan.longest_fitting_seq_len(bad_heads, 1 << 30, measure=never)
+    # A rule that depends on P (heads P does not divide are padded now, attention/heads.py):
+    # experts split evenly over the devices.
+    bad_p = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, seq=3),
+                                model=dataclasses.replace(cfg.model, num_experts=8))
+    with pytest.raises(ConfigError, match="num_experts 8 is not divisible by the mesh's 3"):
+        plan.longest_fitting_seq_len(bad_p, 1 << 30, measure=never)
 
     cases = [
-        (["--memory-gb", "1", "--p", "1,3"], "P=3: model.n_heads 8 is not divisible by mesh.seq 3"),
+        (["--memory-gb", "1", "--p", "1,3", "model.num_experts=8"],
+         "P=3: model.num_experts 8 is not divisible by the mesh's 3 devices"),
         (["--memory-gb", "-2"], "--memory-gb must be a positive number, got -2.0"),
         (["--memory-gb", "1", "--p", "two"], "--p must be comma-separated positive integers"),
         (["--memory-gb", "1", "model.no_such_key=1"], "no_such_key"),

@@ -77,6 +77,27 @@ def test_chunked_window_matches_reference(causal, window, softcap, segments, bq,
     _assert_matches(fn, ref, q, k, v, ct)
 
 
+@pytest.mark.parametrize("n,kh,bq,bk,causal,window,softcap,segments", [
+    (8, 2, 8, 8, True, 17, 2.0, False),     # G = 4: the query-outer backward, loops both ways
+    (8, 2, 13, 7, False, 9, 3.0, True),     # G = 4, both sides, ragged blocks, segments
+    (4, 2, 64, 8, True, 12, 2.0, True),     # one query block: the key-outer backward, no loop
+    (4, 2, 8, 64, False, 12, 2.0, False),   # one key block: the forward seeds only, no loop
+    (8, 2, 8, 64, True, 12, 2.0, True),     # G = 4 and one key block: no key loop at all
+    (8, 2, 64, 8, False, 12, 2.0, False),   # G = 4 and one query block
+])
+def test_window_and_softcap_in_every_loop_order(n, kh, bq, bk, causal, window, softcap,
+                                                segments):
+    """The paths the kernel takes by shape (a kv head serving more than two query heads runs
+    the query-outer backward; one query or key block skips that loop) apply the window, the
+    softcap's derivative and the segment mask like the many-block key-outer path."""
+    q, k, v, seg, ct = _inputs(8, 2, 50, n, kh, segments=segments)
+    fn = lambda q, k, v: chunked_attention(q, k, v, causal=causal, segment_ids=seg, block_q=bq,
+                                           block_k=bk, window=window, softcap=softcap, scale=0.3)
+    ref = lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=seg,
+                                              window=window, softcap=softcap, scale=0.3)
+    _assert_matches(fn, ref, q, k, v, ct)
+
+
 def _tiles_in_window(t, bq, bk, causal, window, offset=0):
     """Independent count: tiles with at least one (query, key) pair inside the window."""
     rel = (np.arange(t)[:, None] + offset) - np.arange(t)[None, :]
@@ -94,13 +115,15 @@ def _visits(plan, q, k, v, ct, offset=0):
     return int(fwd), int(bwd)
 
 
-@pytest.mark.parametrize("s,bq,bk,causal,window,offset", [
-    (50, 7, 13, True, 9, 0), (50, 8, 8, False, 9, 0), (1024, 64, 64, True, 128, 0),
-    (48, 8, 8, True, 20, 32), (48, 8, 8, False, 20, -40)])
-def test_window_visits_exactly_the_tiles_inside_it(s, bq, bk, causal, window, offset):
+@pytest.mark.parametrize("s,bq,bk,causal,window,offset,n", [
+    (50, 7, 13, True, 9, 0, 2), (50, 8, 8, False, 9, 0, 2), (1024, 64, 64, True, 128, 0, 2),
+    (48, 8, 8, True, 20, 32, 2), (48, 8, 8, False, 20, -40, 2),
+    # 4 query heads per kv head: the query-outer backward visits the same tiles
+    (50, 7, 13, True, 9, 0, 4), (48, 8, 8, True, 20, 32, 4), (48, 8, 8, False, 20, -40, 4)])
+def test_window_visits_exactly_the_tiles_inside_it(s, bq, bk, causal, window, offset, n):
     """The loops' own counters equal a brute-force count of the tiles that hold a pair
     inside the window (forward and backward), also for a ring pair's offset."""
-    q, k, v, _, ct = _inputs(2, 1, s, 2, 1, h=4)
+    q, k, v, _, ct = _inputs(2, 1, s, n, 1, h=4)
     plan = _Plan(s, s, bq, bk, causal, window=window)
     want = _tiles_in_window(s, bq, bk, causal, window, offset)
     assert _visits(plan, q, k, v, ct, offset) == (want, want)
@@ -113,7 +136,10 @@ def test_window_visits_exactly_the_tiles_inside_it(s, bq, bk, causal, window, of
 
 def _pair_reference(qa, kb, vb, offset, window, cap, scale):
     """Dense attention of query rows at positions offset + i over keys at positions j
-    (MHA), causal window and softcap; a row that sees no key gives 0."""
+    (GQA: each kv head repeated for its query heads), causal window and softcap; a row that
+    sees no key gives 0."""
+    g = qa.shape[2] // kb.shape[2]
+    kb, vb = jnp.repeat(kb, g, axis=2), jnp.repeat(vb, g, axis=2)
     logits = cap * jnp.tanh(jnp.einsum("btnh,bsnh->bnts", qa, kb) * scale / cap)
     rel = offset + jnp.arange(qa.shape[1])[:, None] - jnp.arange(kb.shape[1])[None, :]
     ok = (rel >= 0) & (rel < window)
@@ -123,12 +149,19 @@ def _pair_reference(qa, kb, vb, offset, window, cap, scale):
     return jnp.einsum("bnts,bsnh->btnh", p, vb)
 
 
-def test_ring_pair_offset_uses_true_positions():
+@pytest.mark.parametrize("n,kh,bq,bk", [
+    (2, 2, 8, 8),       # several blocks each way, key-outer backward
+    (8, 2, 8, 8),       # G = 4: query-outer backward
+    (2, 2, 16, 8),      # one query block (no backward query loop), which sees keys
+    (8, 2, 8, 16),      # G = 4, one key block: query block 1 sees none of it, yet is run
+    (8, 2, 16, 16),     # one tile in all
+])
+def test_ring_pair_offset_uses_true_positions(n, kh, bq, bk):
     """block_forward / block_backward of a (query chunk, key chunk) pair 32 positions apart,
     window 20: rows 0..2 of the query chunk reach its last keys, the rest see nothing (output
     0, logsumexp -inf); values and gradients equal a dense pair computed directly."""
-    q, k, v, _, ct = _inputs(3, 1, 16, 2, 2)
-    plan = block_plan(16, 16, True, 8, 8, window=20, softcap=2.0)
+    q, k, v, _, ct = _inputs(3, 1, 16, n, kh)
+    plan = block_plan(16, 16, True, bq, bk, window=20, softcap=2.0)
     out, lse = block_forward(q, k, v, None, None, plan, 0.4, offset=32)
     ref = lambda q, k, v: _pair_reference(q, k, v, 32, 20, 2.0, 0.4)
     seen = np.asarray(jnp.isfinite(lse[0, :, 0]))

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 DTYPES = ("float32", "bfloat16")
@@ -20,6 +22,8 @@ ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays 
 PARAM_SHARDING = ("replicated", "zero3")
 FAMILIES = ("llama", "gemma")
 LAYER_KINDS = "LG"  # local (sliding window), global
+MOMENT_DTYPES = ("float32", "bfloat16")
+INT32_MAX = 2**31 - 1  # integer settings reach jitted code (step counter, positions) as int32
 
 
 class ConfigError(ValueError):
@@ -59,6 +63,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"          # compute dtype; parameters are always float32
     remat: str = "none"             # none | full | save_dots | offload (dots to host memory)
+    # With remat=full: keep each layer's input (the checkpoint the backward pass recomputes
+    # the layer from) in host memory instead of the device's.
+    offload_checkpoints: bool = False
     attn_impl: str = "auto"         # see ulysses_jax.attention.kernels.resolve_impl
     # Bound on documents per packed row for cuDNN's packed layout (GPU); rows with more run
     # an exact fallback kernel. 0 = from the data: 1.5 x the most any row of the first epoch
@@ -77,6 +84,21 @@ class ModelConfig:
     attn_scale: float = 0.0         # softmax scale of q.k; 0 = head_dim ** -0.5
     attn_softcap: float = 0.0       # tanh cap on attention logits (Gemma 2); 0 = none
     final_softcap: float = 0.0      # tanh cap on the output logits (Gemma 2); 0 = none
+    # Mixture of experts (Qwen3-MoE; models/moe.py). num_experts 0 = a dense model. Layer i is
+    # an MoE layer when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0;
+    # the others keep the dense MLP of ffn_dim. Experts are split over all mesh devices.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2    # top-k
+    moe_ffn_dim: int = 64           # each expert's SwiGLU width (moe_intermediate_size)
+    norm_topk_prob: bool = False    # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in the objective
+    # Slots per (device, expert) = ceil(factor * tokens per device * top-k / num_experts);
+    # assignments past them are dropped (counted in metrics). 0 = never drop (slots = tokens
+    # per device, the worst case).
+    moe_capacity_factor: float = 0.0
+    moe_shared_ffn_dim: int = 0     # a sigmoid-gated shared expert (Qwen3-Next); 0 = none
 
     def layer_kinds(self) -> str:
         """One letter per layer, L (sliding window) or G (whole causal prefix)."""
@@ -97,6 +119,10 @@ class OptimizerConfig:
     b2: float = 0.95
     weight_decay: float = 0.1
     clip_norm: float = 1.0
+    # Keep fp32 parameters and AdamW moments in host memory and compute the update there;
+    # the device holds compute-dtype copies of the weights and the gradients.
+    offload: bool = False
+    moment_dtype: str = "float32"   # float32 | bfloat16: storage of AdamW's two moments
 
 
 @dataclass(frozen=True)
@@ -133,24 +159,76 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """Builds a Config from defaults, an optional YAML preset and ``key=value`` overrides.
 
     Raises:
-      ConfigError: unknown keys, wrong types, malformed overrides or impossible combinations.
+      ConfigError: an unreadable or malformed file, unknown keys, wrong types, malformed
+        overrides or impossible combinations.
     """
+    cfg = OmegaConf.structured(Config)
+    if path is not None:
+        cfg = _merge(cfg, _load_yaml(path), f"--config {path}: ")
+    for item in overrides:
+        cfg = _merge(cfg, _parse_override(item), "")
     try:
-        cfg = OmegaConf.structured(Config)
-        if path is not None:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form key=value")
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
         result = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(_describe(e)) from None
-    except FileNotFoundError as e:
-        raise ConfigError(f"config file not found: {e.filename}") from None
     validate(result)
     return result
+
+
+# Top-level keys that hold a group of keys (mesh, model, ...), not a value.
+_SECTIONS = tuple(f.name for f in dataclasses.fields(Config)
+                  if f.default_factory is not dataclasses.MISSING)
+
+
+def _merge(cfg: DictConfig, update: DictConfig, where: str) -> DictConfig:
+    for name in _SECTIONS:
+        if name in update and not isinstance(update[name], DictConfig):
+            raise ConfigError(f"{where}config key {name!r}: must hold keys such as "
+                              f"{name}.<key>, not one value; got {update[name]!r}")
+    try:
+        return OmegaConf.merge(cfg, update)
+    except OmegaConfBaseException as e:
+        raise ConfigError(where + _describe(e)) from None
+
+
+def _parse_override(item: str) -> DictConfig:
+    key, eq, _ = item.partition("=")
+    if not eq:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    if not key or "" in key.split("."):
+        raise ConfigError(f"override {item!r}: the key before '=' must be a dotted name such "
+                          f"as mesh.seq")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"override {item!r}: {_describe(e)}") from None
+
+
+def _load_yaml(path: str) -> DictConfig:
+    """The preset at ``path`` as a mapping; any problem with the file is a ConfigError."""
+    try:
+        loaded = OmegaConf.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path}: is a directory; pass a YAML file such as "
+                          f"configs/tiny.yaml") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: is not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path}: invalid YAML{where}: {problem}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of keys to values "
+                          f"(e.g. 'seq_len: 512'), got a list")
+    return loaded
 
 
 def _describe(e: OmegaConfBaseException) -> str:
@@ -175,10 +253,16 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.max_segments < 0:
         errors.append(f"model.max_segments must be 0 (from the data) or positive, got "
                       f"{m.max_segments}")
+    errors += _number_errors(cfg)
     if m.mlp_chunk < 0:
         errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
     errors += _variant_errors(m)
+    if m.offload_checkpoints and m.remat != "full":
+        errors.append(f"model.offload_checkpoints=true needs model.remat=full (the layer "
+                      f"inputs are then the only checkpoints), got model.remat={m.remat!r}")
     for key, value, allowed in (("model.dtype", m.dtype, DTYPES), ("model.remat", m.remat, REMAT),
+                                ("optimizer.moment_dtype", cfg.optimizer.moment_dtype,
+                                 MOMENT_DTYPES),
                                 ("model.attn_impl", m.attn_impl, ATTN_IMPLS),
                                 ("model.family", m.family, FAMILIES),
                                 ("param_sharding", cfg.param_sharding, PARAM_SHARDING)):
@@ -213,6 +297,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             errors.append(f"ulysses.chunks {chunks} must divide the kv heads per device, "
                           f"{kv_local} (model.n_kv_heads {m.n_kv_heads}, mesh.seq {mesh.seq})")
     need = mesh.data * mesh.ring * mesh.seq
+    errors += _moe_errors(m, need)
     if num_devices is not None and need > num_devices:
         ring = f" x mesh.ring {mesh.ring}" if mesh.ring > 1 else ""
         errors.append(f"mesh.data {mesh.data}{ring} x mesh.seq {mesh.seq} = {need} "
@@ -240,6 +325,79 @@ def _variant_errors(m: ModelConfig) -> list[str]:
     elif "L" in m.layer_pattern and not m.sliding_window:
         errors.append(f"model.layer_pattern {m.layer_pattern!r} has local layers (L) but "
                       f"model.sliding_window is 0")
+    if m.family == "gemma" and m.num_experts:
+        errors.append(f"model.family=gemma has no mixture-of-experts layers (the MoE block is "
+                      f"Qwen3-MoE's); set model.num_experts=0, got {m.num_experts}")
+    return errors
+
+
+def _number_errors(cfg: Config) -> list[str]:
+    """Ranges of the numeric settings: finite floats, int32 ints, signs and intervals."""
+    values = _numbers(cfg)
+    errors = [f"{k} must be a finite number, got {v}" for k, v in values.items()
+              if isinstance(v, float) and not math.isfinite(v)]
+    errors += [f"{k} must be at most {INT32_MAX} (it is an int32 in the compiled step), got {v}"
+               for k, v in values.items() if isinstance(v, int) and v > INT32_MAX]
+    if errors:  # the range rules below would only repeat these values
+        return errors
+    o, m = cfg.optimizer, cfg.model
+    rules = (
+        ("seed", cfg.seed >= 0, "must be 0 or positive"),
+        ("checkpoint_every", cfg.checkpoint_every >= 0, "must be 0 (final step only) or positive"),
+        ("eval_every", cfg.eval_every >= 0, "must be 0 (final step only) or positive"),
+        ("eval_batches", cfg.eval_batches >= 0, "must be 0 (no evaluation) or positive"),
+        ("optimizer.lr", o.lr > 0, "must be positive"),
+        ("optimizer.warmup_steps", o.warmup_steps >= 0, "must be 0 or positive"),
+        ("optimizer.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "must be in [0, 1]"),
+        ("optimizer.b1", 0 <= o.b1 < 1, "must be in [0, 1)"),
+        ("optimizer.b2", 0 <= o.b2 < 1, "must be in [0, 1)"),
+        ("optimizer.weight_decay", o.weight_decay >= 0, "must be 0 or positive"),
+        ("optimizer.clip_norm", o.clip_norm > 0, "must be positive"),
+        ("model.rope_theta", m.rope_theta > 0, "must be positive"),
+        ("model.norm_eps", m.norm_eps > 0, "must be positive"),
+        ("model.init_std", m.init_std > 0, "must be positive"),
+    )
+    return [f"{key} {rule}, got {values[key]}" for key, ok, rule in rules if not ok]
+
+
+def _numbers(cfg, prefix: str = "") -> dict:
+    """Dotted key -> value of every int and float setting (bools excluded)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_numbers(value, f"{prefix}{f.name}."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"{prefix}{f.name}"] = value
+    return out
+
+
+def _moe_errors(m: ModelConfig, devices: int) -> list[str]:
+    """Rules of the mixture-of-experts keys (none apply when model.num_experts is 0)."""
+    if m.num_experts < 0:
+        return [f"model.num_experts must be 0 (dense) or positive, got {m.num_experts}"]
+    if m.num_experts == 0:
+        return []
+    errors = []
+    if not 1 <= m.num_experts_per_tok <= m.num_experts:
+        errors.append(f"model.num_experts_per_tok must be in [1, model.num_experts "
+                      f"{m.num_experts}], got {m.num_experts_per_tok}")
+    for key, value in (("model.moe_ffn_dim", m.moe_ffn_dim),
+                       ("model.decoder_sparse_step", m.decoder_sparse_step)):
+        if value < 1:
+            errors.append(f"{key} must be positive, got {value}")
+    bad = [i for i in m.mlp_only_layers if not 0 <= i < m.n_layers]
+    if bad:
+        errors.append(f"model.mlp_only_layers {list(bad)} lie outside layers 0..{m.n_layers - 1}")
+    if m.num_experts % devices:
+        errors.append(f"model.num_experts {m.num_experts} is not divisible by the mesh's "
+                      f"{devices} devices (mesh.data x mesh.ring x mesh.seq): experts are split "
+                      f"evenly over all of them")
+    for key, value in (("model.router_aux_loss_coef", m.router_aux_loss_coef),
+                       ("model.moe_capacity_factor", m.moe_capacity_factor),
+                       ("model.moe_shared_ffn_dim", m.moe_shared_ffn_dim)):
+        if value < 0:
+            errors.append(f"{key} must be >= 0, got {value}")
     return errors
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint import and export for the Llama / Mistral / Qwen2 / Qwen3 family.
+"""Hugging Face checkpoint import and export for the Llama / Mistral / Qwen2 / Qwen3 family
+and Qwen3-MoE.
 
 A checkpoint is a local directory with ``config.json`` and ``model.safetensors`` (or a
 ``model.safetensors.index.json`` with shards), as ``transformers`` writes it. Import reads the
@@ -12,8 +13,16 @@ half-split RoPE with inv_freq = theta^(-2i/head_dim); RMSNorm in fp32 times the 
 RMSNorm over head_dim before RoPE (Qwen3); q/k/v projection biases added before RoPE, none on
 o_proj (Qwen2); GQA query head n reads kv head n // (N/K); logits
 scale head_dim^-0.5; SiLU-gated MLP; ``lm_head`` = embedding when ``tie_word_embeddings``.
-Sliding windows (Mistral, Qwen2 / Qwen3 with use_sliding_window) and the Gemma 2 / Gemma 3
-text decoders are mapped by ``hf_variants.py``, which this module dispatches to.
+Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3 attention; layer i sparse unless i is in
+``mlp_only_layers`` or (i + 1) % ``decoder_sparse_step`` != 0 (models/moe.py); router
+``mlp.gate.weight`` [E, D]; experts on disk one Linear each, ``mlp.experts.{e}.gate_proj`` /
+``up_proj`` / ``down_proj``. transformers 5 holds them fused in memory (``gate_up_proj``
+[E, 2F, D], ``down_proj`` [E, D, F]) but its save_pretrained writes, and its from_pretrained
+reads, this per-expert layout (checked with transformers 5.24), as do the published Qwen3-MoE
+checkpoints. transformers 5.24 writes the expert count as ``num_local_experts``; older files
+and the Qwen releases as ``num_experts``: both are read, ``num_experts`` is written.
+Sliding windows (Mistral, Qwen2 / Qwen3 / Qwen3-MoE with use_sliding_window) and the Gemma 2 /
+Gemma 3 text decoders are mapped by ``hf_variants.py``, which this module dispatches to.
 What our Decoder cannot express (an o_proj or MLP bias, scaled RoPE, other activations) is
 refused with a ValueError, never silently dropped.
 """
@@ -37,10 +46,11 @@ from safetensors.numpy import save_file
 from . import hf_variants
 from .config import DTYPES, PARAM_SHARDING, ModelConfig
 from .mesh import make_mesh
-from .models.decoder import Decoder
+from .models.decoder import Decoder, stacked_layer_indices
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", **hf_variants.GEMMA_ARCHS}
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "qwen3_moe": "Qwen3MoeForCausalLM", **hf_variants.GEMMA_ARCHS}
 
 # Our parameter path -> (HF tensor name, number of leading "in" dims of our array).
 # An HF Linear weight W [out, in] maps to ours as W.T.reshape(our shape): q_proj [N*H, D]
@@ -62,7 +72,12 @@ _LAYER = {
     ("mlp", "w_gate"): ("mlp.gate_proj.weight", 1),
     ("mlp", "w_up"): ("mlp.up_proj.weight", 1),
     ("mlp", "w_down"): ("mlp.down_proj.weight", 1),
+    ("moe", "router"): ("mlp.gate.weight", 1),
 }
+# Expert weights [E, D, F] / [E, F, D]: one HF Linear [out, in] per expert e (n_in 1 each).
+_EXPERTS = {("moe", "w_gate"): "mlp.experts.{e}.gate_proj.weight",
+            ("moe", "w_up"): "mlp.experts.{e}.up_proj.weight",
+            ("moe", "w_down"): "mlp.experts.{e}.down_proj.weight"}
 _GLOBAL = {("embed",): ("model.embed_tokens.weight", 0),
            ("final_norm", "scale"): ("model.norm.weight", 0),
            ("lm_head",): ("lm_head.weight", 1)}
@@ -72,13 +87,21 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # when config.json omits the key (an explicit null still means the generic default).
 _ARCH_DEFAULTS = {"mistral": {"num_key_value_heads": 8},
                   "qwen2": {"num_key_value_heads": 32},
-                  "qwen3": {"num_key_value_heads": 32, "head_dim": 128}}
+                  "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
+                  "qwen3_moe": {"num_key_value_heads": 4}}
+# Qwen3MoeConfig's defaults for its MoE keys: ours <- (HF key, default).
+_MOE_KEYS = {"num_experts_per_tok": ("num_experts_per_tok", 8),
+             "moe_ffn_dim": ("moe_intermediate_size", 768),
+             "norm_topk_prob": ("norm_topk_prob", False),
+             "decoder_sparse_step": ("decoder_sparse_step", 1),
+             "router_aux_loss_coef": ("router_aux_loss_coef", 0.001)}
 # Config keys that would add biases our Decoder lacks, per model type. Llama's and Qwen3's
 # attention_bias biases o_proj too, Llama's mlp_bias the MLP. Mistral (and Qwen3's MLP) ignore
 # them in transformers; a file that sets them anyway is refused rather than guessed at. Qwen2
 # always has exactly the q/k/v biases (qkv_bias) and reads neither key.
 _BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "mistral": ("attention_bias", "mlp_bias"),
-              "qwen2": (), "qwen3": ("attention_bias", "mlp_bias")}
+              "qwen2": (), "qwen3": ("attention_bias", "mlp_bias"),
+              "qwen3_moe": ("attention_bias",)}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
 
@@ -88,7 +111,7 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
     """Translates a transformers ``config.json`` dict to a ModelConfig.
 
     Args:
-      hf: the parsed config.json (model_type llama, mistral, qwen2 or qwen3).
+      hf: the parsed config.json (model_type llama, mistral, qwen2, qwen3 or qwen3_moe).
       dtype: compute dtype, float32 or bfloat16 (parameters stay float32).
       max_seq_len: accepted for callers of earlier versions, which needed it to load a
         sliding window; windows of any length now load as ``sliding_window``.
@@ -125,13 +148,18 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
         raise ValueError(f"config.json lacks {missing}")
     hf = {**_ARCH_DEFAULTS.get(mt, {}), **hf}
     heads = hf["num_attention_heads"]
+    if mt == "qwen3_moe":
+        moe = {ours: hf.get(key, default) for ours, (key, default) in _MOE_KEYS.items()}
+        moe.update(num_experts=hf.get("num_experts", hf.get("num_local_experts", 128)),
+                   mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
+        overrides = {**moe, **overrides}
     return ModelConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         ffn_dim=hf["intermediate_size"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=mt == "qwen3",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=mt in ("qwen3", "qwen3_moe"),
         qkv_bias=mt == "qwen2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype,
         **hf_variants.window_from_hf(hf), **overrides)
@@ -154,9 +182,9 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
 
     Args:
       cfg: the Decoder's config.
-      arch: llama, mistral, qwen2, qwen3, gemma2 or gemma3_text; None = qwen3 with QK-norm,
-        qwen2 with q/k/v biases, mistral with a window on every layer, else llama; for the
-        gemma family gemma3_text with QK-norm, else gemma2.
+      arch: llama, mistral, qwen2, qwen3, qwen3_moe, gemma2 or gemma3_text; None = qwen3_moe
+        with experts, qwen3 with QK-norm, qwen2 with q/k/v biases, mistral with a window on
+        every layer, else llama; for the gemma family gemma3_text with QK-norm, else gemma2.
       max_position_embeddings: written for transformers' RoPE cache; our model has no limit.
     Returns:
       A dict for config.json (both the transformers >= 5 and the older RoPE keys).
@@ -166,14 +194,23 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
     if cfg.qk_norm and cfg.qkv_bias:
         raise ValueError("no supported arch has both q/k RMSNorm and q/k/v biases (Qwen3's "
                          "attention_bias also biases o_proj); qk_norm=True, qkv_bias=True")
-    fits = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    if cfg.num_experts and (not cfg.qk_norm or cfg.moe_shared_ffn_dim):
+        raise ValueError(f"an MoE model exports as qwen3_moe, which has q/k RMSNorm and no "
+                         f"shared expert; qk_norm={cfg.qk_norm}, moe_shared_ffn_dim="
+                         f"{cfg.moe_shared_ffn_dim}")
+    fits = ("qwen3_moe" if cfg.num_experts else "qwen3" if cfg.qk_norm else
+            "qwen2" if cfg.qkv_bias else "llama")
     if fits == "llama" and "L" in cfg.layer_kinds():
         fits = "mistral"
     arch = arch or fits
     if arch not in ARCHS or arch in hf_variants.GEMMA_ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
-    if cfg.qk_norm != (arch == "qwen3"):
-        raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen3' else 'has no'} q/k RMSNorm "
+    if bool(cfg.num_experts) != (arch == "qwen3_moe"):
+        raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen3_moe' else 'has no'} experts "
+                         f"but the model has num_experts={cfg.num_experts}; use arch={fits!r}")
+    qk = arch in ("qwen3", "qwen3_moe")
+    if cfg.qk_norm != qk:
+        raise ValueError(f"arch {arch!r} {'has' if qk else 'has no'} q/k RMSNorm "
                          f"but the model has qk_norm={cfg.qk_norm}; use arch={fits!r}")
     if cfg.qkv_bias != (arch == "qwen2"):
         raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen2' else 'has no'} q/k/v biases "
@@ -195,6 +232,10 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
         hf["sliding_window"] = None
     if arch in ("qwen2", "qwen3"):
         hf.update(use_sliding_window=False, layer_types=["full_attention"] * cfg.n_layers)
+    if arch == "qwen3_moe":
+        hf.update({key: getattr(cfg, ours) for ours, (key, _) in _MOE_KEYS.items()})
+        hf.update(use_sliding_window=False, num_experts=cfg.num_experts,
+                  mlp_only_layers=list(cfg.mlp_only_layers))
     hf.update(hf_variants.window_to_hf(cfg, arch))
     return hf
 
@@ -220,14 +261,22 @@ def _to_hf(x: np.ndarray, n_in: int) -> np.ndarray:
     return x.reshape(-1) if n_in == _FLAT else x.reshape(math.prod(x.shape[:n_in]), -1).T
 
 
-def _hf_names(keys: tuple[str, ...], cfg: ModelConfig) -> tuple[list[str], int]:
-    """HF tensor names (one per layer for stacked parameters) and n_in of our parameter path."""
+def _hf_names(keys: tuple, cfg: ModelConfig) -> tuple[list, int]:
+    """HF tensor names of our parameter path and their n_in: one name per stacked layer (in
+    stack order), or for expert weights one list of E names per layer."""
     if keys[0] != "layers":
         name, n_in = _GLOBAL[keys]
         return [name], n_in
-    layer = hf_variants.GEMMA_LAYER if cfg.family == "gemma" else _LAYER
-    name, n_in = layer[keys[1:]]
-    return [f"model.layers.{i}.{name}" for i in range(cfg.n_layers)], n_in
+    layers, inner = stacked_layer_indices(cfg, keys)
+    if inner in _EXPERTS:
+        return [[f"model.layers.{i}.{_EXPERTS[inner].format(e=e)}"
+                 for e in range(cfg.num_experts)] for i in layers], 1
+    name, n_in = (hf_variants.GEMMA_LAYER if cfg.family == "gemma" else _LAYER)[inner]
+    return [f"model.layers.{i}.{name}" for i in layers], n_in
+
+
+def _flat(names: list) -> list[str]:
+    return [n for x in names for n in (x if isinstance(x, list) else [x])]
 
 
 def _tensor_index(path: str) -> dict[str, str]:
@@ -265,7 +314,7 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
     Raises:
       ValueError: unsupported config, missing, unexpected or wrongly shaped tensors.
     """
-    from .training.train_step import param_spec  # deferred: train_step pulls in optax and the loss
+    from .training.train_step import leaf_spec  # deferred: train_step pulls in optax and the loss
 
     if param_sharding not in PARAM_SHARDING:
         raise ValueError(f"param_sharding must be one of {PARAM_SHARDING}, got {param_sharding!r}")
@@ -273,7 +322,7 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
     abstract = nnx.to_pure_dict(nnx.state(
         nnx.eval_shape(lambda: Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0)))))
     paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)]
-    wanted = {n for keys in paths for n in _hf_names(keys, cfg)[0]}
+    wanted = {n for keys in paths for n in _flat(_hf_names(keys, cfg)[0])}
     files = _tensor_index(path)
     # Checked before reading anything: a tensor we would drop changes the model's function.
     unused = sorted(k for k in set(files) - wanted if not k.endswith(_IGNORED_SUFFIXES)
@@ -298,14 +347,19 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
                 raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}, expected {shape}")
             return x.astype(np.float32)
 
+        def one(name, shape: tuple[int, ...], n_in: int) -> np.ndarray:
+            if isinstance(name, list):  # an expert weight: one tensor per expert
+                return np.stack([one(n, shape[1:], n_in) for n in name])
+            return _from_hf(read(name, _hf_shape(shape, n_in)), shape, n_in)
+
         def load(keys: tuple[str, ...], leaf) -> jax.Array:
             names, n_in = _hf_names(keys, cfg)
             stacked = keys[0] == "layers"
             shape = leaf.shape[1:] if stacked else leaf.shape
             # One layer at a time into our layout, then stack.
-            arrays = [_from_hf(read(n, _hf_shape(shape, n_in)), shape, n_in) for n in names]
+            arrays = [one(n, shape, n_in) for n in names]
             host = np.stack(arrays) if stacked else arrays[0]
-            spec = param_spec(leaf.shape, mesh, param_sharding)
+            spec = leaf_spec(keys, leaf.shape, mesh, param_sharding)
             return jax.device_put(host, NamedSharding(mesh, spec))
 
         params = jax.tree_util.tree_map_with_path(
@@ -351,7 +405,9 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
         names, n_in = _hf_names(keys, cfg)
         x = np.asarray(jax.device_get(x), np.float32)
         for name, layer in zip(names, x if keys[0] == "layers" else [x], strict=True):
-            out[name] = np.ascontiguousarray(_to_hf(layer, n_in))
+            pairs = zip(name, layer, strict=True) if isinstance(name, list) else [(name, layer)]
+            for n, w in pairs:
+                out[n] = np.ascontiguousarray(_to_hf(w, n_in))
 
     jax.tree_util.tree_map_with_path(lambda p, x: put(tuple(k.key for k in p), x), params)
     return out

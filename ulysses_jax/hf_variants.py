@@ -1,9 +1,10 @@
 """Hugging Face configs and tensor names of the attention variants, for ``hf.py``.
 
-Sliding windows of Mistral and Qwen2 / Qwen3 (``use_sliding_window``, ``max_window_layers``,
-``layer_types``), and the Gemma 2 / Gemma 3 text decoders (``Gemma2ForCausalLM``,
-``Gemma3ForCausalLM``, model types gemma2 and gemma3_text; our ``model.family=gemma``,
-models/gemma.py). ``hf.py`` dispatches here and keeps the Llama-family mapping itself.
+Sliding windows of Mistral, Qwen2 / Qwen3 (``use_sliding_window``, ``max_window_layers``,
+``layer_types``) and Qwen3-MoE (``use_sliding_window``: every layer), and the Gemma 2 /
+Gemma 3 text decoders (``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, model types gemma2 and
+gemma3_text; our ``model.family=gemma``, models/gemma.py). ``hf.py`` dispatches here and
+keeps the Llama-family mapping itself.
 
 Conventions checked against transformers' modeling code: a sliding window W lets the query at
 i see keys j with i - W < j <= i (``masking_utils.sliding_window_overlay``); Gemma scales
@@ -78,12 +79,13 @@ def _kinds(hf: dict, slides) -> str:
 def window_from_hf(hf: dict) -> dict:
     """ModelConfig fields for the sliding window of a llama-family config.json (empty: none).
 
-    Mistral slides on every layer (default window 4096 when the key is absent); Qwen2 / Qwen3
-    only with use_sliding_window, on layer_types' sliding layers or those at or past
-    max_window_layers; Llama never.
+    Mistral slides on every layer (default window 4096 when the key is absent); Qwen3-MoE on
+    every layer with use_sliding_window (its attention reads config.sliding_window, which
+    Qwen3MoeConfig sets only then); Qwen2 / Qwen3 only with use_sliding_window, on
+    layer_types' sliding layers or those at or past max_window_layers; Llama never.
     """
     mt = hf["model_type"]
-    if mt == "mistral":
+    if mt == "mistral" or (mt == "qwen3_moe" and hf.get("use_sliding_window", False)):
         window = hf.get("sliding_window", 4096)
         return {} if window is None else {"sliding_window": int(window)}
     if mt not in ("qwen2", "qwen3") or not hf.get("use_sliding_window", False):
@@ -102,17 +104,21 @@ def window_to_hf(cfg: ModelConfig, arch: str) -> dict:
     kinds = cfg.layer_kinds()
     if "L" not in kinds:
         return {}
-    if arch == "mistral":
+    if arch in ("mistral", "qwen3_moe"):
         if "G" in kinds:
-            raise ValueError(f"arch 'mistral' slides on every layer, but the layers are "
-                             f"{kinds!r}; use qwen2 or qwen3 (layer_types)")
+            hint = ("use qwen2 or qwen3 (layer_types)" if arch == "mistral" else
+                    "its config has no per-layer kinds")
+            raise ValueError(f"arch {arch!r} slides on every layer, but the layers are "
+                             f"{kinds!r}; {hint}")
+        if arch == "qwen3_moe":
+            return {"use_sliding_window": True, "sliding_window": cfg.sliding_window}
         return {"sliding_window": cfg.sliding_window}
     if arch in ("qwen2", "qwen3"):
         lead = len(kinds) - len(kinds.lstrip("G"))
         return {"use_sliding_window": True, "sliding_window": cfg.sliding_window,
                 "max_window_layers": lead, "layer_types": [_HF_KIND[c] for c in kinds]}
     raise ValueError(f"arch {arch!r} has no sliding window; the model has sliding_window="
-                     f"{cfg.sliding_window} (use mistral, qwen2 or qwen3)")
+                     f"{cfg.sliding_window} (use mistral, qwen2, qwen3 or qwen3_moe)")
 
 
 def gemma_config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:

@@ -23,10 +23,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import shutil
 import sys
+import tempfile
 import time
 from typing import Callable
 
+from . import memory
 from .config import Config, ConfigError, load_config, validate
 from .mesh import request_cpu_devices
 
@@ -35,10 +39,16 @@ DEFAULT_P = (1, 2, 4, 8)
 DEFAULT_MAX_SEQ_LEN = 1 << 20  # 1M tokens: past this the search stops and says so
 
 
-def peak_bytes(cfg: Config) -> int:
-    """Per-device peak bytes of one compiled train step (XLA's memory analysis)."""
-    from .training.trainer import dry_run  # imported here: the CLI sets XLA_FLAGS before JAX starts
-    return dry_run(cfg)["peak_bytes_per_device"]
+def peak_bytes(cfg: Config) -> tuple[int, int]:
+    """(device, host) peak bytes per device of one compiled train step (``dry_run``)."""
+    from .training.dry_run import dry_run  # imported here: the CLI sets XLA_FLAGS before JAX starts
+    result = dry_run(cfg)
+    return result["peak_bytes_per_device"], result["host_bytes_per_device"]
+
+
+def _both(measured) -> tuple[int, int]:
+    """A measure's answer as (device, host): a plain number is device bytes alone."""
+    return tuple(measured) if isinstance(measured, (tuple, list)) else (measured, 0)
 
 
 def search_unit(seq: int, granularity: int, ring: int = 1) -> int:
@@ -49,9 +59,11 @@ def search_unit(seq: int, granularity: int, ring: int = 1) -> int:
 
 def longest_fitting_seq_len(cfg: Config, memory_bytes: int, *, granularity: int = 1024,
                             max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-                            measure: Callable[[Config], int] | None = None,
-                            progress: Callable[[str], None] | None = None) -> int | None:
-    """Longest ``seq_len`` whose compiled train step fits ``memory_bytes`` per device.
+                            measure: Callable[[Config], object] | None = None,
+                            progress: Callable[[str], None] | None = None,
+                            host_bytes: int | None = None) -> int | None:
+    """Longest ``seq_len`` whose compiled train step fits ``memory_bytes`` per device (and,
+    if given, ``host_bytes`` of host memory per device).
 
     Only ``cfg.seq_len`` changes between probes; the mesh, batch, model and remat policy are
     taken from ``cfg`` as they are.
@@ -62,7 +74,10 @@ def longest_fitting_seq_len(cfg: Config, memory_bytes: int, *, granularity: int 
       granularity: candidate lengths are multiples of lcm(granularity, P).
       max_seq_len: longest length considered; if it still fits, it (rounded down to the
         unit) is the answer.
-      measure: cfg -> per-device peak bytes; default ``peak_bytes`` (an abstract compile).
+      measure: cfg -> per-device peak bytes, or (device, host) bytes; default
+        ``peak_bytes`` (an abstract compile).
+      host_bytes: host-memory budget per device for what the offload options keep there;
+        None = unlimited.
       progress: called with one line per probe (e.g. ``print``); None = silent.
 
     Returns:
@@ -88,10 +103,10 @@ def longest_fitting_seq_len(cfg: Config, memory_bytes: int, *, granularity: int 
 
     def fits(k: int) -> bool:
         t0 = time.perf_counter()
-        peak = measure(at(k))
-        ok = peak <= memory_bytes
-        say(f"  P={p} seq_len={k * unit:>8}: {peak / GIB:8.3f} GiB "
-            f"{'fits' if ok else 'over'} ({time.perf_counter() - t0:.1f} s)")
+        peak, host = _both(measure(at(k)))
+        ok = peak <= memory_bytes and (host_bytes is None or host <= host_bytes)
+        say(f"  P={p} seq_len={k * unit:>8}: {peak / GIB:8.3f} GiB device, {host / GIB:8.3f} "
+            f"GiB host {'fits' if ok else 'over'} ({time.perf_counter() - t0:.1f} s)")
         return ok
 
     # Counted in units: lo always fits, hi never does (or lies past max_seq_len).
@@ -131,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML preset (configs/*.yaml)")
     p.add_argument("--memory-gb", type=float, required=True,
                    help="per-device budget in GiB (2**30 bytes); leave headroom for the runtime")
+    p.add_argument("--host-memory-gb", type=float,
+                   help="host memory per device in GiB for what the offload options keep there "
+                        "(model.offload_checkpoints, optimizer.offload); default unlimited")
     p.add_argument("--p", default=",".join(map(str, DEFAULT_P)),
                    help="Ulysses degrees to plan for, comma-separated (default 1,2,4,8)")
     p.add_argument("--granularity", type=int, default=1024,
@@ -145,6 +163,10 @@ def _plan_configs(args) -> tuple[Config, dict[int, Config]]:
     """The base config and one config per P, all validated before JAX starts."""
     if not (args.memory_gb > 0 and math.isfinite(args.memory_gb)):
         raise ValueError(f"--memory-gb must be a positive number, got {args.memory_gb}")
+    if args.host_memory_gb is not None and not (args.host_memory_gb >= 0 and
+                                                math.isfinite(args.host_memory_gb)):
+        raise ValueError(f"--host-memory-gb must be a non-negative number, got "
+                         f"{args.host_memory_gb}")
     if args.granularity < 1:
         raise ValueError(f"--granularity must be a positive integer, got {args.granularity}")
     cfg = load_config(args.config, args.overrides)
@@ -163,8 +185,18 @@ def _plan_configs(args) -> tuple[Config, dict[int, Config]]:
     return cfg, per_p
 
 
+def _moe_note(m) -> str:
+    """The MoE shape for the header: experts are split over all P x data devices, so each P
+    also changes the experts per device (and must divide them; checked per P)."""
+    if not m.num_experts:
+        return ""
+    cf = m.moe_capacity_factor
+    return (f" experts={m.num_experts} top-{m.num_experts_per_tok} moe_ffn_dim={m.moe_ffn_dim}"
+            f" capacity_factor={cf if cf else 'none (no dropping)'}")
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     try:
         cfg, per_p = _plan_configs(args)
     except ValueError as e:  # ConfigError included
@@ -174,31 +206,53 @@ def main(argv=None) -> int:
     # only if JAX has not started yet (true when run as a module).
     need = max(c.mesh.data * c.mesh.ring * c.mesh.seq for c in per_p.values())
     request_cpu_devices(max(8, need))
+    dump, flags_before = None, os.environ.get("XLA_FLAGS")
+    if cfg.model.offload_checkpoints or cfg.optimizer.offload:  # the host column needs them
+        dump = tempfile.mkdtemp(prefix="ulysses_plan_")  # (read by XLA if JAX starts below)
+        os.environ["XLA_FLAGS"] = f"{flags_before or ''} {memory.dump_flags(dump)}".strip()
     import jax
 
     m = cfg.model
     budget = int(args.memory_gb * GIB)
+    host_budget = None if args.host_memory_gb is None else int(args.host_memory_gb * GIB)
     print(f"plan: {args.config}  d_model={m.d_model} layers={m.n_layers} heads={m.n_heads}/"
           f"{m.n_kv_heads} dtype={m.dtype} remat={m.remat} param_sharding={cfg.param_sharding} "
-          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}; budget {args.memory_gb:g} GiB "
-          f"per device; {jax.device_count()} {jax.devices()[0].platform} devices", flush=True)
-    results = {}
-    for p, c in per_p.items():
-        print(f"P={p}: searching multiples of {search_unit(p, args.granularity)}", flush=True)
-        try:
-            results[p] = longest_fitting_seq_len(
-                c, budget, granularity=args.granularity, max_seq_len=args.max_seq_len,
-                progress=lambda line: print(line, flush=True))
-        except ValueError as e:  # e.g. more devices than this machine has
-            print(f"error: P={p}: {e}", file=sys.stderr)
-            return 2
-    print(f"\n{'P':>3}  {'longest seq_len':>16}  note")
+          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}{_moe_note(m)} offload: checkpoints="
+          f"{m.offload_checkpoints} optimizer={cfg.optimizer.offload}; budget "
+          f"{args.memory_gb:g} GiB per device"
+          f"{'' if host_budget is None else f', {args.host_memory_gb:g} GiB host per device'}; "
+          f"{jax.device_count()} {jax.devices()[0].platform} devices", flush=True)
+    results, peaks = {}, {}
+
+    def measure(c):
+        peaks[c.mesh.seq, c.seq_len] = peak_bytes(c)
+        return peaks[c.mesh.seq, c.seq_len]
+
+    try:
+        for p, c in per_p.items():
+            print(f"P={p}: searching multiples of {search_unit(p, args.granularity)}", flush=True)
+            try:
+                results[p] = longest_fitting_seq_len(
+                    c, budget, granularity=args.granularity, max_seq_len=args.max_seq_len,
+                    progress=lambda line: print(line, flush=True), measure=measure,
+                    host_bytes=host_budget)
+            except ValueError as e:  # e.g. more devices than this machine has
+                print(f"error: P={p}: {e}", file=sys.stderr)
+                return 2
+    finally:
+        if dump:
+            shutil.rmtree(dump, ignore_errors=True)
+            os.environ["XLA_FLAGS"] = flags_before or ""  # main() called from Python
+    print(f"\n{'P':>3}  {'longest seq_len':>16}  {'device GiB':>10}  {'host GiB':>9}  note")
     for p, length in results.items():
         unit = search_unit(p, args.granularity)
         note = ("even one unit does not fit" if length is None else
                 f"reached --max-seq-len {args.max_seq_len}; longer may fit"
                 if length + unit > args.max_seq_len else "")
-        print(f"{p:>3}  {'-' if length is None else length:>16}  {note}")
+        dev, host = peaks.get((p, length), (None, None))
+        cols = ("-", "-") if dev is None else (f"{dev / GIB:.2f}", f"{host / GIB:.2f}")
+        print(f"{p:>3}  {'-' if length is None else length:>16}  {cols[0]:>10}  {cols[1]:>9}  "
+              f"{note}")
     return 0
 
 

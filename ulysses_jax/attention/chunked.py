@@ -40,15 +40,20 @@ same rule holds on true positions.
 
 Scale and softcap. Scores are scale * q.k (default 1/sqrt(H)); with a softcap c (Gemma 2)
 they become c * tanh(score / c) before masking, and the backward multiplies dS by the
-derivative, 1 - tanh², recomputed with the tile.
+derivative, 1 - tanh², recomputed with the tile (in both loop orders).
 
 Backward (custom_vjp). The residuals are q, k, v, out and the per-row logsumexp (O(S) extra).
 One scan walks over key blocks j; an inner fori_loop walks over the query blocks that can see
 block j (from floor(j*Sb / Tb) when causal, from 0 otherwise), recomputes the score tile,
 P = exp(S - lse), and with delta = rowsum(dO * O) forms dS = P * (dP - delta). dK_j and dV_j
-accumulate in the inner carry; dQ accumulates into one fp32 [nq, B, Tb, K, G, H] buffer in the
+accumulate in the inner carry; dQ accumulates into one fp32 [B, T, K, G, H] buffer in the
 scan carry (updated in place). Backward memory is O(S * H + Tb * Sb) per head, never S x S.
 The backward is not itself differentiable (no second derivatives).
+
+Layout. Every block is a slice of the arrays as they come ([B, T, N, H] rows i*Tb ...): no
+loop reads a pre-transposed [nq, B, Tb, ...] copy, and the output, logsumexp, dQ, dK and dV
+are written into their final layout in place, so the kernel holds no second copy of q, dO
+or its results (each such copy is as large as q).
 
 Ragged lengths. T and S are padded up to multiples of the (clamped) block sizes; padded keys are
 masked out, padded query rows are computed and dropped (their cotangent is zero, so they add
@@ -95,16 +100,19 @@ def _scores(plan, scale, q_i, k, i, j, seg_q, seg_k, offset=0):
     return s, k_j, capped
 
 
-def _lse_rows(lse_blocks):
-    """[nq, B, K, G, Tb] -> [B, nq*Tb, N] (query head n = kv head * G + group member)."""
-    nq, b, kh, g, bq = lse_blocks.shape
-    return lse_blocks.transpose(1, 0, 4, 2, 3).reshape(b, nq * bq, kh * g)
+def _rows(x, i, block: int, kh: int):
+    """Rows i*block .. (i+1)*block - 1 of [B, T, N, H] as [B, Tb, K, G, H]: a slice of the
+    array as it is (no blocked copy of the whole)."""
+    b, _, n, h = x.shape
+    return lax.dynamic_slice_in_dim(x, i * block, block, 1).reshape(b, block, kh, n // kh, h)
 
 
-def _lse_blocks(rows, plan: _Plan, kh: int):
-    """[B, nq*Tb, N] -> [nq, B, K, G, Tb], the inverse of ``_lse_rows``."""
-    b, _, n = rows.shape
-    return rows.reshape(b, plan.nq, plan.bq, kh, n // kh).transpose(1, 0, 3, 4, 2)
+def _row_stats(x, i, block: int, kh: int):
+    """Rows of a per-row statistic [B, T, N] as [B, K, G, Tb] (query head n = kv head * G +
+    group member)."""
+    b, _, n = x.shape
+    rows = lax.dynamic_slice_in_dim(x, i * block, block, 1)                # [B, Tb, N]
+    return rows.reshape(b, block, kh, n // kh).transpose(0, 2, 3, 1)
 
 
 def _forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, out_dtype=None, offset=0):
@@ -122,15 +130,15 @@ def _forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, out_dtype=None, o
       logsumexp of each row's scores (-inf on rows that see no key); and the number of
       (query block, key block) tiles computed, an int32 scalar.
     """
-    b, _, n, h = q.shape
+    b, tp, n, h = q.shape
     kh = k.shape[2]
-    g = n // kh
-    q_blocks = q.reshape(b, plan.nq, plan.bq, kh, g, h).swapaxes(0, 1)    # [nq, B, Tb, K, G, H]
-
+    out_dtype = out_dtype or q.dtype
     (key_lo, key_hi), _ = plan.ranges(seg_q, seg_k, offset)              # [nq] each
 
-    def one_query_block(visits, xs):
-        i, lo, hi, q_i = xs                                               # q_i: [B, Tb, K, G, H]
+    def one_query_block(carry, xs):
+        visits, out_all, lse_all = carry                                  # [B, T, N, H], [B, T, N]
+        i, lo, hi = xs
+        q_i = _rows(q, i, plan.bq, kh)                                    # [B, Tb, K, G, H]
 
         def tile(j):
             """Softmax stats of one key block on its own: local max, sum, unnormalised P @ V."""
@@ -160,90 +168,184 @@ def _forward(q, k, v, seg_q, seg_k, plan: _Plan, scale: float, out_dtype=None, o
         m, l, acc = tile(jnp.minimum(lo, plan.nk - 1))
         m = jnp.where(nonempty, m, -jnp.inf)
         l, acc = l * nonempty, acc * nonempty
-        m, l, acc, visits = lax.fori_loop(lo + 1, hi, merge,
-                                          (m, l, acc, visits + nonempty.astype(jnp.int32)))
+        visits = visits + nonempty.astype(jnp.int32)
+        if plan.nk > 1:  # one key block: the seed is all there is (no loop, no loop buffers)
+            m, l, acc, visits = lax.fori_loop(lo + 1, hi, merge, (m, l, acc, visits))
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[..., None]                    # [B, K, G, Tb, H]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)  # [B, K, G, Tb]
-        return visits, (out.transpose(0, 3, 1, 2, 4).astype(out_dtype or q.dtype), lse)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(b, plan.bq, n, h)      # [B, Tb, N, H]
+        lse = lse.transpose(0, 3, 1, 2).reshape(b, plan.bq, n)            # [B, Tb, N]
+        # Written into the result in place: no [nq, ...] stack to transpose at the end.
+        out_all = lax.dynamic_update_slice_in_dim(out_all, out.astype(out_dtype), i * plan.bq, 1)
+        lse_all = lax.dynamic_update_slice_in_dim(lse_all, lse, i * plan.bq, 1)
+        return (visits, out_all, lse_all), None
 
-    # zeros_like(key_lo): inside shard_map the count then varies over the same mesh axes as
-    # the ids it is counted from.
-    visits, (out, lse) = lax.scan(one_query_block, jnp.zeros_like(key_lo[0]),
-                                  (jnp.arange(plan.nq), key_lo, key_hi, q_blocks))
-    # out: [nq, B, Tb, K, G, H]
-    out = out.swapaxes(0, 1).reshape(b, plan.nq * plan.bq, n, h)          # [B, nq*Tb, N, H]
-    return out, _lse_rows(lse), visits
+    # zeros_like of the inputs: inside shard_map the carries then vary over the same mesh
+    # axes as what the loop writes into them.
+    init = (jnp.zeros_like(key_lo[0]), jnp.zeros_like(q, dtype=out_dtype),
+            jnp.zeros_like(q[..., 0], dtype=_F32))
+    (visits, out, lse), _ = lax.scan(one_query_block, init,
+                                     (jnp.arange(plan.nq), key_lo, key_hi))
+    return out, lse, visits                                               # [B, T, N, H], [B, T, N]
 
 
 def _delta(out, d_out):
-    """rowsum(dO * O), fp32 [B, T, N]: the softmax-backward term of FlashAttention-2."""
-    return jnp.einsum("btnh,btnh->btn", out.astype(_F32), d_out.astype(_F32))
+    """rowsum(dO * O), fp32 [B, T, N]: the softmax-backward term of FlashAttention-2.
+    (Accumulated in fp32 by the contraction itself: no fp32 copies of O and dO.)"""
+    return jnp.einsum("btnh,btnh->btn", out, d_out, preferred_element_type=_F32)
 
 
 def _backward(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: float,
-              grad_dtype=None, offset=0):
+              grad_dtype=None, out=None, offset=0):
     """Blocked FlashAttention-2 backward on padded inputs (shapes as in ``_forward``).
 
     Args:
       lse: [B, nq*Tb, N] fp32, the logsumexp of each row over ALL the keys its output saw
         (for a partial key range inside a ring, the merged one); -inf on rows that saw none.
-      delta: [B, nq*Tb, N] fp32, ``_delta`` of the final output and its cotangent.
+      delta: [B, nq*Tb, N] fp32, ``_delta`` of the final output and its cotangent; or None,
+        and ``out`` (the final output) given: each query block's delta is then formed where
+        it is used, with no fp32 [B, T, N, H] operands.
       grad_dtype: dtype of dq, dk, dv; default the dtypes of q, k, v.
       offset: as in ``_forward``.
 
     Returns:
       dq, dk, dv and the number of tiles recomputed.
+
+    Two loop orders, the same tiles: over key blocks outside (dq accumulates in an fp32
+    [B, T, N, H] buffer) or, when a kv head serves more than two query heads (G > 2, GQA),
+    over query blocks outside (dk and dv accumulate in fp32 [B, S, K, H] buffers, 2K < N
+    heads' worth: less memory).
     """
+    if q.shape[2] > 2 * k.shape[2]:
+        return _backward_by_query(q, k, v, seg_q, seg_k, lse, delta, d_out, plan, scale,
+                                  grad_dtype, out, offset)
     b, tp, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
-    blocks = lambda x: x.reshape(b, plan.nq, plan.bq, kh, g, h).swapaxes(0, 1)
-    q_blocks, do_blocks = blocks(q), blocks(d_out)                        # [nq, B, Tb, K, G, H]
-    delta = _lse_blocks(delta, plan, kh)                                  # [nq, B, K, G, Tb]
+    sp = plan.nk * plan.bk
     # A row that saw no key: lse +inf makes p = exp(-inf - inf) = 0 instead of NaN.
-    lse = _lse_blocks(jnp.where(lse == -jnp.inf, jnp.inf, lse), plan, kh)
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)                       # [B, T, N]
+    dt = lambda x: grad_dtype or x.dtype
 
     _, (query_lo, query_hi) = plan.ranges(seg_q, seg_k, offset)          # [nk] each
 
     def one_key_block(carry, xs):
         j, lo, hi = xs
-        dq_acc, visits = carry                                            # [nq, B, Tb, K, G, H], []
+        dq_acc, dk_all, dv_all, visits = carry        # [B, T, K, G, H] fp32, [B, S, K, H] x2, []
         v_j = lax.dynamic_slice_in_dim(v, j * plan.bk, plan.bk, 1)        # [B, Sb, K, H]
 
         def one_query_block(i, inner):
             dk_j, dv_j, dq_acc, visits = inner
-            q_i, do_i = q_blocks[i], do_blocks[i]                         # [B, Tb, K, G, H]
+            q_i, do_i = _rows(q, i, plan.bq, kh), _rows(d_out, i, plan.bq, kh)  # [B, Tb, K, G, H]
+            lse_i = _row_stats(lse, i, plan.bq, kh)                       # [B, K, G, Tb]
+            delta_i = _block_delta(delta, out, do_i, i, plan.bq, kh)      # [B, K, G, Tb]
             s, k_j, capped = _scores(plan, scale, q_i, k, i, j, seg_q, seg_k, offset)
-            p = jnp.exp(s - lse[i][..., None])                            # [B, K, G, Tb, Sb]
+            p = jnp.exp(s - lse_i[..., None])                             # [B, K, G, Tb, Sb]
             dv_j += jnp.einsum("bkgts,btkgh->bskh", p.astype(do_i.dtype), do_i,
                                preferred_element_type=_F32)               # [B, Sb, K, H]
             dp = jnp.einsum("btkgh,bskh->bkgts", do_i, v_j, preferred_element_type=_F32)
             # Masked entries have p == 0, hence ds == 0: no second mask needed.
-            ds = p * (dp - delta[i][..., None])                           # [B, K, G, Tb, Sb]
-            if capped is not None:  # d(c tanh(x / c)) / dx = 1 - tanh²
-                ds = ds * (1.0 - capped * capped)
-            ds = ds.astype(q.dtype)
+            ds = _softcap_grad(p * (dp - delta_i[..., None]), capped).astype(q.dtype)
             dq_i = jnp.einsum("bkgts,bskh->btkgh", ds, k_j, preferred_element_type=_F32)
-            dq_acc = dq_acc.at[i].add(dq_i)                   # XLA updates the carry in place
+            # dq accumulates in the rows' own layout, in place (XLA updates the carry).
+            old = lax.dynamic_slice_in_dim(dq_acc, i * plan.bq, plan.bq, 1)
+            dq_acc = lax.dynamic_update_slice_in_dim(dq_acc, old + dq_i, i * plan.bq, 1)
             dk_j += jnp.einsum("bkgts,btkgh->bskh", ds, q_i, preferred_element_type=_F32)
             return dk_j, dv_j, dq_acc, visits + 1
 
-        zeros = jnp.zeros_like(delta, shape=(b, plan.bk, kh, h))          # see init below
-        dk_j, dv_j, dq_acc, visits = lax.fori_loop(
-            lo, hi, one_query_block, (zeros, zeros, dq_acc, visits))
-        return (dq_acc, visits), (dk_j * scale, dv_j)
+        zeros = jnp.zeros_like(lse, shape=(b, plan.bk, kh, h))            # see init below
+        if plan.nq > 1:
+            dk_j, dv_j, dq_acc, visits = lax.fori_loop(
+                lo, hi, one_query_block, (zeros, zeros, dq_acc, visits))
+        else:  # one query block: no loop. If it sees no key, its p is 0 and it adds nothing.
+            dk_j, dv_j, dq_acc, _ = one_query_block(0, (zeros, zeros, dq_acc, visits))
+            visits = visits + (hi > lo).astype(jnp.int32)
+        dk_all = lax.dynamic_update_slice_in_dim(dk_all, (dk_j * scale).astype(dk_all.dtype),
+                                                 j * plan.bk, 1)
+        dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv_j.astype(dv_all.dtype),
+                                                 j * plan.bk, 1)
+        return (dq_acc, dk_all, dv_all, visits), None
 
-    # zeros_like(delta): delta depends on every input, so inside shard_map the zeros vary over
+    # zeros_like(lse): lse depends on every input, so inside shard_map the zeros vary over
     # the same mesh axes as the loop bodies' outputs (a plain jnp.zeros would not).
-    init = (jnp.zeros_like(delta, shape=(plan.nq, b, plan.bq, kh, g, h)), jnp.int32(0))
-    (dq, visits), (dk, dv) = lax.scan(one_key_block, init,
-                                      (jnp.arange(plan.nk), query_lo, query_hi))
-    dq = (dq * scale).swapaxes(0, 1).reshape(b, tp, n, h)                 # [B, nq*Tb, N, H]
-    dk = dk.swapaxes(0, 1).reshape(b, plan.nk * plan.bk, kh, h)           # [B, nk*Sb, K, H]
-    dv = dv.swapaxes(0, 1).reshape(b, plan.nk * plan.bk, kh, h)
+    init = (jnp.zeros_like(lse, shape=(b, tp, kh, g, h)),
+            jnp.zeros_like(lse, shape=(b, sp, kh, h), dtype=dt(k)),
+            jnp.zeros_like(lse, shape=(b, sp, kh, h), dtype=dt(v)),
+            jnp.zeros_like(query_lo[0]))
+    (dq, dk, dv, visits), _ = lax.scan(one_key_block, init,
+                                       (jnp.arange(plan.nk), query_lo, query_hi))
+    dq = (dq * scale).reshape(b, tp, n, h)                                # [B, T, N, H]
+    return dq.astype(dt(q)), dk, dv, visits
+
+
+def _block_delta(delta, out, do_i, i, block: int, kh: int):
+    """Query block i's delta [B, K, G, Tb]: a slice of ``delta``, or (None) formed from the
+    block of the output and its cotangent do_i [B, Tb, K, G, H]."""
+    if delta is not None:
+        return _row_stats(delta, i, block, kh)
+    o_i = _rows(out, i, block, kh)                                        # [B, Tb, K, G, H]
+    return jnp.einsum("btkgh,btkgh->bkgt", o_i, do_i, preferred_element_type=_F32)
+
+
+def _softcap_grad(ds, capped):
+    """dS [B, K, G, Tb, Sb] through the softcap: d(c tanh(x / c)) / dx = 1 - tanh² (``capped``
+    from ``_scores``; None without a cap)."""
+    return ds if capped is None else ds * (1.0 - capped * capped)
+
+
+def _backward_by_query(q, k, v, seg_q, seg_k, lse, delta, d_out, plan: _Plan, scale: float,
+                       grad_dtype=None, out=None, offset=0):
+    """``_backward`` with the query blocks in the outer loop (see there): dq of a block is
+    finished in its inner loop and written once; dk and dv accumulate over query blocks."""
+    b, tp, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    sp = plan.nk * plan.bk
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)                       # [B, T, N]
     dt = lambda x: grad_dtype or x.dtype
-    return dq.astype(dt(q)), dk.astype(dt(k)), dv.astype(dt(v)), visits
+    (key_lo, key_hi), _ = plan.ranges(seg_q, seg_k, offset)              # [nq] each
+
+    def one_query_block(carry, xs):
+        i, lo, hi = xs
+        dq_all, dk_acc, dv_acc, visits = carry        # [B, T, N, H], [B, S, K, H] fp32 x2, []
+        q_i, do_i = _rows(q, i, plan.bq, kh), _rows(d_out, i, plan.bq, kh)  # [B, Tb, K, G, H]
+        lse_i = _row_stats(lse, i, plan.bq, kh)                           # [B, K, G, Tb]
+        delta_i = _block_delta(delta, out, do_i, i, plan.bq, kh)          # [B, K, G, Tb]
+
+        def one_key_block(j, inner):
+            dq_i, dk_acc, dv_acc, visits = inner
+            s, k_j, capped = _scores(plan, scale, q_i, k, i, j, seg_q, seg_k, offset)
+            v_j = lax.dynamic_slice_in_dim(v, j * plan.bk, plan.bk, 1)    # [B, Sb, K, H]
+            p = jnp.exp(s - lse_i[..., None])                             # [B, K, G, Tb, Sb]
+            dv_j = jnp.einsum("bkgts,btkgh->bskh", p.astype(do_i.dtype), do_i,
+                              preferred_element_type=_F32)                # [B, Sb, K, H]
+            dp = jnp.einsum("btkgh,bskh->bkgts", do_i, v_j, preferred_element_type=_F32)
+            ds = _softcap_grad(p * (dp - delta_i[..., None]), capped).astype(q.dtype)
+            dq_i += jnp.einsum("bkgts,bskh->btkgh", ds, k_j, preferred_element_type=_F32)
+            dk_j = jnp.einsum("bkgts,btkgh->bskh", ds, q_i, preferred_element_type=_F32)
+            add = lambda acc, x: lax.dynamic_update_slice_in_dim(
+                acc, lax.dynamic_slice_in_dim(acc, j * plan.bk, plan.bk, 1) + x, j * plan.bk, 1)
+            return dq_i, add(dk_acc, dk_j), add(dv_acc, dv_j), visits + 1
+
+        zeros = jnp.zeros_like(lse, shape=(b, plan.bq, kh, g, h))         # see init below
+        if plan.nk > 1:
+            dq_i, dk_acc, dv_acc, visits = lax.fori_loop(
+                lo, hi, one_key_block, (zeros, dk_acc, dv_acc, visits))
+        else:  # one key block: no loop. If the block sees no key, its p is 0.
+            dq_i, dk_acc, dv_acc, _ = one_key_block(0, (zeros, dk_acc, dv_acc, visits))
+            visits = visits + (hi > lo).astype(jnp.int32)
+        dq_i = (dq_i * scale).reshape(b, plan.bq, n, h).astype(dq_all.dtype)
+        return (lax.dynamic_update_slice_in_dim(dq_all, dq_i, i * plan.bq, 1), dk_acc,
+                dv_acc, visits), None
+
+    # zeros_like of the inputs: inside shard_map the carries vary over the same mesh axes as
+    # what the loops write into them.
+    init = (jnp.zeros_like(q, dtype=dt(q)), jnp.zeros_like(lse, shape=(b, sp, kh, h)),
+            jnp.zeros_like(lse, shape=(b, sp, kh, h)), jnp.zeros_like(key_lo[0]))
+    (dq, dk, dv, visits), _ = lax.scan(one_query_block, init,
+                                       (jnp.arange(plan.nq), key_lo, key_hi))
+    return dq, (dk * scale).astype(dt(k)), dv.astype(dt(v)), visits
 
 
 def _pad_inputs(q, k, v, seg_q, seg_k, plan: _Plan):
@@ -273,7 +375,7 @@ def _attention_fwd(q, k, v, seg, plan, scale):
 def _attention_bwd(plan, scale, res, d_out):
     padded, out, lse = res
     d_out = _pad_to(d_out, 1, out.shape[1])
-    dq, dk, dv, _ = _backward(*padded, lse, _delta(out, d_out), d_out, plan, scale)
+    dq, dk, dv, _ = _backward(*padded, lse, None, d_out, plan, scale, out=out)
     return dq[:, :plan.t], dk[:, :plan.s], dv[:, :plan.s], None
 
 
@@ -316,6 +418,11 @@ def chunked_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int =
         raise ValueError(f"a sliding window needs T == S, got T {t}, S {s}")
     scale = float(h ** -0.5 if scale is None else scale)
     plan = block_plan(t, s, causal, block_q, block_k, window=window, softcap=softcap)
+    if segment_ids is not None:
+        # The tiles' masks depend only on the segment ids, the same in every layer: without
+        # this tie JAX's scan partial evaluation computes them for all tiles at once, outside
+        # the layer loop, and keeps them (a [nq, B, K, G, Tb, Sb] mask, growing with S).
+        q, segment_ids = lax.optimization_barrier((q, segment_ids))
     return _attention(q, k, v, segment_ids, plan, scale)
 
 

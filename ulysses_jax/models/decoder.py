@@ -11,7 +11,9 @@ None) on a mesh with a ring axis): every device holds S/P tokens, and only atten
 sequence, for N/P heads.
 Norms, projections and the MLP are token-local. The embedding and the loss split the
 vocabulary over the same devices by default (``vocab.py``, ``model.vocab_parallel``); with
-that off they are token-local too.
+that off they are token-local too. In a mixture-of-experts layer (``model.num_experts``,
+``moe.py``) the experts are split over all devices and tokens visit them by all-to-all
+(``expert_parallel.py``); ``layer_groups`` says how dense and MoE layers are stacked.
 
 RoPE runs before the exchange, on each device's own tokens, with the global (or per-document)
 position of every token carried in the batch (``positions`` [B, S], sharded like the tokens).
@@ -22,7 +24,7 @@ Weights use an [in, out] layout per projection (``wq`` [D, N, H], ``wo`` [N, H, 
 ``w_gate`` [D, F] ...), so a Hugging Face Linear weight [out, in] maps by a transpose and a
 reshape. Transformer blocks are stacked on a leading L axis and run with ``jax.lax.scan``, so
 compile time does not grow with depth; local (sliding-window) and global layers share that
-scan (``scan_layers``).
+scan (``Decoder._run_layers``).
 """
 from __future__ import annotations
 
@@ -31,19 +33,29 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import LAYER_KINDS, ModelConfig
 from .loss import largest_divisor_at_most
+from .norms import rms_norm
+from .tiled_mlp import tiled
 from ..mesh import act_spec, shard
 from . import vocab
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
+from .moe import MoE, STAT_KEYS, is_moe_layer
 
+_LAYER_INPUT = "layer_input"
 _REMAT_POLICIES = {
     "full": None,  # save nothing inside a block: recompute all of it
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # Save the weight matmul outputs, but in host memory, copied back for the backward pass.
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    # remat full with model.offload_checkpoints: the layer input, the one value the layer
+    # loop keeps per layer for the backward pass, goes to host memory and comes back there.
+    "full_offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[_LAYER_INPUT],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -86,10 +98,22 @@ class RMSNorm(nnx.Module):
         self.eps, self.one_plus = eps, one_plus
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = 1.0 + self.scale[...] if self.one_plus else self.scale[...]
-        return (y * scale).astype(x.dtype)
+        return rms_norm(x, self.weight(), self.eps)  # norms.py: no fp32 copy kept
+
+    def weight(self, mesh: Mesh | None = None):
+        """The fp32 scale [D] the norm multiplies by: w, or 1 + w (Gemma); replicated at its
+        point of use on a mesh (``_gathered``)."""
+        w = self.scale[...] if mesh is None else _gathered(self.scale[...], jnp.float32, mesh)
+        return 1.0 + w if self.one_plus else w
+
+    def over_chunks(self, x, mesh: Mesh | None, chunk: int):
+        """The norm over ``chunk`` tokens of each device at a time (``model.mlp_chunk``):
+        its fp32 work exists one chunk at a time, never for all of a device's tokens."""
+        if not chunk or mesh is None:
+            return self(x)
+        eps = self.eps
+        return _token_chunks(lambda xc, s: rms_norm(xc, s, eps), x, (self.weight(mesh),),
+                             mesh, chunk)
 
 
 def norm(cfg: ModelConfig, dim: int) -> RMSNorm:
@@ -169,52 +193,124 @@ class MLP(nnx.Module):
         up = jnp.einsum("BSD,DF->BSF", x, w_up)
         return jnp.einsum("BSF,FD->BSD", activation(gate) * up, w_down)
 
-    def __call__(self, x):
+    def __call__(self, x, norm: RMSNorm, post_norm: RMSNorm | None = None):
+        """mlp(norm(x)), or post_norm(mlp(norm(x))) (Gemma's post-feedforward norm). With
+        ``model.mlp_chunk`` (ALST's TiledMLP) the norms and the MLP run over chunks of each
+        device's tokens together, recomputed per chunk in the backward pass: the [B, S/P, F]
+        intermediates and the normed input exist one [B, C, .] chunk at a time. All of it is
+        token-local, so Gemma's (1 + w) scales (``RMSNorm.weight``) and post-norm fuse too."""
         dt, mesh, chunk = x.dtype, self.mesh, self.cfg.mlp_chunk
         weights = [_gathered(w[...], dt, mesh) for w in (self.w_gate, self.w_up, self.w_down)]
         # GeGLU (tanh GELU) in the Gemma family, SwiGLU otherwise.
         gelu = partial(jax.nn.gelu, approximate=True)
-        activation = gelu if self.cfg.family == "gemma" else jax.nn.silu
+        act = gelu if self.cfg.family == "gemma" else jax.nn.silu
         if not chunk or mesh is None:
-            return self._mlp(x, *weights, activation=activation)
-        return _tiled_mlp(x, weights, mesh, chunk, activation)
+            y = self._mlp(norm(x), *weights, activation=act)                       # [B, S, D]
+            return y if post_norm is None else post_norm(y)
+        eps = norm.eps
+        if post_norm is None:
+            fn = lambda xc, s, *w: MLP._mlp(rms_norm(xc, s, eps), *w, activation=act)
+            scales = (norm.weight(mesh),)
+        else:
+            post_eps = post_norm.eps
+            fn = lambda xc, s, s_post, *w: rms_norm(
+                MLP._mlp(rms_norm(xc, s, eps), *w, activation=act), s_post, post_eps)
+            scales = (norm.weight(mesh), post_norm.weight(mesh))
+        return _token_chunks(fn, x, (*scales, *weights), mesh, chunk)
 
 
-def _tiled_mlp(x, weights, mesh: Mesh, chunk: int, activation=jax.nn.silu):
-    """The MLP over sequence chunks of each device's tokens (ALST's TiledMLP).
+def _token_chunks(fn, x, weights, mesh: Mesh, chunk: int):
+    """``fn(x_chunk, *weights)`` over ``chunk`` tokens of each device at a time
+    (``tiled_mlp.tiled``: recomputed per chunk in the backward pass, no stacked copies).
 
-    Each device maps the MLP over its own tokens ``chunk`` at a time, recomputing each chunk
-    in the backward pass, so the [B, S/P, F] intermediates never exist whole: only one
-    [B, C, F] chunk at a time.
+    Args:
+      fn: token-local [B, C, D] -> [B, C, D]; x: [B, S, D] sharded like the activations;
+      weights: replicated (``_gathered``) arrays.
     """
     act = act_spec(mesh, 1)
 
-    def body(x, w_gate, w_up, w_down):
-        b, s, d = x.shape                                                  # x: [B/D, S/P, D]
-        c = largest_divisor_at_most(s, chunk)
-        xs = jnp.moveaxis(x.reshape(b, s // c, c, d), 1, 0)               # [S/P/C, B, C, D]
-        step = jax.checkpoint(lambda xc: MLP._mlp(xc, w_gate, w_up, w_down, activation))
-        return jnp.moveaxis(jax.lax.map(step, xs), 0, 1).reshape(b, s, d)
+    def body(x, *w):
+        c = largest_divisor_at_most(x.shape[1], chunk)                     # x: [B/D, S/P, D]
+        return tiled(fn, x, w, c)
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(), P(), P()), out_specs=act)
-    return fn(x, *weights)
+    return jax.shard_map(body, mesh=mesh, in_specs=(act,) + (P(),) * len(weights),
+                         out_specs=act)(x, *weights)
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
+
+    ``sparse``: the MLP is a mixture of experts (``self.moe``, models/moe.py) instead of the
+    dense SwiGLU (``self.mlp``). Calls return (x, router stats or None).
+    """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
-                 layout: str = "natural", head_chunks: int = 1):
+                 layout: str = "natural", head_chunks: int = 1, sparse: bool = False):
         self.attn_norm = norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, mesh, rngs=rngs, layout=layout, head_chunks=head_chunks)
         self.mlp_norm = norm(cfg, cfg.d_model)
-        self.mlp = MLP(cfg, mesh, rngs=rngs)
-        self.mesh = mesh
+        self.mlp = None if sparse else MLP(cfg, mesh, rngs=rngs)
+        self.moe = MoE(cfg, mesh, rngs=rngs) if sparse else None
+        self.mesh, self.chunk = mesh, cfg.mlp_chunk
 
     def __call__(self, x, positions, segment_ids, kind="G"):
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, kind)
-        x = x + self.mlp(self.mlp_norm(x))
-        return x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))
+        """``kind``: the layer's attention kind (``Attention.__call__``)."""
+        # Named scopes label the ops (profiles, ulysses_jax/memory.py's categories).
+        with jax.named_scope("attention"):
+            normed = self.attn_norm.over_chunks(x, self.mesh, self.chunk)             # [B, S, D]
+            x = x + self.attn(normed, positions, segment_ids, kind)
+        stats = None
+        with jax.named_scope("mlp"):
+            if self.moe is None:
+                x = x + self.mlp(x, self.mlp_norm)
+            else:
+                valid = jnp.ones(x.shape[:2], jnp.float32) if segment_ids is None else \
+                    (segment_ids > 0).astype(jnp.float32)                   # [B, S]
+                y, stats = self.moe(self.mlp_norm(x), valid)
+                x = x + y
+        return (x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))), stats
+
+
+def layer_groups(cfg: ModelConfig) -> list[tuple[int, tuple[bool, ...], int]]:
+    """How the layers are stacked: [(first layer, unit, repeats)], in order.
+
+    ``unit`` lists which layers of one repeat are sparse (MoE); a group is one
+    ``lax.scan`` over ``repeats`` copies of its unit, layer ``first + r * len(unit) + u``
+    being position u of repeat r. Layers of one kind form one group of unit length 1 (the
+    dense model as always); a pattern with a period (decoder_sparse_step = 2: dense, MoE,
+    dense, MoE, ...) one group whose unit is the period; anything else one group per run
+    of equal layers. (Attention kinds, local or global, do not split groups: a stack whose
+    layers mix them switches per layer, ``Decoder._run_layers``.)
+    """
+    kinds = tuple(is_moe_layer(cfg, i) for i in range(cfg.n_layers))
+    n = len(kinds)
+    for p in range(1, n + 1):
+        if n % p == 0 and kinds == kinds[:p] * (n // p):
+            if p < n or p == 1:
+                return [(0, kinds[:p], n // p)]
+            break
+    groups, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or kinds[i] != kinds[start]:
+            groups.append((start, (kinds[start],), i - start))
+            start = i
+    return groups
+
+
+def stacked_layer_indices(cfg: ModelConfig, keys: tuple) -> tuple[list[int], tuple]:
+    """Which layers a stacked parameter under ``layers`` holds, in stack order.
+
+    Args:
+      keys: its path below the model, starting with "layers" (as in ``nnx.to_pure_dict``).
+    Returns:
+      (layer indices, the path inside one Block).
+    """
+    groups = layer_groups(cfg)
+    if len(groups) == 1 and len(groups[0][1]) == 1:
+        return list(range(cfg.n_layers)), tuple(keys[1:])
+    g, u = int(keys[1]), int(keys[2])
+    first, unit, repeats = groups[g]
+    return [first + r * len(unit) + u for r in range(repeats)], tuple(keys[3:])
 
 
 class Decoder(nnx.Module):
@@ -227,18 +323,32 @@ class Decoder(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, layout: str = "natural",
-                 head_chunks: int = 1):
+                 head_chunks: int = 1, stream_layers: bool = False):
         self.cfg, self.mesh = cfg, mesh
+        # The layer weights live in host memory (optimizer.offload): each layer's are moved
+        # to the device inside the layer loop, so one layer's weights are on it at a time,
+        # and their gradients go back to the host the same way (the transpose of the move).
+        self.stream_layers = stream_layers
         self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.vocab_size, cfg.d_model)))                          # [V, D]
         keys = jax.random.split(rngs.params(), cfg.n_layers)
         if cfg.family == "gemma":
-            from .gemma import GemmaBlock as block  # gemma.py builds on this module's pieces
+            from .gemma import GemmaBlock as block_class  # gemma.py builds on this module
         else:
-            block = Block
-        self.layers = nnx.vmap(
-            lambda key: block(cfg, mesh, rngs=nnx.Rngs(key), layout=layout,
-                              head_chunks=head_chunks))(keys)                        # [L, ...]
+            block_class = Block
+
+        def stack(layer_keys, sparse):
+            return nnx.vmap(lambda key: block_class(
+                cfg, mesh, rngs=nnx.Rngs(key), layout=layout, head_chunks=head_chunks,
+                sparse=sparse))(layer_keys)                                          # [R, ...]
+
+        groups = layer_groups(cfg)
+        if len(groups) == 1 and len(groups[0][1]) == 1:
+            self.layers = stack(keys, groups[0][1][0])                               # [L, ...]
+        else:  # layers/{group}/{position in unit}: [repeats, ...] each; layer i keeps keys[i]
+            self.layers = nnx.List([nnx.List([
+                stack(keys[first + u::len(unit)][:repeats], sparse)
+                for u, sparse in enumerate(unit)]) for first, unit, repeats in groups])
         self.final_norm = norm(cfg, cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
@@ -257,25 +367,93 @@ class Decoder(nnx.Module):
         return self.embed[...].T if self.lm_head is None else self.lm_head[...]
 
     def hidden(self, tokens, positions=None, segment_ids=None) -> jax.Array:
-        """Final-normed hidden states [B, S, D] in the compute dtype.
+        """Final-normed hidden states [B, S, D] in the compute dtype (``hidden_and_stats``
+        without the router statistics)."""
+        return self.hidden_and_stats(tokens, positions, segment_ids)[0]
+
+    def hidden_and_stats(self, tokens, positions=None, segment_ids=None):
+        """Final-normed hidden states [B, S, D] in the compute dtype, and router statistics.
 
         Args:
           tokens: [B, S] int32.
           positions: [B, S] ints (default 0..S-1 in every row).
-          segment_ids: [B, S] ints for packed documents, or None.
+          segment_ids: [B, S] ints for packed documents (0 = padding), or None.
+        Returns:
+          (hidden, stats): stats is None for a dense model, else ``moe.router_stats`` summed
+          over all devices and MoE layers (the inputs of ``moe.aux_loss``).
         """
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        if self.vocab_parallel:
-            x = vocab.embed(self.embed[...], tokens, mesh=self.mesh, dtype=self.dtype,
-                            chunk=self.cfg.loss_chunk)                              # [B, S, D]
-        else:
-            x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)
-            x = shard(x, self.mesh, act_spec(self.mesh, 1))
-        if self.cfg.family == "gemma":  # embeddings x sqrt(D), the factor in the compute dtype
-            x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)
-        return self.final_norm(scan_layers(self.layers, self.cfg, x, positions, segment_ids))
+        with jax.named_scope("embed"):
+            if self.vocab_parallel:
+                x = vocab.embed(self.embed[...], tokens, mesh=self.mesh, dtype=self.dtype,
+                                chunk=self.cfg.loss_chunk)                          # [B, S, D]
+            else:
+                x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)
+                x = shard(x, self.mesh, act_spec(self.mesh, 1))
+            if self.cfg.family == "gemma":  # embeddings x sqrt(D), the factor in the compute dtype
+                x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)
+        with jax.named_scope("layers"):
+            x, stats = self._run_layers(x, positions, segment_ids)
+        return self.final_norm(x), stats
+
+    def _run_layers(self, x, positions, segment_ids):
+        """All layer groups in order; returns (x, router stats summed over MoE layers).
+
+        Per-layer attention kinds (``cfg.layer_kinds()``: L sliding window, G global): where
+        all layers of a stack are of one kind it is a static argument, the program of a model
+        without windows. Where they mix (Gemma 3's five local then one global, Qwen2's
+        max_window_layers) the scan also walks an int [repeats] of kind indices, and each
+        layer's attention chooses its branch by ``lax.switch``: both branches are compiled
+        once (each with a static window, RoPE base and kernel: cuDNN's window length must be
+        static, as must the ring's plan of steps), the parameters stay stacked as they are,
+        and the residuals the two branches save share buffers where their types agree (JAX
+        merges them), so memory stays that of one kind.
+        """
+        offload, stream = self.cfg.offload_checkpoints, self.stream_layers
+        homogeneous = not isinstance(self.layers, nnx.List)
+        groups = [[self.layers]] if homogeneous else self.layers
+        kinds = self.cfg.layer_kinds()
+        totals = None
+        for (first, unit, repeats), units in zip(layer_groups(self.cfg), groups):
+            graphdefs, states = zip(*(nnx.split(m) for m in units))
+            # The kinds of unit position u over the repeats: one static letter, or an index
+            # into LAYER_KINDS per repeat ([repeats] int32) when they mix.
+            unit_kinds = [kinds[first + u::len(unit)][:repeats] for u in range(len(unit))]
+            static = [k[0] if len(set(k)) == 1 else None for k in unit_kinds]
+            ids = [None if st else jnp.asarray([LAYER_KINDS.index(c) for c in k], jnp.int32)
+                   for st, k in zip(static, unit_kinds)]
+
+            def apply(graphdef, kind):
+                def fn(x, state, kind_id):
+                    if stream:
+                        state = jax.device_put(state, jax.memory.Space.Device)
+                    if offload:  # the checkpoint the backward pass recomputes the layer from
+                        x = checkpoint_name(x, _LAYER_INPUT)                         # [B, S, D]
+                    return nnx.merge(graphdef, state)(x, positions, segment_ids,
+                                                      kind if kind_id is None else kind_id)
+
+                if self.cfg.remat == "none":
+                    return fn
+                policy = _REMAT_POLICIES["full_offload" if offload else self.cfg.remat]
+                return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+            blocks = [apply(g, k) for g, k in zip(graphdefs, static)]
+
+            def body(x, xs):
+                found = []
+                for block, state, kind_id in zip(blocks, *xs):
+                    x, stats = block(x, state, kind_id)
+                    found.append(stats)
+                return x, found
+
+            x, found = jax.lax.scan(body, x, (list(states), ids))
+            for stats in found:  # [repeats, ...] each, or None for dense layers
+                if stats is not None:
+                    summed = {k: jnp.sum(stats[k], axis=0) for k in STAT_KEYS}
+                    totals = summed if totals is None else jax.tree.map(jnp.add, totals, summed)
+        return x, totals
 
     def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
         h = self.hidden(tokens, positions, segment_ids)
@@ -284,31 +462,3 @@ class Decoder(nnx.Module):
         cap = self.cfg.final_softcap
         return cap * jnp.tanh(logits / cap) if cap else logits
 
-
-def scan_layers(layers, cfg: ModelConfig, x, positions, segment_ids):
-    """Runs the stacked layers [L, ...] over x [B, S, D] in one ``lax.scan``.
-
-    Per-layer attention kinds (``cfg.layer_kinds()``: L sliding window, G global): when all
-    layers are of one kind it is a static argument, the program of a model without windows.
-    When they mix (Gemma 3's five local then one global, Qwen2's max_window_layers) the scan
-    also walks an int [L] of kind indices, and each layer's attention chooses its branch by
-    ``lax.switch``: both branches are compiled once (each with a static window, RoPE base
-    and kernel: cuDNN's window length must be static, as must the ring's plan of steps), the
-    parameters stay stacked as they are, and the residuals the two branches save share
-    buffers where their types agree (JAX merges them), so memory stays that of one kind.
-    """
-    graphdef, stacked = nnx.split(layers)
-    kinds = cfg.layer_kinds()
-
-    def layer(x, xs):
-        state, kind = xs if len(set(kinds)) > 1 else (xs, kinds[0])
-        return nnx.merge(graphdef, state)(x, positions, segment_ids, kind), None
-
-    if cfg.remat != "none":
-        layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    if len(set(kinds)) > 1:
-        ids = jnp.asarray([LAYER_KINDS.index(c) for c in kinds], jnp.int32)           # [L]
-        x, _ = jax.lax.scan(layer, x, (stacked, ids))
-    else:
-        x, _ = jax.lax.scan(layer, x, stacked)
-    return x

@@ -16,6 +16,7 @@ The attention itself is decoder.Attention: the exchange does not care which bloc
 """
 from __future__ import annotations
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -25,19 +26,33 @@ from .decoder import MLP, Attention, norm
 
 
 class GemmaBlock(nnx.Module):
-    """x + post_norm(attn(norm(x))), then x + post_norm(mlp(norm(x))); x: [B, S, D]."""
+    """x + post_norm(attn(norm(x))), then x + post_norm(mlp(norm(x))); x: [B, S, D].
+
+    Calls return (x, None), as decoder.Block's do for a dense layer (Gemma has no MoE layers;
+    config.validate refuses them). With ``model.mlp_chunk`` the pre-norm, the GeGLU MLP and
+    the post-norm all run inside the fused token-chunk loop (``MLP.__call__``): every step is
+    token-local and the (1 + w) scales are plain fp32 [D] weights, so nothing needs the
+    unfused path.
+    """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
-                 layout: str = "natural", head_chunks: int = 1):
+                 layout: str = "natural", head_chunks: int = 1, sparse: bool = False):
+        if sparse:
+            raise ValueError("model.family=gemma has no mixture-of-experts layers")
         self.attn_norm = norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, mesh, rngs=rngs, layout=layout, head_chunks=head_chunks)
         self.attn_post_norm = norm(cfg, cfg.d_model)
         self.mlp_norm = norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg, mesh, rngs=rngs)
         self.mlp_post_norm = norm(cfg, cfg.d_model)
-        self.mesh = mesh
+        self.mesh, self.chunk = mesh, cfg.mlp_chunk
 
     def __call__(self, x, positions, segment_ids, kind="G"):
-        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), positions, segment_ids, kind))
-        x = x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
-        return x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))
+        mesh, chunk = self.mesh, self.chunk
+        with jax.named_scope("attention"):
+            normed = self.attn_norm.over_chunks(x, mesh, chunk)                       # [B, S, D]
+            o = self.attn(normed, positions, segment_ids, kind)                      # [B, S, D]
+            x = x + self.attn_post_norm.over_chunks(o, mesh, chunk)
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(x, self.mlp_norm, self.mlp_post_norm)
+        return (x if mesh is None else shard(x, mesh, act_spec(mesh, 1))), None

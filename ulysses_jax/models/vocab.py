@@ -83,6 +83,17 @@ def _owned(ids, rows: int, axes):
     return jnp.where(own, local, 0), own
 
 
+def _own_rows(w, ids, axes):
+    """Rows of ``w`` [Vl, D] for the ids this device owns, zeros for the others: [..., D].
+
+    Ids owned elsewhere become the out-of-range row Vl, which the gather fills with zeros;
+    so the backward pass keeps only the int ids, not a [..., D] mask (a where on the rows
+    would keep one per chunk, growing with the sequence)."""
+    rows = w.shape[0]
+    local, own = _owned(ids, rows, axes)
+    return jnp.take(w, jnp.where(own, local, rows), axis=0, mode="fill", fill_value=0)
+
+
 def embed(table, tokens, *, mesh: Mesh, dtype, chunk: int = 1024):
     """Token embeddings, each device looking up only the vocabulary rows it owns.
 
@@ -102,11 +113,10 @@ def embed(table, tokens, *, mesh: Mesh, dtype, chunk: int = 1024):
 
     def body(w, t):
         # w: [Vl, D] fp32; t: [B/D, L] ints
-        rows = w.shape[0]
 
         def one(tc):                                                       # tc: [B, C]
-            ids, own = _owned(lax.all_gather(tc, axes, axis=1, tiled=True), rows, axes)
-            x = jnp.where(own[..., None], jnp.take(w, ids, axis=0), 0).astype(dtype)
+            ids = lax.all_gather(tc, axes, axis=1, tiled=True)                # [B, C*P]
+            x = _own_rows(w, ids, axes).astype(dtype)                          # [B, C*P, D]
             return lax.psum_scatter(x, axes, scatter_dimension=1, tiled=True)   # [B, C, D]
 
         c = largest_divisor_at_most(t.shape[1], chunk)

@@ -17,17 +17,58 @@ continues in a background thread. ``restore``, ``wait`` and ``close`` block unti
 
 Restoring reshards: the target layout comes from ``abstract_state`` (``ShapeDtypeStruct`` leaves
 with ``.sharding``), so a run saved on one mesh resumes on another (or on one device).
+
+Damage: a committed step whose files were later truncated or deleted (or an empty step
+directory) fails to restore. ``restore_newest`` then falls back to the newest step that does
+restore and moves the damaged newer ones to ``DIR.damaged/<step>`` (kept, not deleted). A step
+that reads but holds other shapes than the requested state is not damage: it is refused
+(``IncompatibleCheckpoint``) and nothing is moved.
 """
 from __future__ import annotations
 
 import os
-from typing import Any
+import re
+from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
 _STATE, _EXTRA = "state", "extra"
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (disk full, I/O error). That step is not a
+    checkpoint; the ones before it are untouched."""
+
+
+class IncompatibleCheckpoint(ValueError):
+    """A readable checkpoint whose arrays do not match the requested state's shapes.
+
+    Attributes: ``step``, ``extra`` (its JSON extras), ``diffs`` (one line per differing
+    array, "path: saved ..., wanted ...")."""
+
+    def __init__(self, step: int, extra: dict, diffs: list[str]):
+        super().__init__(f"checkpoint step {step} holds other shapes: {'; '.join(diffs[:3])}"
+                         f"{f' and {len(diffs) - 3} more' if len(diffs) > 3 else ''}")
+        self.step, self.extra, self.diffs = step, extra, diffs
+
+
+class NoCheckpointRestores(RuntimeError):
+    """Every checkpoint in the directory is damaged; none was moved."""
+
+
+def _registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """Handlers registered up front, so a step's metadata (shapes) can be read before, or
+    without, restoring it."""
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    state, extra = ocp.handlers.StandardCheckpointHandler(), ocp.handlers.JsonCheckpointHandler()
+    for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
+        registry.add(_STATE, args, state)
+    for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
+        registry.add(_EXTRA, args, extra)
+    return registry
 
 
 class Checkpointer:
@@ -68,7 +109,8 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # leftovers of saves that crashed
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              item_names=(_STATE, _EXTRA))
+                                              handler_registry=_registry())
+        self._saving: int | None = None  # the step of a save that may still be in flight
 
     def latest_step(self) -> int | None:
         """Returns the newest checkpoint step, or None when there is none.
@@ -96,7 +138,7 @@ class Checkpointer:
           than the latest checkpoint unless forced, or ``step`` already saved).
 
         Raises:
-          The error of the previous save if it failed in the background (see ``wait``).
+          SaveFailed: this save, or the previous one in the background, failed.
         """
         # Orbax waits for the previous save inside save() anyway; waiting here first lets a
         # failure of it go through wait()'s bookkeeping.
@@ -107,7 +149,11 @@ class Checkpointer:
             return False
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(state),
                                      _EXTRA: ocp.args.JsonSave(extra)})
-        return self._manager.save(step, args=args, force=force)
+        self._saving = step
+        try:
+            return self._manager.save(step, args=args, force=force)
+        except Exception as e:  # the synchronous part: directories, array copies
+            raise self._failed(e) from e
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
         """Reads a checkpoint into the layout described by ``abstract_state``.
@@ -139,23 +185,98 @@ class Checkpointer:
             _EXTRA: ocp.args.JsonRestore()}))
         return out[_STATE], out[_EXTRA]
 
+    def restore_newest(self, abstract_state: Any,
+                       check: Callable[[int, dict], None] | None = None):
+        """Restores the newest checkpoint that restores, setting damaged newer ones aside.
+
+        Args:
+          abstract_state: as for ``restore``.
+          check: ``check(step, extra)`` may refuse an intact checkpoint by raising (e.g. it
+            was saved for other data); that ends the search, nothing is moved.
+
+        Returns:
+          None if there is no checkpoint, else ``(step, state, extra, moved)``: ``moved`` has
+          one "step S -> path (reason)" line per damaged newer checkpoint moved aside.
+
+        Raises:
+          IncompatibleCheckpoint: the newest readable checkpoint has other shapes.
+          NoCheckpointRestores: every checkpoint is damaged.
+        """
+        self.wait()
+        wanted = _shapes(abstract_state)
+        damaged = []
+        for step in reversed(self.all_steps()):
+            try:
+                extra, saved = self._read_extra(step), self._saved_shapes(step)
+            except Exception as e:  # any unreadable file: Orbax and TensorStore raise many types
+                damaged.append((step, e))
+                continue
+            diffs = _diff(saved, wanted)
+            if diffs:
+                raise IncompatibleCheckpoint(step, extra, diffs)
+            if check is not None:
+                check(step, extra)
+            try:
+                state = self.restore(abstract_state, step)[0]
+            except Exception as e:
+                damaged.append((step, e))
+                continue
+            return step, state, extra, [self._set_aside(s, e) for s, e in damaged]
+        if damaged:
+            raise NoCheckpointRestores(
+                f"no checkpoint in {self.directory} restores: " + "; ".join(
+                    f"step {s}: {_first_line(e)}" for s, e in damaged))
+        return None
+
+    def _read_extra(self, step: int) -> dict:
+        return self._manager.restore(
+            step, args=ocp.args.Composite(**{_EXTRA: ocp.args.JsonRestore()}))[_EXTRA]
+
+    def _saved_shapes(self, step: int) -> dict:
+        tree = self._manager.metadata(step).item_metadata[_STATE]
+        if tree is None:
+            raise FileNotFoundError(f"no array metadata in step {step}")
+        return _shapes(tree)
+
+    def _set_aside(self, step: int, error: Exception) -> str:
+        """Moves damaged step ``step`` to ``DIR.damaged/<step>[.n]``; returns a line on it."""
+        aside = f"{self.directory}.damaged"
+        target, n = os.path.join(aside, str(step)), 0
+        while os.path.exists(target):
+            n += 1
+            target = os.path.join(aside, f"{step}.{n}")
+        if jax.process_index() == 0:
+            os.makedirs(aside, exist_ok=True)
+            os.rename(os.path.join(self.directory, str(step)), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"checkpoint set aside {step}")
+        self._manager.reload()
+        return f"step {step} -> {target} ({_first_line(error)})"
+
     def wait(self) -> None:
         """Blocks until background saves (and old-checkpoint deletion) are finished.
 
         Raises:
-          The error of a background save that failed (once). That step is then not a
-          checkpoint, and the previous ones stay usable.
+          SaveFailed: a background save failed (raised once). That step is then not a
+            checkpoint, and the previous ones stay usable.
         """
         try:
             self._manager.wait_until_finished()
-        except Exception:
-            # Orbax forgets the failed step but also the steps it had scheduled for deletion,
-            # which are still on disk (deletion only follows a commit): re-read the directory.
-            self._manager.reload()
-            raise
+        except Exception as e:
+            raise self._failed(e) from e
+        self._saving = None
+
+    def _failed(self, error: Exception) -> SaveFailed:
+        # Orbax forgets the failed step but also the steps it had scheduled for deletion,
+        # which are still on disk (deletion only follows a commit): re-read the directory.
+        self._manager.reload()
+        step, self._saving = self._saving, None
+        return SaveFailed(f"saving checkpoint step {step} in {self.directory} failed: "
+                          f"{_write_error(error)}")
 
     def close(self) -> None:
-        """Waits for pending saves (raising a failure, see ``wait``); releases Orbax threads."""
+        """Waits for pending saves (raising SaveFailed, see ``wait``); releases Orbax threads."""
         try:
             self.wait()
         finally:
@@ -166,3 +287,40 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """"a/b/c" -> (shape, dtype) of each array leaf. Keys are names only, so a namedtuple
+    field (``.mu``) and the dict key Orbax saves it under (``["mu"]``) compare equal."""
+    def name(k):
+        return str(next(getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)))
+    return {"/".join(name(k) for k in path): (tuple(leaf.shape), np.dtype(leaf.dtype).name)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _diff(saved: dict, wanted: dict) -> list[str]:
+    """One line per array that differs between two ``_shapes`` dicts, in ``wanted``'s order
+    (then the saved-only arrays)."""
+    def show(entry):
+        return "absent" if entry is None else f"{entry[0]} {entry[1]}"
+    keys = list(wanted) + [k for k in saved if k not in wanted]
+    return [f"{k}: saved {show(saved.get(k))}, wanted {show(wanted.get(k))}"
+            for k in keys if saved.get(k) != wanted.get(k)]
+
+
+def _write_error(error: BaseException) -> str:
+    """The operating system's reason for a failed write ("No space left on device (errno
+    28)"), which TensorStore reports inside a long message; else the error's first line."""
+    code = getattr(error, "errno", None)
+    if code is None:
+        found = re.search(r"os_error_code='(\d+)'", str(error))
+        code = int(found.group(1)) if found else None
+    return f"{os.strerror(code)} (errno {code})" if code else _first_line(error)
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    """``Type: first line`` of an error, cut to ``limit`` characters (TensorStore's errors
+    carry a long JSON spec)."""
+    text = str(error).strip()
+    line = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    return line if len(line) <= limit else line[:limit] + " ..."

@@ -82,13 +82,14 @@ class HFTokenizer:
             raise ImportError("HFTokenizer needs the Hugging Face tokenizers package: "
                               "pip install tokenizers") from e
         self.path = path
-        self._tok = tokenizers.Tokenizer.from_file(path)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises a bare Exception for any bad file
+            raise ValueError(f"{path} is not a tokenizer.json the tokenizers package can read: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
         if eos_token is None and os.path.exists(config):
-            with open(config) as f:
-                eos_token = json.load(f).get("eos_token")
-            if isinstance(eos_token, dict):  # {"content": "</s>", ...} in older configs
-                eos_token = eos_token.get("content")
+            eos_token = _eos_from_config(config)
         names = (eos_token,) if eos_token else EOS_CANDIDATES
         ids = [self._tok.token_to_id(n) for n in names]
         found = [i for i in ids if i is not None]
@@ -110,6 +111,17 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+
+
+def _eos_from_config(path: str) -> str | None:
+    """``eos_token`` of a tokenizer_config.json: a string, or {"content": ...} in older files."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    return eos.get("content") if isinstance(eos, dict) else eos
 
 
 def load_tokenizer(path: str | None, eos_token: str | None = None):
@@ -163,13 +175,37 @@ def text_documents(paths: Sequence[str]) -> list[tuple[str, str]]:
             with open(path, encoding="utf-8", errors="replace") as f:
                 docs.append((path, f.read()))
         elif path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
+            with open(path, "rb") as f:
                 for n, line in enumerate(f, 1):
-                    if line.strip():
-                        docs.append((f"{path}:{n}", json.loads(line)["text"]))
+                    text = _jsonl_text(line, f"{path}:{n}")
+                    if text is not None:
+                        docs.append((f"{path}:{n}", text))
         else:
             raise ValueError(f"{path}: unsupported file type, expected .txt, .md or .jsonl")
     return docs
+
+
+def _jsonl_text(line: bytes, where: str) -> str | None:
+    """The "text" of one .jsonl line (None for a blank line); ValueError naming ``where``
+    (file:line) and the rule otherwise."""
+    try:
+        line = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte {e.start} of the line)") from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line "
+                         f'must be an object such as {{"text": "..."}}') from None
+    if not isinstance(record, dict) or "text" not in record:
+        got = f"keys {sorted(record)}" if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f'{where}: each line must be an object with a "text" field, got {got}')
+    if not isinstance(record["text"], str):
+        raise ValueError(f'{where}: "text" must be a string, got '
+                         f'{type(record["text"]).__name__}')
+    return record["text"]
 
 
 def load_documents(source: str) -> list[tuple[str, str]]:

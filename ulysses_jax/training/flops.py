@@ -22,14 +22,17 @@ less work than it counts (their "useful" attention is sum(l²)/S² of it).
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..models.moe import mlp_matmul_params
 
 
 def matmul_params_per_token(m: ModelConfig) -> int:
-    """Weights each token multiplies through: L x (attention + MLP projections) + head."""
-    d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_dim
+    """Weights each token multiplies through: L x (attention + MLP projections) + head. An
+    MoE layer's MLP counts its router and the experts a token is routed to
+    (``moe.mlp_matmul_params``), not all experts."""
+    d, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     attention = d * n * h + 2 * d * k * h + n * h * d
-    mlp = 3 * d * f
-    return m.n_layers * (attention + mlp) + d * m.vocab_size
+    mlp = sum(mlp_matmul_params(m, i) for i in range(m.n_layers))
+    return m.n_layers * attention + mlp + d * m.vocab_size
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:

@@ -1,10 +1,11 @@
-"""Optimizer, parameter layout and the jitted sequence-parallel train step.
+"""Parameter layout and the jitted sequence-parallel train step (the optimizer: optimizer.py).
 
 The train state is a plain pytree ``{"step", "params", "opt_state"}`` (params as a nested
 dict of float32 arrays), so Orbax saves it and optax updates it with no wrappers. Parameters
 are either replicated or, with ``param_sharding="zero3"``, each split along one axis over all
 data x seq devices (ZeRO-3 as DeepSpeed-Ulysses runs); the optimizer state follows the
-parameters. The model gathers each weight where it is used.
+parameters. The model gathers each weight where it is used. With ``optimizer.offload`` the
+parameters and optimizer state are kept in host memory and updated there (optimizer.py).
 """
 from __future__ import annotations
 
@@ -15,39 +16,18 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..models import vocab
-from ..config import Config, OptimizerConfig
+from ..config import Config
 from .data import FIELDS
+from .optimizer import compute_copy_mask, make_optimizer, make_schedule
 from ..models.loss import chunked_cross_entropy
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
-
-
-def make_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
-    """Linear warmup to ``lr`` then cosine decay to ``lr * min_lr_ratio`` at schedule_steps."""
-    total = opt.schedule_steps or steps
-    warmup = min(opt.warmup_steps, max(total - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=opt.lr, warmup_steps=warmup,
-        decay_steps=max(total, warmup + 1), end_value=opt.lr * opt.min_lr_ratio)
-
-
-def _decays(path, _) -> bool:
-    """Weight decay for weight matrices and embeddings only: norm scales and biases are
-    spared. Decided by name, since stacked layers give a norm scale [L, D] two dims."""
-    names = [str(getattr(k, "key", k)) for k in path]
-    return not any("norm" in n or n in ("bq", "bk", "bv") for n in names)
-
-
-def make_optimizer(opt: OptimizerConfig, steps: int) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; no weight decay on norm scales and biases."""
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(_decays, params)
-    return optax.chain(
-        optax.clip_by_global_norm(opt.clip_norm),
-        optax.adamw(make_schedule(opt, steps), b1=opt.b1, b2=opt.b2,
-                    weight_decay=opt.weight_decay, mask=decay_mask))
+from ..models.expert_parallel import expert_spec
+from ..models.moe import aux_loss, is_expert_param
 
 
 def param_spec(shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
@@ -64,11 +44,33 @@ def param_spec(shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
     return P(*spec)
 
 
+def leaf_spec(keys: tuple, shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
+    """``param_spec`` for a named parameter: expert weights (``moe.is_expert_param``) are
+    split over all devices along their expert axis in every mode (expert parallelism);
+    everything else as ``param_spec``."""
+    if is_expert_param(keys):
+        return expert_spec(len(shape), mesh)
+    return param_spec(shape, mesh, mode)
+
+
+def param_shardings(params, mesh: Mesh, mode: str, memory_kind: str | None = None):
+    """NamedSharding of every leaf of a parameter pytree (``leaf_spec``), in ``memory_kind``
+    (None: the device's)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: NamedSharding(mesh, leaf_spec(_names(path), a.shape, mesh, mode),
+                                      memory_kind=memory_kind), params)
+
+
+def _names(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
 def build_model(cfg: Config, mesh: Mesh, seed: int | None = None) -> Decoder:
     """The training model: on a ring mesh it expects batches in zigzag order (the loader's)."""
     layout = "zigzag" if axis_size(mesh, RING) > 1 else "natural"
     return Decoder(cfg.model, mesh=mesh, rngs=nnx.Rngs(cfg.seed if seed is None else seed),
-                   layout=layout, head_chunks=cfg.ulysses.chunks)
+                   layout=layout, head_chunks=cfg.ulysses.chunks,
+                   stream_layers=cfg.optimizer.offload)
 
 
 def state_layout(cfg: Config, mesh: Mesh):
@@ -82,12 +84,13 @@ def state_layout(cfg: Config, mesh: Mesh):
 
     abstract = jax.eval_shape(init)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, mesh)))
-    params_sh = jax.tree.map(
-        lambda a: NamedSharding(mesh, param_spec(a.shape, mesh, cfg.param_sharding)),
-        abstract["params"])
+    # optimizer.offload: parameters and moments live in host memory (optimizer.py).
+    kind = "pinned_host" if cfg.optimizer.offload else None
+    params_sh = param_shardings(abstract["params"], mesh, cfg.param_sharding, memory_kind=kind)
     replicated = NamedSharding(mesh, P())
     opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], params_sh,
-                                   transform_non_params=lambda _: replicated)
+                                   transform_non_params=lambda _: replicated.with_memory_kind(
+                                       kind) if kind else replicated)
     shardings = {"step": replicated, "params": params_sh, "opt_state": opt_sh}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
@@ -123,29 +126,95 @@ def loss_fn(graphdef, params, batch, mesh: Mesh):
 
     Vocabulary-parallel (vocab.py) when the model is: each device holds V/P columns of the
     head, in fp32. Otherwise the head enters the loss replicated, in the compute dtype (with
-    bf16 compute the copy each device holds of the [D, V] head is then half the size)."""
+    bf16 compute the copy each device holds of the [D, V] head is then half the size).
+    The cross-entropy only: the objective of an MoE model adds the router loss
+    (``objective``)."""
+    _, (loss, metrics) = objective(graphdef, params, batch, mesh)
+    return loss, metrics["tokens"]
+
+
+def objective(graphdef, params, batch, mesh: Mesh):
+    """What training minimises, with the loss and metrics it reports.
+
+    Returns:
+      (objective, (cross-entropy, metrics)): the objective is the mean next-token loss plus,
+      for an MoE model, ``router_aux_loss_coef`` x the load-balancing loss (moe.aux_loss, as
+      transformers' Qwen3MoeForCausalLM adds it). metrics: ``tokens`` (counted tokens) and,
+      for MoE, ``moe_aux_loss``, ``moe_load`` [E] (fraction of assignments per expert,
+      pooled over MoE layers) and ``moe_dropped`` (fraction of assignments dropped).
+    """
     model = nnx.merge(graphdef, params)
-    hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    hidden, stats = model.hidden_and_stats(batch["tokens"], batch["positions"],
+                                           batch["segment_ids"])
     args = (batch["targets"], batch["loss_mask"])
-    if model.vocab_parallel:
-        return vocab.cross_entropy(hidden, model.head_weight(), *args, mesh=mesh,
-                                   chunk=model.cfg.loss_chunk, softcap=model.cfg.final_softcap)
-    return chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype), *args,
-                                 mesh=mesh, chunk=model.cfg.loss_chunk,
-                                 softcap=model.cfg.final_softcap)
+    with jax.named_scope("loss"):
+        if model.vocab_parallel:
+            loss, count = vocab.cross_entropy(hidden, model.head_weight(), *args, mesh=mesh,
+                                              chunk=model.cfg.loss_chunk,
+                                              softcap=model.cfg.final_softcap)
+        else:
+            loss, count = chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype),
+                                                *args, mesh=mesh, chunk=model.cfg.loss_chunk,
+                                                softcap=model.cfg.final_softcap)
+    metrics = {"tokens": count}
+    if stats is None:
+        return loss, (loss, metrics)
+    cfg = model.cfg
+    aux = aux_loss(stats, cfg.num_experts)
+    assignments = jnp.maximum(stats["tokens"] * cfg.num_experts_per_tok, 1.0)
+    metrics.update(moe_aux_loss=aux, moe_load=stats["load"] / assignments,
+                   moe_dropped=stats["dropped"] / assignments)
+    return loss + cfg.router_aux_loss_coef * aux, (loss, metrics)
 
 
 def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callable:
     """Jitted ``step(state, batch) -> (state, metrics)``; the old state is donated."""
     schedule = make_schedule(cfg.optimizer, cfg.steps)
 
+    offload = cfg.optimizer.offload
+    tx_adamw = make_optimizer(cfg.optimizer, cfg.steps, clip=False)
+    dtype = jnp.dtype(cfg.model.dtype)
+    on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings["params"])
+    replicated = NamedSharding(mesh, P())
+
+    def update(grads, opt_state, params):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+    def host_update(grads, opt_state, params, grad_norm):
+        """``update`` on the host, clipping with the given global norm (optax's own clip
+        takes the norm with ``optax.tree.norm``, see the caller)."""
+        clip_state, adamw_state = opt_state
+        max_norm = cfg.optimizer.clip_norm
+        grads = jax.tree.map(lambda g: jax.lax.select(
+            grad_norm < max_norm, g, (g / grad_norm.astype(g.dtype)) * max_norm), grads)
+        updates, adamw_state = tx_adamw.update(grads, adamw_state, params)
+        return optax.apply_updates(params, updates), (clip_state, adamw_state)
+
     def step(state, batch):
-        (loss, count), grads = jax.value_and_grad(
-            lambda p: loss_fn(graphdef, p, batch, mesh), has_aux=True)(state["params"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "tokens": count, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule(state["step"])}
+        params = state["params"]
+        if offload:  # cast the layer weights on the host; the model streams them per layer
+            cast = compute_copy_mask(params)
+            with jax.named_scope("optimizer"), compute_on("device_host"):
+                copy = jax.tree.map(lambda p, c: p.astype(dtype) if c else p, params, cast)
+            params = jax.tree.map(lambda p, c, s: p if c else jax.device_put(p, s), copy, cast,
+                                  on_device)
+        (_, (loss, extra)), grads = jax.value_and_grad(
+            lambda p: objective(graphdef, p, batch, mesh), has_aux=True)(params)
+        with jax.named_scope("optimizer"):
+            if offload:  # gradients to the host (the layers' are there already), update there
+                grads = jax.device_put(grads, shardings["params"])
+                with compute_on("device_host"):
+                    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+                    # optax.tree.norm would build device zeros (imaginary parts) on the host
+                    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g))
+                                             for g in jax.tree.leaves(grads)))
+                    params, opt_state = host_update(grads, state["opt_state"],
+                                                    state["params"], grad_norm)
+                grad_norm = jax.device_put(grad_norm, replicated)
+            else:
+                params, opt_state, grad_norm = update(grads, state["opt_state"], params)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **extra}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     return jax.jit(step, in_shardings=(shardings, batch_shardings(mesh)),

@@ -2,14 +2,15 @@
 
 ``train(cfg, workdir)`` runs (or resumes) a run in ``workdir``: ``checkpoints/`` holds Orbax
 checkpoints (train state + data-iterator position), ``metrics.jsonl`` one JSON object per
-logged step, ``config.yaml`` the resolved config. A run resumes from its latest checkpoint,
-also on a different mesh (the state is restored straight into the new layout). SIGTERM saves a
-checkpoint and returns; a non-finite loss stops the run before anything is saved after it.
+logged step (each step once), ``config.yaml`` the resolved config, ``train.lock`` keeps a
+second run out (``run_dir.py``). A run resumes from its newest checkpoint that restores, also
+on a different mesh (the state is restored straight into the new layout; ``resume.py``).
+SIGTERM or SIGINT during training saves a checkpoint and returns; a non-finite loss stops the
+run before anything is saved after it.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -19,14 +20,14 @@ import jax
 import numpy as np
 
 from . import data as data_lib
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, SaveFailed
 from .flops import train_step_flops
+from .resume import resolve_init_from, start_state
+from .run_dir import MetricsLog, RunError, WorkdirLock, make_workdir, write_config
 from ..config import Config, ConfigError, to_dict, to_yaml, validate
-from ..hlo import collective_counts
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
-from .train_step import (batch_shardings, init_state, make_eval_step, make_train_step,
-                         param_count, state_layout)
+from .train_step import batch_shardings, make_eval_step, make_train_step, param_count
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices report no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
@@ -53,35 +54,6 @@ def _scalar(x) -> float:
 def peak_flops(device) -> float | None:
     kind = getattr(device, "device_kind", "")
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
-
-
-_RUNTIME_FIELDS = ("dtype", "remat", "attn_impl", "loss_chunk", "vocab_parallel", "mlp_chunk",
-                   "init_std")
-
-
-def _runtime_options(cfg: Config) -> dict:
-    """The run's own model options, kept when the model's shape comes from a checkpoint."""
-    return {k: getattr(cfg.model, k) for k in _RUNTIME_FIELDS} | {"max_seq_len": cfg.seq_len}
-
-
-def resolve_init_from(cfg: Config) -> Config:
-    """With ``init_from``, the model's shape comes from the checkpoint's config.json (the
-    run's model options in ``_RUNTIME_FIELDS`` are kept) and its tokenizer.json is used unless
-    ``data.tokenizer`` names another."""
-    if not cfg.init_from:
-        return cfg
-    from ..hf import config_from_hf, read_config  # lazy: only fine-tuning needs it
-    try:
-        model = config_from_hf(read_config(cfg.init_from), **_runtime_options(cfg))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"init_from {cfg.init_from!r}: {e}") from None
-    data = cfg.data
-    tokenizer_json = os.path.join(cfg.init_from, "tokenizer.json")
-    if data.tokenizer is None and os.path.exists(tokenizer_json):
-        data = dataclasses.replace(data, tokenizer=tokenizer_json)
-    cfg = dataclasses.replace(cfg, model=model, data=data)
-    validate(cfg)
-    return cfg
 
 
 def training_devices() -> list:
@@ -129,56 +101,6 @@ def chunk_notes(cfg: Config) -> list[str]:
     return notes
 
 
-def compile_step(cfg: Config):
-    """The train step compiled for ``cfg``'s mesh from abstract shapes (nothing allocated).
-
-    Returns:
-      (the compiled step, the abstract train state it takes).
-    """
-    mesh = build_mesh(cfg)
-    graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
-    step = make_train_step(cfg, mesh, graphdef, tx, shardings)
-    return step.lower(abstract, _abstract_batch(cfg, mesh)).compile(), abstract
-
-
-def peak_bytes_per_device(compiled) -> int:
-    """XLA's per-device peak of a compiled program: its reported peak, or live buffers
-    (arguments + outputs + temporaries - aliased) where that is larger or not reported."""
-    mem = compiled.memory_analysis()
-    live = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes)
-    return int(max(getattr(mem, "peak_memory_in_bytes", 0) or 0, live))
-
-
-def dry_run(cfg: Config) -> dict:
-    """Compiles the train step for the configured mesh without allocating or training.
-
-    Returns:
-      A dict with ``peak_bytes_per_device`` (XLA's memory analysis), ``flops_per_device``
-      (the model's FLOPs per step and device, ``flops.py``), ``xla_flops_per_device`` (XLA's
-      cost analysis of the partitioned step: loop bodies counted once, custom calls not at
-      all, so not a FLOP count), ``collectives`` (op -> count in the compiled HLO) and the
-      parts of the memory estimate.
-    """
-    cfg = resolve_init_from(cfg)
-    t0 = time.time()
-    compiled, abstract = compile_step(cfg)
-    mem = compiled.memory_analysis()
-    return {
-        "peak_bytes_per_device": peak_bytes_per_device(compiled),
-        "flops_per_device": model_flops_per_device(cfg),
-        "xla_flops_per_device": _xla_flops(compiled) or 0.0,
-        "collectives": collective_counts(compiled.as_text()),
-        "argument_bytes": int(mem.argument_size_in_bytes),
-        "temp_bytes": int(mem.temp_size_in_bytes),
-        "params": param_count(abstract["params"]),
-        "mesh": {"data": cfg.mesh.data, "ring": cfg.mesh.ring, "seq": cfg.mesh.seq},
-        "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
-        "compile_seconds": round(time.time() - t0, 2),
-        "notes": chunk_notes(cfg),
-    }
-
-
 def model_flops_per_device(cfg: Config) -> float:
     """Model FLOPs of one step on each device (``flops.train_step_flops`` / devices)."""
     devices = cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq
@@ -189,16 +111,16 @@ def _load_data(cfg: Config):
     """Train and held-out rows; a bad data.* setting is a ConfigError (clean CLI exit)."""
     try:
         tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} ids but "
-                              f"model.vocab_size is {cfg.model.vocab_size}")
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: {e}") from None
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"data.tokenizer: the tokenizer has {tokenizer.vocab_size} ids but "
+                          f"model.vocab_size is {cfg.model.vocab_size}")
+    try:
         return data_lib.build_rows(cfg.data.source, tokenizer, cfg.seq_len,
                                    cfg.data.heldout_fraction, cfg.seed)
-    except ConfigError:
-        raise
-    except (OSError, ValueError, ImportError) as e:
-        raise ConfigError(f"data.source {cfg.data.source!r} / data.tokenizer "
-                          f"{cfg.data.tokenizer!r}: {e}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
 
 
 def with_segment_bound(cfg: Config, train_rows, held_rows) -> Config:
@@ -227,25 +149,29 @@ def _evaluate(eval_step, params, held_rows, cfg: Config, mesh) -> float | None:
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag the loop checks after each step."""
+    """Turns SIGTERM and SIGINT into a flag (the signal's name) the loop checks after each
+    step; the handlers in place before (train.py's stop during start-up) come back after."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.requested = False
-        self._old = None
+        self.received: str | None = None
+        self._old = {}
 
     def __enter__(self):
-        try:
-            self._old = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no signal handling
-            self._old = None
+        for sig in self.SIGNALS:
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no signal handling
+                pass
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
+        self.received = signal.Signals(signum).name
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
@@ -255,19 +181,40 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
       A summary dict: ``status`` ("done", "preempted"), ``step``, ``loss``, ``eval_loss``.
 
     Raises:
-      ConfigError: a config that cannot run on these devices.
+      ConfigError: a config that cannot run on these devices, or cannot resume this
+        workdir's checkpoints (then nothing in the workdir is changed).
+      RunError: the workdir is in use by another run, every checkpoint is damaged, or a
+        write failed (disk full); the checkpoints before the failure are intact.
       TrainingDiverged: the loss became NaN or infinite (the last checkpoint is left intact).
     """
     cfg = resolve_init_from(cfg)
     mesh = build_mesh(cfg)
-    workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    workdir = make_workdir(workdir)
+    lock = _lock(workdir)
+    try:
+        return _run(cfg, mesh, workdir, progress)
+    finally:
+        lock.release()
+
+
+def _lock(workdir: str) -> WorkdirLock:
+    """Process 0 locks the workdir; every process fails together if it cannot."""
+    lock, error = WorkdirLock(workdir), None
+    if _is_main():
+        try:
+            lock.acquire()
+        except RunError as e:
+            error = e
+    if _agreed(error is not None):
+        raise error or RunError(f"process 0 could not lock --workdir {workdir}")
+    return lock
+
+
+def _run(cfg: Config, mesh, workdir: str, progress: bool) -> dict:
+    """Everything after the lock: data, checkpoints, start state, config.yaml, the loop."""
     _log(f"resolved config:\n{to_yaml(cfg)}")
     for note in chunk_notes(cfg):
         _log(f"note: {note}")
-    if _is_main():
-        with open(os.path.join(workdir, "config.yaml"), "w") as f:
-            f.write(to_yaml(cfg))
     train_rows, held_rows = _load_data(cfg)
     cfg = with_segment_bound(cfg, train_rows, held_rows)
     batches = data_lib.BatchIterator(train_rows, cfg.batch_size, cfg.seed)
@@ -278,34 +225,59 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints,
                         save_every=cfg.checkpoint_every if cfg.checkpoint_every > 0 else None)
-    start = ckpt.latest_step()
-    if start is not None:
-        graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
-        state, extra = ckpt.restore(abstract)
-        try:
-            batches.set_state(extra["data"])
-        except ValueError as e:
-            raise ConfigError(f"cannot resume {ckpt.directory}: {e}") from None
-        _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), start)
-        _log(f"resumed from step {start} ({ckpt.directory})")
+    try:
+        start, (graphdef, state, shardings, tx), note = start_state(cfg, mesh, ckpt, batches)
+        _log(note)
+        # Only now: a refused resume leaves the config that describes the checkpoints.
+        if _is_main():
+            write_config(workdir, to_yaml(cfg))
+        log = MetricsLog(workdir, enabled=_is_main())
+        if log.restart_at(start):
+            _log(f"note: dropped the unfinished last line of {log.path} (a run stopped "
+                 f"while writing it); step {start + 1} on is logged again")
+        _log(f"model: {param_count(state['params']) / 1e6:.2f}M parameters")
         if start >= cfg.steps:
-            _log(f"this run already reached step {start} (steps={cfg.steps}); pass a larger "
-                 f"steps=N to train further")
-    else:
-        params = _initial_params(cfg, mesh)
-        graphdef, state, shardings, tx = init_state(cfg, mesh, params)
-        start = 0
-    _log(f"model: {param_count(state['params']) / 1e6:.2f}M parameters")
-
-    if start >= cfg.steps:
+            summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
+        else:
+            summary = _loop(cfg, mesh, (graphdef, state, shardings, tx), start, batches,
+                            held_rows, ckpt, log, progress)
         ckpt.close()
-        return {"status": "done", "step": start, "loss": None, "eval_loss": None}
+        return summary
+    except SaveFailed as e:
+        _close_after_error(ckpt)
+        raise RunError(_save_failed_message(e, ckpt)) from None
+    except BaseException:
+        _close_after_error(ckpt)  # the error in flight is the one to report
+        raise
 
+
+def _close_after_error(ckpt: Checkpointer) -> None:
+    try:
+        ckpt.close()
+    except SaveFailed:
+        pass
+
+
+def _save_failed_message(error: SaveFailed, ckpt: Checkpointer) -> str:
+    steps = ckpt.all_steps()
+    kept = (f"the checkpoint of step {steps[0]} is intact" if len(steps) == 1 else
+            f"the checkpoints of steps {', '.join(map(str, steps))} are intact" if steps else
+            "there was no checkpoint before it")
+    return (f"{error}. Nothing older was lost: {kept}, and metrics.jsonl keeps its records. "
+            f"Free disk space (or fix the file system) and run the same command again to "
+            f"resume from step {steps[-1] if steps else 0}")
+
+
+def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
+          ckpt: Checkpointer, log: MetricsLog, progress: bool) -> dict:
+    """Steps ``start + 1`` ... ``cfg.steps``: log, evaluate, checkpoint; stop on a signal."""
+    graphdef, state, shardings, tx = layout
     step_fn = make_train_step(cfg, mesh, graphdef, tx, shardings)
     eval_fn = make_eval_step(mesh, graphdef, shardings)
     # Compile ahead of the loop: the loop runs this executable, timings exclude compilation,
     # and its cost analysis is per device (a lowered, unpartitioned program's is global).
     t0 = time.time()
+    _log("compiling the train step")
     step_fn = step_fn.lower(_abstract(state), _abstract_batch(cfg, mesh)).compile()
     _log(f"compiled the train step in {time.time() - t0:.1f} s")
     flops = model_flops_per_device(cfg)
@@ -319,7 +291,6 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
             f"unknown"))
     tokens_per_step = cfg.batch_size * cfg.seq_len
     order = token_order(cfg)
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
     summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
 
     def save(step, force=False):
@@ -327,17 +298,15 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
                          force=force)
 
     bar = _progress(cfg.steps, start, enabled=progress and _is_main())
-    try:
-        with _Preemption() as preempt:
+    # Signals set a flag from here on, through the final save: a stop never cuts a save.
+    with _Preemption() as preempt:
+        try:
             last_time, last_step = time.time(), start
             for step in range(start + 1, cfg.steps + 1):
                 state, metrics = step_fn(state, batches.next_global(mesh, order))
                 loss = _scalar(metrics["loss"])  # also waits for the step: honest timings
                 if not math.isfinite(loss):
-                    raise TrainingDiverged(
-                        f"loss is {loss} at step {step}; stopping. The last good checkpoint "
-                        f"(step {ckpt.latest_step()}) in {ckpt.directory} is intact: lower "
-                        f"optimizer.lr or raise optimizer.warmup_steps and run again")
+                    raise _diverged(loss, step, ckpt, cfg)
                 summary.update(step=step, loss=loss)
                 bar.update(1)
                 final = step == cfg.steps
@@ -354,31 +323,43 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
                         record["xla_flops_per_device"] = xla_flops
                     if peak:
                         record["mfu"] = flops / dt / peak
+                    record.update(_moe_metrics(metrics))
                     record.update(_memory_in_use(device))
                     if evaluate:
                         record["eval_loss"] = _evaluate(eval_fn, state["params"], held_rows,
                                                         cfg, mesh)
                         summary["eval_loss"] = record["eval_loss"]
-                    _write_metrics(metrics_path, record)
+                    log.append(record)  # before the step's checkpoint: see run_dir.py
                     bar.set_postfix(loss=f"{loss:.4f}",
                                     tok_s=f"{record['tokens_per_sec']:.0f}",
                                     **({"mfu": f"{record['mfu']:.1%}"} if peak else {}))
                     last_time, last_step = time.time(), step
-                if _agreed(preempt.requested):
+                if _agreed(preempt.received is not None):
                     save(step, force=True)
                     ckpt.wait()
-                    _log(f"SIGTERM: saved step {step} to {ckpt.directory}; exiting")
+                    by = preempt.received or "a signal to another process"
+                    _log(f"{by}: saved step {step} to {ckpt.directory}; exiting")
                     summary["status"] = "preempted"
                     return summary
                 if cfg.checkpoint_every > 0:
                     save(step)
             save(cfg.steps, force=True)
-        _log(f"done: step {summary['step']}, loss {summary['loss']}, "
-             f"held-out loss {summary['eval_loss']}")
-        return summary
-    finally:
-        bar.close()
-        ckpt.close()
+            ckpt.wait()
+        finally:
+            bar.close()
+    _log(f"done: step {summary['step']}, loss {summary['loss']}, "
+         f"held-out loss {summary['eval_loss']}")
+    return summary
+
+
+def _diverged(loss: float, step: int, ckpt: Checkpointer, cfg: Config) -> TrainingDiverged:
+    latest = ckpt.latest_step()
+    kept = (f"The last good checkpoint (step {latest}) in {ckpt.directory} is intact and a "
+            f"rerun resumes from it" if latest is not None else
+            f"No checkpoint had been saved yet (checkpoint_every={cfg.checkpoint_every}), so "
+            f"a rerun starts from step 0")
+    return TrainingDiverged(f"loss is {loss} at step {step}; stopping. {kept}: lower "
+                            f"optimizer.lr or raise optimizer.warmup_steps and run again")
 
 
 def _agreed(flag: bool) -> bool:
@@ -388,25 +369,6 @@ def _agreed(flag: bool) -> bool:
         return flag
     from jax.experimental import multihost_utils
     return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-
-
-def _truncate_metrics(path: str, step: int) -> None:
-    """Drops records past the checkpoint a run resumes from: those steps will be run again."""
-    if not _is_main() or not os.path.exists(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(path, "w") as f:
-        f.writelines(kept)
-
-
-def _initial_params(cfg: Config, mesh):
-    if not cfg.init_from:
-        return None
-    from ..hf import load_params  # imported lazily: only fine-tuning needs it
-    _, params = load_params(cfg.init_from, mesh, cfg.param_sharding, **_runtime_options(cfg))
-    _log(f"initialised from Hugging Face checkpoint {cfg.init_from}")
-    return params
 
 
 def _abstract(tree):
@@ -422,6 +384,13 @@ def _xla_flops(compiled) -> float | None:
     return float((cost or {}).get("flops", 0.0)) or None
 
 
+def _moe_metrics(metrics: dict) -> dict:
+    """An MoE model's router metrics (train_step.objective): ``moe_aux_loss``, ``moe_load``
+    (list, per expert) and ``moe_dropped``; nothing for a dense model."""
+    return {k: np.asarray(v.addressable_data(0)).tolist() for k, v in metrics.items()
+            if k.startswith("moe_")}
+
+
 def _memory_in_use(device) -> dict:
     stats = device.memory_stats()
     if not stats or "bytes_in_use" not in stats:
@@ -430,12 +399,6 @@ def _memory_in_use(device) -> dict:
     if "peak_bytes_in_use" in stats:
         out["memory_peak_bytes"] = int(stats["peak_bytes_in_use"])
     return out
-
-
-def _write_metrics(path: str, record: dict) -> None:
-    if _is_main():
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 class _NoBar:

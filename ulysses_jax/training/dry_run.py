@@ -1,0 +1,140 @@
+"""Compile the train step without running it: memory per device (device and host), FLOPs,
+collectives. What ``train.py --dry-run`` prints and the planner searches with.
+
+Two things make a CPU compile a poor picture of a GPU's memory, and this module corrects
+both, saying so in its result:
+
+- bfloat16. XLA's CPU compiler has no bf16 arithmetic: it rewrites bf16 ops to f32, and the
+  buffers between them (the layer loop's stacked checkpoints, for one) become f32, twice the
+  bytes a GPU keeps. It handles float16 natively, so a bf16 model is compiled with float16
+  as a stand-in (same bytes per element) unless ``standin=False``. docs/PERF.md compares
+  both with a GPU compile of the same step.
+- memory kinds. The CPU compiler ignores host placement (``pinned_host``): offloaded
+  buffers stay in its device numbers. With an offload option on, the peak is recomputed
+  from XLA's buffer live ranges (``memory.py``) with the offloaded buffers moved to a host
+  column: the state arguments kept in host memory, the optimizer update computed there, the
+  layer checkpoints. That needs the process to dump its compiles (``memory.dump_flags``).
+  On a GPU, XLA's own analysis separates host and device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from .. import memory
+from ..config import Config
+from ..hlo import collective_counts
+from .train_step import make_train_step, param_count, state_layout
+from .resume import resolve_init_from
+from .trainer import (_abstract_batch, _xla_flops, build_mesh, chunk_notes,
+                      model_flops_per_device)
+
+
+def compile_step(cfg: Config, mesh=None):
+    """The train step compiled for ``cfg``'s mesh from abstract shapes (nothing allocated).
+
+    Returns:
+      (the compiled step, the abstract train state it takes).
+    """
+    mesh = mesh or build_mesh(cfg)
+    graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
+    step = make_train_step(cfg, mesh, graphdef, tx, shardings)
+    return step.lower(abstract, _abstract_batch(cfg, mesh)).compile(), abstract
+
+
+def peak_bytes_per_device(compiled) -> int:
+    """XLA's per-device peak of a compiled program: its reported peak, or live buffers
+    (arguments + outputs + temporaries - aliased) where that is larger or not reported."""
+    mem = compiled.memory_analysis()
+    live = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes)
+    return int(max(getattr(mem, "peak_memory_in_bytes", 0) or 0, live))
+
+
+def host_categories(cfg: Config) -> set[str]:
+    """The ``memory.CATEGORIES`` that the config's offload options keep in host memory."""
+    out = set()
+    if cfg.model.offload_checkpoints:
+        out.add("layer checkpoints")
+    if cfg.optimizer.offload:  # the layers' weights stream in, their gradients out
+        out |= {"parameters", "optimizer state", "optimizer update", "layer gradients"}
+    return out
+
+
+def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
+    """Compiles the train step for the configured mesh without allocating or training.
+
+    Args:
+      cfg: the run's config.
+      standin: compile a bfloat16 model as float16 on a CPU (module docstring); default yes
+        there, no elsewhere.
+
+    Returns:
+      A dict with ``peak_bytes_per_device`` (device memory: XLA's analysis, or on a CPU
+      with offload options the live-range model), ``host_bytes_per_device`` (what the
+      offload options keep in host memory), ``memory_by_category`` (GiB per category at the
+      device peak, when the compile was dumped), ``compiled_dtype``, ``flops_per_device``
+      (model FLOPs per step and device, ``flops.py``), ``xla_flops_per_device`` (XLA's cost
+      analysis: loop bodies counted once, custom calls not at all, so not a FLOP count),
+      ``collectives`` (op -> count in the compiled HLO) and the parts of XLA's estimate.
+    """
+    cfg = resolve_init_from(cfg)
+    t0 = time.time()
+    mesh = build_mesh(cfg)
+    platform = mesh.devices.flat[0].platform
+    if standin is None:
+        standin = platform == "cpu"
+    compiled_cfg = cfg
+    if standin and cfg.model.dtype == "bfloat16":
+        compiled_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                          dtype="float16"))
+    compiled, abstract = compile_step(compiled_cfg, mesh)
+    mem = compiled.memory_analysis()
+    peak = peak_bytes_per_device(compiled)
+    host = int(sum(getattr(mem, f"host_{k}_size_in_bytes", 0) for k in
+                   ("argument", "temp", "output")) - getattr(mem, "host_alias_size_in_bytes", 0))
+    result = {"peak_bytes_per_device": peak, "host_bytes_per_device": host,
+              "memory_model": "xla"}
+    offloaded = host_categories(cfg)
+    dump = memory.dump_dir()
+    try:
+        texts = memory.latest_dump(dump) if dump else None
+    except FileNotFoundError:  # flags set after JAX started (dry_run called in-process)
+        texts = None
+    if texts is None and offloaded and platform == "cpu":
+        result["memory_model"] = ("XLA's (the CPU compiler keeps offloaded buffers on the "
+                                  "device; run train.py --dry-run for the host column)")
+    if texts:
+        buffers = memory.assign_categories(memory.parse(*texts)[0], cfg.model.n_layers)
+        xla_peak = peak
+        device_peak, at = memory.usage(buffers, exclude=lambda b: b.category in offloaded)
+        result["memory_by_category"] = {
+            k: round(v / 2 ** 30, 3) for k, v in memory.breakdown(buffers, at).items() if v}
+        # The live-range sum with nothing moved, next to XLA's own peak: they should agree.
+        result["live_range_peak_bytes"] = memory.usage(buffers)[0]
+        if offloaded and platform == "cpu":
+            result.update(
+                peak_bytes_per_device=device_peak,
+                host_bytes_per_device=memory.usage(
+                    buffers, only=lambda b: b.category in offloaded)[0],
+                memory_model=f"CPU compile's live ranges, {', '.join(sorted(offloaded))} "
+                             f"in host memory (XLA's own device peak: {xla_peak})")
+        memory.clear_dump(dump)
+    notes = chunk_notes(cfg)
+    if compiled_cfg is not cfg:
+        notes.append("compiled with float16 as a stand-in for bfloat16 (same bytes; the CPU "
+                     "compiler would keep bf16 intermediates as f32)")
+    result.update({
+        "compiled_dtype": compiled_cfg.model.dtype,
+        "flops_per_device": model_flops_per_device(cfg),
+        "xla_flops_per_device": _xla_flops(compiled) or 0.0,
+        "collectives": collective_counts(compiled.as_text()),
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "params": param_count(abstract["params"]),
+        "mesh": {"data": cfg.mesh.data, "ring": cfg.mesh.ring, "seq": cfg.mesh.seq},
+        "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+        "compile_seconds": round(time.time() - t0, 2),
+        "notes": notes,
+    })
+    return result

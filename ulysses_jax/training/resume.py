@@ -1,0 +1,145 @@
+"""Where a run's weights come from: its own newest good checkpoint, a Hugging Face checkpoint
+(``init_from``), or a fresh initialisation.
+
+Resuming restores the newest checkpoint that restores (damaged newer ones are moved aside, see
+``checkpoint.Checkpointer.restore_newest``) and refuses, with a ``ConfigError`` that names the
+settings that differ, a checkpoint saved for other data (seed, seq_len, corpus, tokenizer) or
+with another model shape. A refusal leaves the run's checkpoints, metrics and config.yaml alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from .checkpoint import Checkpointer, IncompatibleCheckpoint, NoCheckpointRestores
+from .run_dir import RunError
+from .train_step import init_state, state_layout
+from ..config import Config, ConfigError, ModelConfig, to_dict, validate
+
+# The run's own model options, kept when the model's shape comes from a checkpoint.
+RUNTIME_FIELDS = ("dtype", "remat", "attn_impl", "loss_chunk", "vocab_parallel", "mlp_chunk",
+                  "init_std", "max_segments", "offload_checkpoints", "moe_capacity_factor")
+# Settings a checkpoint depends on, named in a refusal when they differ from the saved config:
+# the data iterator's position, and the arrays' shapes.
+DATA_KEYS = ("seed", "seq_len", "data.source", "data.tokenizer", "data.heldout_fraction")
+SHAPE_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
+                   if f.name not in RUNTIME_FIELDS)
+
+
+def _runtime_options(cfg: Config) -> dict:
+    return {k: getattr(cfg.model, k) for k in RUNTIME_FIELDS} | {"max_seq_len": cfg.seq_len}
+
+
+def resolve_init_from(cfg: Config) -> Config:
+    """With ``init_from``, the model's shape comes from the checkpoint's config.json (the
+    run's model options in ``RUNTIME_FIELDS`` are kept) and its tokenizer.json is used unless
+    ``data.tokenizer`` names another."""
+    if not cfg.init_from:
+        return cfg
+    from ..hf import config_from_hf, read_config  # lazy: only fine-tuning needs it
+    try:
+        hf = read_config(cfg.init_from)
+        if not isinstance(hf, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
+        model = config_from_hf(hf, **_runtime_options(cfg))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"init_from {cfg.init_from!r}: config.json is not valid JSON "
+                          f"({e})") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a value of a wrong type
+        raise ConfigError(f"init_from {cfg.init_from!r}: {e}") from None
+    data = cfg.data
+    tokenizer_json = os.path.join(cfg.init_from, "tokenizer.json")
+    if data.tokenizer is None and os.path.exists(tokenizer_json):
+        data = dataclasses.replace(data, tokenizer=tokenizer_json)
+    cfg = dataclasses.replace(cfg, model=model, data=data)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"init_from {cfg.init_from!r}: the model of its config.json: "
+                          f"{e}") from None
+    return cfg
+
+
+def initial_params(cfg: Config, mesh):
+    """The ``init_from`` checkpoint's parameters laid out on ``mesh``, or None."""
+    if not cfg.init_from:
+        return None
+    from safetensors import SafetensorError
+    from ..hf import load_params  # imported lazily: only fine-tuning needs it
+    try:
+        return load_params(cfg.init_from, mesh, cfg.param_sharding, **_runtime_options(cfg))[1]
+    except SafetensorError as e:
+        raise ConfigError(f"init_from {cfg.init_from!r}: its weights are not a readable "
+                          f"safetensors file ({e})") from None
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"init_from {cfg.init_from!r}: {e}") from None
+
+
+def start_state(cfg: Config, mesh, ckpt: Checkpointer, batches) -> tuple[int, tuple, str]:
+    """Resumes from the newest checkpoint that restores and fits, or initialises.
+
+    Args:
+      batches: the run's BatchIterator; a resume sets its position.
+
+    Returns:
+      (start step, (graphdef, state, state shardings, optimizer), a line to log).
+
+    Raises:
+      ConfigError: the checkpoint was saved for other data or another model shape.
+      RunError: every checkpoint is damaged (none is moved).
+    """
+    graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
+
+    def check(step, extra):
+        try:
+            batches.set_state(extra["data"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(_refusal(cfg, ckpt, step, extra, "for other data", DATA_KEYS,
+                                       str(e))) from None
+
+    try:
+        found = ckpt.restore_newest(abstract, check)
+    except IncompatibleCheckpoint as e:
+        raise ConfigError(_refusal(cfg, ckpt, e.step, e.extra, "with another model shape",
+                                   SHAPE_KEYS, "; ".join(e.diffs[:2]))) from None
+    except NoCheckpointRestores as e:
+        raise RunError(f"{e}. Nothing was moved or deleted: move the damaged step "
+                       f"directories out of {ckpt.directory} (or pass another --workdir) to "
+                       f"start afresh") from None
+    if found is None:
+        params = initial_params(cfg, mesh)
+        note = (f"initialised from Hugging Face checkpoint {cfg.init_from}" if cfg.init_from
+                else "initialised from scratch")
+        return 0, init_state(cfg, mesh, params), note
+    step, state, _, moved = found
+    note = (f"warning: checkpoint {'; '.join(moved)} did not restore and was moved aside "
+            f"(kept, not deleted); resumed from step {step}" if moved else
+            f"resumed from step {step} ({ckpt.directory})")
+    if step >= cfg.steps:
+        note += (f"\nthis run already reached step {step} (steps={cfg.steps}); pass a larger "
+                 f"steps=N to train further")
+    return step, (graphdef, state, shardings, tx), note
+
+
+def _refusal(cfg: Config, ckpt: Checkpointer, step: int, extra: dict, what: str,
+             keys: tuple[str, ...], detail: str) -> str:
+    """One paragraph: which checkpoint, the settings that differ (or ``detail``), what to do."""
+    saved, now = _flat(extra.get("config") or {}), _flat(to_dict(cfg))
+    changed = [f"{k} {saved[k]!r} there, {now[k]!r} now" for k in keys
+               if k in saved and saved[k] != now.get(k)]
+    return (f"cannot resume from checkpoint step {step} in {ckpt.directory}: it was saved "
+            f"{what} ({'; '.join(changed) or detail}). Run with the settings in the run's "
+            f"config.yaml, or pass another --workdir to start a new run; its checkpoints, "
+            f"metrics.jsonl and config.yaml were left as they were")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; tuples become lists, as config.yaml stores them."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
