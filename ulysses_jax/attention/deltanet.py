@@ -1,0 +1,216 @@
+"""Gated DeltaNet's local kernels (Qwen3-Next linear attention): the gated delta rule over a
+whole sequence, its short causal convolution, and a step-by-step reference.
+
+Letters: B batch, S sequence, h value heads of this device, Q key head dim (d_k), V value
+head dim (d_v), C tokens per chunk, n chunks, M chunks per group (memory, below).
+
+The gated delta rule keeps a state Z [Q, V] per head. At token t, with decay g_t <= 0 (log
+space), write strength beta_t in (0, 1), key k_t and value v_t:
+
+    Z <- exp(g_t) Z;   Z <- Z + k_t (beta_t (v_t - Z^T k_t))^T;   o_t = Z^T q_t
+
+(``recurrent_reference``). Packed documents: the state is zero again at every document start,
+so no token reads a state written by another document ("runs": maximal stretches of equal
+segment id, ``run_ids``).
+
+``chunked_delta_rule`` computes the same in chunks of C tokens. Inside a chunk with start
+state Z0 and cumulative decay c_t = g_1 + ... + g_t, the corrections u_t written to the state
+solve a unit lower-triangular system (the WY / UT form of DeltaNet):
+
+    (I + A) U = beta * V - (beta exp(c) K) Z0,  A_tj = beta_t (k_t . k_j) exp(c_t - c_j), j < t
+
+and o_t = exp(c_t) q_t^T Z0 + sum_{j<=t} exp(c_t - c_j) (q_t . k_j) u_j. With runs, every pair
+(t, j) of different runs is masked out, only tokens of the run the chunk starts in read Z0,
+and only those of its last run write the next chunk's state. (I + A)^-1 is the finite
+Neumann series of the nilpotent -A, formed by repeated squaring (log2 C steps of C x C
+matmuls): no triangular solve, which hung with 8 fake CPU devices on 2 cores, and a backward
+pass of plain matmuls.
+
+Memory: autodiff of a scan over chunks keeps every chunk's start state (n states of [Q, V]
+per head: twice the bytes of a head's q at Q = V = 128, C = 64). The chunks are scanned in
+groups of M ~ sqrt(n), the group body checkpointed: the forward keeps n/M group states, and
+the backward of one group recomputes its M chunk states, so about 2 sqrt(n) states are live.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+_HI = jax.lax.Precision.HIGHEST
+DEFAULT_CHUNK = 64
+
+
+def run_ids(segment_ids, s: int, b: int = 1):
+    """Ids of maximal runs of equal segment id, 0, 1, 2, ... along each row.
+
+    Equal run ids mean "the same document, with no boundary between": a segment id that
+    comes back later in the row starts a new run. None (no packing) is one run per row.
+
+    Args:
+      segment_ids: [B, S] ints or None.
+    Returns:
+      [B, S] int32.
+    """
+    if segment_ids is None:
+        return jnp.zeros((b, s), jnp.int32)
+    starts = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1], dtype=jnp.int32),
+                              (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)],
+                             axis=1)
+    return jnp.cumsum(starts, axis=1)
+
+
+def causal_conv(x, w, runs):
+    """Depthwise causal convolution of width W that restarts at every run (document) start.
+
+    out_t[c] = sum_i w[c, i] x_{t-W+1+i}[c], terms before the row or in an earlier run being 0
+    (transformers' ``causal_conv1d_fn`` for one document).
+
+    Args:
+      x: [B, S, ...channels] any float dtype; w: [...channels, W] weights; runs: [B, S].
+    Returns:
+      [B, S, ...channels] in float32.
+    """
+    width = w.shape[-1]
+    x = x.astype(_F32)
+    w = w.astype(_F32)
+    out = x * w[..., width - 1]
+    extra = (1,) * (x.ndim - 2)
+    for shift in range(1, width):
+        pad = [(0, 0), (shift, 0)] + [(0, 0)] * (x.ndim - 2)
+        xs = jnp.pad(x, pad)[:, :x.shape[1]]                                    # x_{t-shift}
+        rs = jnp.pad(runs, [(0, 0), (shift, 0)], constant_values=-1)[:, :x.shape[1]]
+        same = (rs == runs).reshape(runs.shape + extra)
+        out = out + jnp.where(same, xs, 0.0) * w[..., width - 1 - shift]
+    return out
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    """x / sqrt(sum x^2 + eps) over the last axis, in float32 (the FLA / transformers form)."""
+    x = x.astype(_F32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def recurrent_reference(q, k, v, g, beta, segment_ids=None):
+    """The gated delta rule token by token (the definition; tests only).
+
+    Args:
+      q, k: [B, S, h, Q] (already normalised and scaled); v: [B, S, h, V];
+      g, beta: [B, S, h]; segment_ids: [B, S] or None.
+    Returns:
+      o [B, S, h, V] float32.
+    """
+    b, s, h, dq = q.shape
+    runs = run_ids(segment_ids, s, b)
+    prev = jnp.concatenate([runs[:, :1], runs[:, :-1]], axis=1)
+    fresh = (runs != prev)                                                    # [B, S]
+
+    def step(z, xs):
+        q_t, k_t, v_t, g_t, b_t, f_t = xs                                    # q_t: [B, h, Q]
+        z = jnp.where(f_t[:, None, None, None], 0.0, z) * jnp.exp(g_t)[..., None, None]
+        delta = b_t[..., None] * (v_t - jnp.einsum("bhqv,bhq->bhv", z, k_t, precision=_HI))
+        z = z + k_t[..., :, None] * delta[..., None, :]
+        return z, jnp.einsum("bhqv,bhq->bhv", z, q_t, precision=_HI)
+
+    xs = [jnp.moveaxis(x.astype(_F32), 1, 0) for x in (q, k, v, g, beta)] + [fresh.T]
+    z0 = jnp.zeros((b, h, dq, v.shape[-1]), _F32)
+    _, o = jax.lax.scan(step, z0, xs)
+    return jnp.moveaxis(o, 0, 1)
+
+
+def _unit_lower_inverse(a):
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C]: sum_k (-A)^k by squaring."""
+    c = a.shape[-1]
+    eye = jnp.eye(c, dtype=a.dtype)
+    power = -a
+    inv = eye + power
+    for _ in range(max(0, math.ceil(math.log2(c)) - 1)):
+        power = jnp.matmul(power, power, precision=_HI)
+        inv = inv + jnp.matmul(inv, power, precision=_HI)
+    return inv
+
+
+def _chunk(carry, xs):
+    """One chunk of C tokens. carry: (Z0 [B, h, Q, V], run of the token before [B]);
+    xs: q, k [B, h, C, Q], v [B, h, C, V], g, beta [B, h, C], runs [B, C]."""
+    z0, run_prev = carry
+    q, k, v, g, beta, runs = xs
+    c = q.shape[2]
+    cum = jnp.cumsum(g, axis=-1)                                              # [B, h, C]
+    same = runs[:, :, None] == runs[:, None, :]                               # [B, C, C]
+    idx = jnp.arange(c)
+    lower = (idx[None, :] <= idx[:, None])[None, None] & same[:, None]        # [B, 1, C, C]
+    strict = lower & (idx[None, :] != idx[:, None])
+    diff = cum[..., :, None] - cum[..., None, :]                              # [B, h, C, C]
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+    kk = jnp.einsum("bhiq,bhjq->bhij", k, k, precision=_HI)
+    a = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
+    inv = _unit_lower_inverse(a)                                              # [B, h, C, C]
+    first = (runs == run_prev[:, None])[:, None, :]                           # [B, 1, C]
+    reads = jnp.where(first, jnp.exp(cum), 0.0)                               # [B, h, C]
+    rhs = v * beta[..., None] - jnp.einsum("bhiq,bhqv->bhiv", k * (beta * reads)[..., None],
+                                           z0, precision=_HI)
+    u = jnp.einsum("bhij,bhjv->bhiv", inv, rhs, precision=_HI)                # [B, h, C, V]
+    qk = jnp.einsum("bhiq,bhjq->bhij", q, k, precision=_HI) * decay
+    o = (jnp.einsum("bhiq,bhqv->bhiv", q * reads[..., None], z0, precision=_HI)
+         + jnp.einsum("bhij,bhjv->bhiv", qk, u, precision=_HI))
+    last = runs[:, -1]                                                        # [B]
+    in_last = (runs == last[:, None])[:, None, :]                             # [B, 1, C]
+    w = jnp.where(in_last, jnp.exp(cum[..., -1:] - cum), 0.0)                 # [B, h, C]
+    keep = jnp.where((last == run_prev)[:, None], jnp.exp(cum[..., -1]), 0.0)  # [B, h]
+    z = z0 * keep[..., None, None] + jnp.einsum("bhjq,bhjv->bhqv", k * w[..., None], u,
+                                                precision=_HI)
+    return (z, last), o
+
+
+def group_size(n: int) -> int:
+    """Chunks per checkpointed group: the largest divisor of n not above ceil(sqrt(n))."""
+    top = math.isqrt(n - 1) + 1 if n > 1 else 1
+    return max(m for m in range(1, top + 1) if n % m == 0)
+
+
+def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAULT_CHUNK):
+    """The gated delta rule over whole sequences in chunks (see the module docstring).
+
+    Args:
+      q, k: [B, S, h, Q] (normalised, q scaled), v: [B, S, h, V]; g (<= 0), beta: [B, S, h];
+      segment_ids: [B, S] ints or None; the state restarts at every run start.
+      chunk: tokens per chunk C; S is padded to a multiple of it.
+    Returns:
+      o [B, S, h, V] float32.
+    """
+    b, s, h, _ = q.shape
+    runs = run_ids(segment_ids, s, b)
+    pad = -s % chunk
+    n = (s + pad) // chunk
+    m = group_size(n)
+
+    def prep(x, fill=0.0):
+        # [B, S, h, ...] -> [n/M, M, B, h, C, ...]
+        x = jnp.pad(x.astype(_F32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
+                    constant_values=fill)
+        x = x.reshape((b, n // m, m, chunk) + x.shape[2:])                   # [B, n/M, M, C, h, .]
+        return jnp.moveaxis(x, (1, 2, 0, 4), (0, 1, 2, 3))
+
+    # Padding tokens form a run of their own after the last one: they touch no real token.
+    runs_p = jnp.pad(runs, [(0, 0), (0, pad)], constant_values=s + 1)
+    runs_p = jnp.moveaxis(runs_p.reshape(b, n // m, m, chunk), 0, 2)          # [n/M, M, B, C]
+    xs = (prep(q), prep(k), prep(v), prep(g), prep(beta), runs_p)
+
+    inner = jax.checkpoint(_chunk, prevent_cse=False)
+
+    @partial_checkpoint
+    def group(carry, gxs):
+        return jax.lax.scan(inner, carry, gxs)
+
+    z0 = jnp.zeros((b, h, q.shape[-1], v.shape[-1]), _F32)
+    _, o = jax.lax.scan(group, (z0, runs[:, 0]), xs)                          # [n/M, M, B, h, C, V]
+    o = jnp.moveaxis(o, (0, 1, 2, 3), (1, 2, 0, 4)).reshape(b, n * chunk, h, v.shape[-1])
+    return o[:, :s]
+
+
+def partial_checkpoint(fn):
+    """``jax.checkpoint`` of a scan body that saves nothing inside it (its inputs only)."""
+    return jax.checkpoint(fn, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
