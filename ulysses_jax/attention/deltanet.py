@@ -205,10 +205,22 @@ def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAU
     def group(carry, gxs):
         return jax.lax.scan(inner, carry, gxs)
 
-    z0 = jnp.zeros((b, h, q.shape[-1], v.shape[-1]), _F32)
+    z0 = _like_varying(jnp.zeros((b, h, q.shape[-1], v.shape[-1]), _F32), k)
     _, o = jax.lax.scan(group, (z0, runs[:, 0]), xs)                          # [n/M, M, B, h, C, V]
     o = jnp.moveaxis(o, (0, 1, 2, 3), (1, 2, 0, 4)).reshape(b, n * chunk, h, v.shape[-1])
     return o[:, :s]
+
+
+def _like_varying(x, ref):
+    """``x`` cast to vary over the mesh axes ``ref`` varies over inside shard_map (a scan
+    carry must keep one type; outside shard_map nothing varies and x is returned)."""
+    def axes(a):
+        t = jax.typeof(a)
+        mat = getattr(t, "manual_axis_type", None)   # jax 0.10; jax 0.11 has .vma
+        return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
+
+    extra = tuple(sorted(axes(ref) - axes(x)))
+    return jax.lax.pcast(x, extra, to="varying") if extra else x
 
 
 def partial_checkpoint(fn):
