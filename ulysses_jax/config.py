@@ -20,8 +20,9 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "offload")
 ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
-FAMILIES = ("llama", "gemma")
+FAMILIES = ("llama", "gemma", "qwen3_next")
 LAYER_KINDS = "LG"  # local (sliding window), global
+MIXERS = "DA"  # token mixers of qwen3_next layers: D Gated DeltaNet, A full attention
 MOMENT_DTYPES = ("float32", "bfloat16")
 INT32_MAX = 2**31 - 1  # integer settings reach jitted code (step counter, positions) as int32
 
@@ -99,12 +100,29 @@ class ModelConfig:
     # per device, the worst case).
     moe_capacity_factor: float = 0.0
     moe_shared_ffn_dim: int = 0     # a sigmoid-gated shared expert (Qwen3-Next); 0 = none
+    # Qwen3-Next (family qwen3_next, models/qwen3_next.py): per-layer token mixers, repeated
+    # over the layers (D Gated DeltaNet, A gated full attention); its linear-attention shape;
+    # the fraction of head_dim that RoPE rotates in its attention layers.
+    mixer_pattern: str = "DDDA"
+    linear_key_heads: int = 16
+    linear_value_heads: int = 32
+    linear_key_dim: int = 128
+    linear_value_dim: int = 128
+    linear_conv: int = 4            # short convolution width
+    partial_rotary_factor: float = 1.0
 
     def layer_kinds(self) -> str:
         """One letter per layer, L (sliding window) or G (whole causal prefix)."""
         if not self.sliding_window:
             return "G" * self.n_layers
         pattern = self.layer_pattern or "L"
+        return (pattern * -(-self.n_layers // len(pattern)))[:self.n_layers]
+
+    def layer_mixers(self) -> str:
+        """One letter per layer: D (Gated DeltaNet, qwen3_next only) or A (attention)."""
+        if self.family != "qwen3_next":
+            return "A" * self.n_layers
+        pattern = self.mixer_pattern
         return (pattern * -(-self.n_layers // len(pattern)))[:self.n_layers]
 
 
@@ -296,6 +314,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         elif mesh.seq > 1 and kv_local % chunks:
             errors.append(f"ulysses.chunks {chunks} must divide the kv heads per device, "
                           f"{kv_local} (model.n_kv_heads {m.n_kv_heads}, mesh.seq {mesh.seq})")
+    if "D" in m.layer_mixers():
+        if m.linear_value_heads % mesh.seq:
+            errors.append(f"model.linear_value_heads {m.linear_value_heads} is not divisible by "
+                          f"mesh.seq {mesh.seq} (each device runs the delta rule for whole "
+                          f"value heads)")
+        if mesh.ring > 1:
+            errors.append(f"Gated DeltaNet layers (model.mixer_pattern "
+                          f"{m.mixer_pattern!r}) need mesh.ring 1, got {mesh.ring}")
     need = mesh.data * mesh.ring * mesh.seq
     errors += _moe_errors(m, need)
     if num_devices is not None and need > num_devices:
@@ -325,9 +351,37 @@ def _variant_errors(m: ModelConfig) -> list[str]:
     elif "L" in m.layer_pattern and not m.sliding_window:
         errors.append(f"model.layer_pattern {m.layer_pattern!r} has local layers (L) but "
                       f"model.sliding_window is 0")
+    errors += _qwen3_next_errors(m)
     if m.family == "gemma" and m.num_experts:
         errors.append(f"model.family=gemma has no mixture-of-experts layers (the MoE block is "
                       f"Qwen3-MoE's); set model.num_experts=0, got {m.num_experts}")
+    return errors
+
+
+def _qwen3_next_errors(m: ModelConfig) -> list[str]:
+    """Rules of the Qwen3-Next keys (family qwen3_next only)."""
+    if m.family != "qwen3_next":
+        return []
+    errors = []
+    bad = sorted(set(m.mixer_pattern) - set(MIXERS))
+    if bad or not m.mixer_pattern:
+        errors.append(f"model.mixer_pattern {m.mixer_pattern!r} must be a non-empty string of "
+                      f"D (Gated DeltaNet) and A (full attention)")
+    for key in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim",
+                "linear_conv"):
+        if getattr(m, key) < 1:
+            errors.append(f"model.{key} must be positive, got {getattr(m, key)}")
+    if not errors and m.linear_value_heads % m.linear_key_heads:
+        errors.append(f"model.linear_value_heads {m.linear_value_heads} is not divisible by "
+                      f"model.linear_key_heads {m.linear_key_heads}")
+    rotary = int(m.head_dim * m.partial_rotary_factor)
+    if not 0 < m.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2:
+        errors.append(f"model.partial_rotary_factor {m.partial_rotary_factor} must be in (0, 1] "
+                      f"and rotate an even number of head dims (model.head_dim {m.head_dim} x "
+                      f"{m.partial_rotary_factor} = {rotary})")
+    if m.sliding_window:
+        errors.append(f"model.family=qwen3_next has no sliding-window layers; set "
+                      f"model.sliding_window=0, got {m.sliding_window}")
     return errors
 
 

@@ -43,14 +43,15 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from . import hf_variants
+from . import hf_qwen3_next, hf_variants
 from .config import DTYPES, PARAM_SHARDING, ModelConfig
 from .mesh import make_mesh
 from .models.decoder import Decoder, stacked_layer_indices
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM", **hf_variants.GEMMA_ARCHS}
+         "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": hf_qwen3_next.ARCH,
+         **hf_variants.GEMMA_ARCHS}
 
 # Our parameter path -> (HF tensor name, number of leading "in" dims of our array).
 # An HF Linear weight W [out, in] maps to ours as W.T.reshape(our shape): q_proj [N*H, D]
@@ -81,8 +82,12 @@ _EXPERTS = {("moe", "w_gate"): "mlp.experts.{e}.gate_proj.weight",
 _GLOBAL = {("embed",): ("model.embed_tokens.weight", 0),
            ("final_norm", "scale"): ("model.norm.weight", 0),
            ("lm_head",): ("lm_head.weight", 1)}
+# Per-family block tensor maps (families not listed use _LAYER).
+_LAYER_TABLES = {"gemma": hf_variants.GEMMA_LAYER, "qwen3_next": hf_qwen3_next.LAYER}
 # Non-persistent RoPE buffers that old transformers versions saved; recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors transformers itself skips on load: Qwen3-Next's multi-token-prediction head.
+_IGNORED_PREFIXES = ("mtp.",)
 # Class defaults of transformers' configs that differ from "all heads" / hidden // heads, used
 # when config.json omits the key (an explicit null still means the generic default).
 _ARCH_DEFAULTS = {"mistral": {"num_key_value_heads": 8},
@@ -126,6 +131,8 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
         raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(ARCHS)}")
     if mt in hf_variants.GEMMA_ARCHS:
         return hf_variants.gemma_config_from_hf(hf, dtype=_dtype_name(dtype), **overrides)
+    if mt == "qwen3_next":
+        return hf_qwen3_next.config_from_hf(hf, dtype=_dtype_name(dtype), **overrides)
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} (only silu is implemented)")
@@ -191,6 +198,11 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
     """
     if cfg.family == "gemma":
         return hf_variants.gemma_config_to_hf(cfg, arch, max_position_embeddings)
+    if cfg.family == "qwen3_next":
+        if arch not in (None, "qwen3_next"):
+            raise ValueError(f"arch {arch!r} does not fit a qwen3_next-family model; use "
+                             f"arch='qwen3_next'")
+        return hf_qwen3_next.config_to_hf(cfg, max_position_embeddings)
     if cfg.qk_norm and cfg.qkv_bias:
         raise ValueError("no supported arch has both q/k RMSNorm and q/k/v biases (Qwen3's "
                          "attention_bias also biases o_proj); qk_norm=True, qkv_bias=True")
@@ -271,7 +283,7 @@ def _hf_names(keys: tuple, cfg: ModelConfig) -> tuple[list, int]:
     if inner in _EXPERTS:
         return [[f"model.layers.{i}.{_EXPERTS[inner].format(e=e)}"
                  for e in range(cfg.num_experts)] for i in layers], 1
-    name, n_in = (hf_variants.GEMMA_LAYER if cfg.family == "gemma" else _LAYER)[inner]
+    name, n_in = _LAYER_TABLES.get(cfg.family, _LAYER)[inner]
     return [f"model.layers.{i}.{name}" for i in layers], n_in
 
 
@@ -326,6 +338,7 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
     files = _tensor_index(path)
     # Checked before reading anything: a tensor we would drop changes the model's function.
     unused = sorted(k for k in set(files) - wanted if not k.endswith(_IGNORED_SUFFIXES)
+                    and not k.startswith(_IGNORED_PREFIXES)
                     and not (cfg.tie_embeddings and k == "lm_head.weight"))
     if unused:
         raise ValueError(f"checkpoint {path} has tensors the Decoder has no place for "

@@ -118,7 +118,7 @@ class RMSNorm(nnx.Module):
 
 def norm(cfg: ModelConfig, dim: int) -> RMSNorm:
     """The family's RMSNorm over ``dim``."""
-    return RMSNorm(dim, cfg.norm_eps, one_plus=cfg.family == "gemma")
+    return RMSNorm(dim, cfg.norm_eps, one_plus=cfg.family in ("gemma", "qwen3_next"))
 
 
 class Attention(nnx.Module):
@@ -271,18 +271,22 @@ class Block(nnx.Module):
         return (x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))), stats
 
 
-def layer_groups(cfg: ModelConfig) -> list[tuple[int, tuple[bool, ...], int]]:
+def layer_groups(cfg: ModelConfig) -> list[tuple[int, tuple[tuple[bool, str], ...], int]]:
     """How the layers are stacked: [(first layer, unit, repeats)], in order.
 
-    ``unit`` lists which layers of one repeat are sparse (MoE); a group is one
+    A layer's type is (sparse, mixer): whether its MLP is a mixture of experts, and its
+    token mixer (``cfg.layer_mixers()``: "A" attention, "D" Gated DeltaNet), the two things
+    that change its parameters. ``unit`` lists the types of one repeat; a group is one
     ``lax.scan`` over ``repeats`` copies of its unit, layer ``first + r * len(unit) + u``
-    being position u of repeat r. Layers of one kind form one group of unit length 1 (the
+    being position u of repeat r. Layers of one type form one group of unit length 1 (the
     dense model as always); a pattern with a period (decoder_sparse_step = 2: dense, MoE,
-    dense, MoE, ...) one group whose unit is the period; anything else one group per run
-    of equal layers. (Attention kinds, local or global, do not split groups: a stack whose
-    layers mix them switches per layer, ``Decoder._run_layers``.)
+    dense, MoE, ...; Qwen3-Next's three DeltaNet layers then one attention layer) one group
+    whose unit is the period; anything else one group per run of equal layers. (Attention
+    kinds, local or global, do not split groups: a stack whose layers mix them switches per
+    layer, ``Decoder._run_layers``.)
     """
-    kinds = tuple(is_moe_layer(cfg, i) for i in range(cfg.n_layers))
+    mixers = cfg.layer_mixers()
+    kinds = tuple((is_moe_layer(cfg, i), mixers[i]) for i in range(cfg.n_layers))
     n = len(kinds)
     for p in range(1, n + 1):
         if n % p == 0 and kinds == kinds[:p] * (n // p):
@@ -313,6 +317,18 @@ def stacked_layer_indices(cfg: ModelConfig, keys: tuple) -> tuple[list[int], tup
     return [first + r * len(unit) + u for r in range(repeats)], tuple(keys[3:])
 
 
+def _block_class(family: str):
+    """The decoder block of a model family (the family modules build on this one, so they
+    are imported here, when a model is built)."""
+    if family == "gemma":
+        from .gemma import GemmaBlock
+        return GemmaBlock
+    if family == "qwen3_next":
+        from .qwen3_next import Qwen3NextBlock
+        return Qwen3NextBlock
+    return Block
+
+
 class Decoder(nnx.Module):
     """Decoder-only LM. ``model(tokens)`` -> fp32 logits [B, S, V].
 
@@ -332,23 +348,22 @@ class Decoder(nnx.Module):
         self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.vocab_size, cfg.d_model)))                          # [V, D]
         keys = jax.random.split(rngs.params(), cfg.n_layers)
-        if cfg.family == "gemma":
-            from .gemma import GemmaBlock as block_class  # gemma.py builds on this module
-        else:
-            block_class = Block
+        block_class = _block_class(cfg.family)
 
-        def stack(layer_keys, sparse):
+        def stack(layer_keys, kind):
+            sparse, mixer = kind
+            extra = {} if mixer == "A" else {"mixer": mixer}
             return nnx.vmap(lambda key: block_class(
                 cfg, mesh, rngs=nnx.Rngs(key), layout=layout, head_chunks=head_chunks,
-                sparse=sparse))(layer_keys)                                          # [R, ...]
+                sparse=sparse, **extra))(layer_keys)                                 # [R, ...]
 
         groups = layer_groups(cfg)
         if len(groups) == 1 and len(groups[0][1]) == 1:
             self.layers = stack(keys, groups[0][1][0])                               # [L, ...]
         else:  # layers/{group}/{position in unit}: [repeats, ...] each; layer i keeps keys[i]
             self.layers = nnx.List([nnx.List([
-                stack(keys[first + u::len(unit)][:repeats], sparse)
-                for u, sparse in enumerate(unit)]) for first, unit, repeats in groups])
+                stack(keys[first + u::len(unit)][:repeats], kind)
+                for u, kind in enumerate(unit)]) for first, unit, repeats in groups])
         self.final_norm = norm(cfg, cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.d_model, cfg.vocab_size)))

@@ -1,0 +1,311 @@
+"""Qwen3-Next against transformers' own Qwen3NextForCausalLM (torch, fp32, eager), and its
+Gated DeltaNet kernels against the definition.
+
+Kernels: the chunked delta rule against the token-by-token recurrence (values and gradients,
+document resets) and against transformers' ``torch_chunk_gated_delta_rule``; the Ulysses
+DeltaNet (one packed all-to-all) on 2 and 4 devices against the one-device core, forward and
+backward, with key heads copied where P does not divide them, and its collectives in HLO.
+Model: a tiny random checkpoint (three DeltaNet layers then one attention layer, MoE with a
+shared expert, a dense layer) written by transformers, imported on 1, 2 and 4 devices (logits
+and loss); packed documents against each document alone; export round trip; refusals.
+"""
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import need_devices
+from ulysses_jax import make_mesh
+from ulysses_jax.attention import deltanet, linear
+from ulysses_jax.config import ConfigError, load_config
+from ulysses_jax.hf import config_from_hf, from_pretrained, save_pretrained
+from ulysses_jax.hlo import collective_counts
+from ulysses_jax.models.decoder import layer_groups
+from ulysses_jax.training.train_step import objective
+
+torch = pytest.importorskip("torch", reason="torch is needed to build reference checkpoints")
+transformers = pytest.importorskip("transformers", reason="transformers is needed as reference")
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next  # noqa: E402
+
+V, S, B = 300, 96, 2   # 96 tokens: two chunks of the delta rule, the second one padded
+TOL = 1e-4
+HF_CONFIG = dict(
+    vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True,
+    router_aux_loss_coef=0.05, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                     "partial_rotary_factor": 0.25})
+
+
+def _rng_inputs(seed, b, s, h, dq, dv):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, s, h, dq)).astype(np.float32)
+    k = rng.normal(size=(b, s, h, dq)).astype(np.float32)
+    v = rng.normal(size=(b, s, h, dv)).astype(np.float32)
+    g = (-0.3 * np.abs(rng.normal(size=(b, s, h)))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.normal(size=(b, s, h))))).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def _packed_segments(b, s):
+    seg = np.ones((b, s), np.int32)
+    seg[:, 70:] = 2
+    seg[0, 150:] = 3
+    seg[-1, 33:40] = 5     # a short document in the middle of a chunk
+    return jnp.asarray(seg)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def test_chunked_delta_rule_matches_the_recurrence_and_transformers():
+    q, k, v, g, beta = _rng_inputs(0, 2, 200, 3, 16, 8)
+    qn, kn = deltanet.l2_normalize(q) * 16 ** -0.5, deltanet.l2_normalize(k)
+    want = deltanet.recurrent_reference(qn, kn, v, g, beta)
+    got = jax.jit(lambda *a: deltanet.chunked_delta_rule(*a, chunk=16))(qn, kn, v, g, beta)
+    assert float(jnp.max(jnp.abs(want))) > 0.1
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    t = lambda x: torch.tensor(np.asarray(x), dtype=torch.float64)
+    theirs, _ = hf_next.torch_chunk_gated_delta_rule(t(q), t(k), t(v), t(g), t(beta),
+                                                     chunk_size=64, use_qk_l2norm_in_kernel=True)
+    np.testing.assert_allclose(got, theirs.numpy(), atol=1e-5)
+
+
+def test_document_resets_values_and_gradients():
+    """Packed rows: every document's outputs equal the document run alone (the state and
+    nothing else restarts), and gradients of the chunked form equal the recurrence's."""
+    q, k, v, g, beta = _rng_inputs(1, 2, 200, 2, 16, 8)
+    args = (deltanet.l2_normalize(q) * 0.25, deltanet.l2_normalize(k), v, g, beta)
+    seg = _packed_segments(2, 200)
+    got = deltanet.chunked_delta_rule(*args, seg, chunk=16)
+    np.testing.assert_allclose(got, deltanet.recurrent_reference(*args, seg), atol=1e-5)
+    checked = 0
+    for row, (lo, hi) in [(0, (70, 150)), (0, (150, 200)), (1, (33, 40)), (1, (40, 70))]:
+        alone = deltanet.recurrent_reference(*(x[row:row + 1, lo:hi] for x in args))
+        np.testing.assert_allclose(got[row, lo:hi], alone[0], atol=1e-5)
+        checked += 1
+    assert checked == 4
+
+    def grad(fn):
+        return jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a, seg))), argnums=range(5))
+
+    grads = grad(lambda *a: deltanet.chunked_delta_rule(*a, chunk=16))(*args)
+    want = grad(deltanet.recurrent_reference)(*args)
+    for a, b in zip(grads, want, strict=True):
+        assert float(jnp.max(jnp.abs(b))) > 0
+        np.testing.assert_allclose(a, b, atol=2e-5 * float(jnp.max(jnp.abs(b))))
+
+
+def test_conv_restarts_at_document_starts():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(1, 12, 3)).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(3, 4)).astype(np.float32))
+    seg = jnp.asarray([[1] * 5 + [2] * 7])
+    runs = deltanet.run_ids(seg, 12)
+    got = deltanet.causal_conv(x, w, runs)
+    for lo, hi in ((0, 5), (5, 12)):
+        part = x[:, lo:hi]
+        alone = torch.nn.functional.conv1d(
+            torch.tensor(np.asarray(part)).transpose(1, 2), torch.tensor(np.asarray(w))[:, None],
+            padding=3, groups=3)[:, :, :hi - lo].transpose(1, 2).numpy()
+        np.testing.assert_allclose(got[:, lo:hi], alone, atol=1e-6)
+
+
+def _core_args(seed, hk, hv, s=96):
+    rng = np.random.default_rng(seed)
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape).astype(np.float32))
+    return (f(B, s, hk, 16), f(B, s, hk, 16), f(B, s, hv, 8), f(B, s, hv), f(B, s, hv),
+            f(hk, 16, 4), f(hk, 16, 4), f(hv, 8, 4), 0.5 * f(hv), f(hv))
+
+
+@pytest.mark.parametrize("p,hk", [(2, 2), (4, 2), (4, 4)])
+def test_ulysses_deltanet_matches_one_device(p, hk):
+    """The exchange is exact: outputs and all ten gradients equal the one-device core (P=4
+    with 2 key heads copies each key head twice before the exchange)."""
+    args = _core_args(p + hk, hk, 4)
+    seg = _packed_segments(B, 96)
+    mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+    ours = lambda *a: linear.gated_deltanet(*a, mesh=mesh, segment_ids=seg, chunk=16)
+    ref = lambda *a: linear.gated_delta_core(*a, seg, chunk=16)
+    np.testing.assert_allclose(jax.jit(ours)(*args), ref(*args), atol=1e-5)
+    grad = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=range(10))
+    for a, b in zip(jax.jit(grad(ours))(*args), grad(ref)(*args), strict=True):
+        scale = float(jnp.max(jnp.abs(b)))
+        assert scale > 0
+        np.testing.assert_allclose(a, b, atol=1e-5 * scale)
+    assert linear.key_copies(hk, 4, p) == (2 if hk % p else 1)
+
+
+def test_ulysses_deltanet_hlo_has_two_all_to_alls_and_gathers_no_activation():
+    args = _core_args(5, 2, 4)
+    mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
+    text = jax.jit(lambda *a: linear.gated_deltanet(*a, mesh=mesh)).lower(*args).compile().as_text()
+    counts = collective_counts(text)
+    assert counts.get("all-to-all", 0) == 2, counts
+    assert counts.get("all-gather", 0) == 0, counts
+
+
+def test_deltanet_head_rules():
+    with pytest.raises(ValueError, match="linear value heads 6 are not divisible by the seq "
+                                         "axis size 4"):
+        linear.key_copies(2, 6, 4)
+    with pytest.raises(ValueError, match="linear value heads 5 are not divisible by linear key "
+                                         "heads 2"):
+        linear.key_copies(2, 5, 1)
+    assert linear.key_copies(16, 32, 8) == 1 and linear.key_copies(16, 32, 32) == 2
+
+
+# ----------------------------------------------------------------------------- the model
+
+def _randomize(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if name.endswith("A_log"):
+                p.copy_(0.5 * noise)        # decays exp(-exp(A) softplus(.)) of all speeds
+            else:
+                p.copy_(0.3 * noise if p.ndim == 1 else 0.08 * noise)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen3NextConfig(**HF_CONFIG))
+    _randomize(model, 0)
+    path = str(tmp_path_factory.mktemp("qwen3_next"))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _hf_load(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _tokens(seed, s=S):
+    return np.random.default_rng(seed).integers(0, V, (B, s)).astype(np.int32)
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+
+def _ours(model, tokens, mesh, segment_ids=None, positions=None):
+    """Our logits and objective; targets pre-shifted, the last position unscored."""
+    b, s = tokens.shape
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
+             "loss_mask": np.concatenate([np.ones((b, s - 1)), np.zeros((b, 1))], 1),
+             "segment_ids": np.ones((b, s), np.int32) if segment_ids is None else segment_ids,
+             "positions": (np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+                           if positions is None else positions)}
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(params, batch):
+        obj, _ = objective(graphdef, params, batch, mesh)
+        logits = nnx.merge(graphdef, params)(batch["tokens"], batch["positions"],
+                                             batch["segment_ids"])
+        return logits, obj
+
+    return [np.asarray(x) for x in run(params, batch)]
+
+
+def test_checkpoint_is_what_it_claims(checkpoint):
+    cfg = config_from_hf(json.load(open(os.path.join(checkpoint, "config.json"))))
+    assert cfg.family == "qwen3_next" and cfg.layer_mixers() == "DDDA"
+    assert cfg.num_experts == 8 and cfg.moe_shared_ffn_dim == 48 and cfg.mlp_only_layers == (1,)
+    assert cfg.partial_rotary_factor == 0.25
+    assert [kind for _, unit, _ in layer_groups(cfg) for kind in unit] == [
+        (True, "D"), (False, "D"), (True, "D"), (True, "A")]
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_import_matches_transformers(checkpoint, p):
+    tokens = _tokens(p)
+    t = torch.from_numpy(tokens).long()
+    with torch.no_grad():
+        out = _hf_load(checkpoint)(t, labels=t, output_router_logits=True)
+    mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+    model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    logits, loss = _ours(model, tokens, mesh)
+    assert logits.shape == (B, S, V)
+    assert _rel(logits, out.logits.numpy()) <= TOL, _rel(logits, out.logits.numpy())
+    np.testing.assert_allclose(loss, float(out.loss), rtol=TOL)
+
+
+def test_packed_documents_equal_each_document_alone(checkpoint):
+    """Two documents packed in a row (positions restart, segment ids differ) give, token for
+    token, transformers' logits of each document run on its own: DeltaNet's state and
+    convolution and the attention all restart at the boundary."""
+    cut = 40
+    tokens = _tokens(7)
+    seg = np.where(np.arange(S) < cut, 1, 2).astype(np.int32)[None].repeat(B, 0)
+    pos = np.where(np.arange(S) < cut, np.arange(S), np.arange(S) - cut).astype(np.int32)
+    pos = pos[None].repeat(B, 0)
+    mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
+    model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    logits, _ = _ours(model, tokens, mesh, seg, pos)
+    hf = _hf_load(checkpoint)
+    with torch.no_grad():
+        first = hf(torch.from_numpy(tokens[:, :cut]).long()).logits.numpy()
+        second = hf(torch.from_numpy(tokens[:, cut:]).long()).logits.numpy()
+    assert _rel(logits[:, :cut], first) <= TOL
+    assert _rel(logits[:, cut:], second) <= TOL
+
+
+def test_export_round_trip(checkpoint, tmp_path):
+    mesh = make_mesh(seq=2, data=1, devices=need_devices(2))
+    model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    save_pretrained(model, str(tmp_path))
+    written = json.load(open(tmp_path / "config.json"))
+    source = json.load(open(os.path.join(checkpoint, "config.json")))
+    for key in ("layer_types", "linear_num_key_heads", "linear_num_value_heads",
+                "shared_expert_intermediate_size", "mlp_only_layers", "num_experts"):
+        assert written[key] == source[key], key
+    assert written["rope_parameters"]["partial_rotary_factor"] == 0.25
+    tokens = _tokens(11)
+    with torch.no_grad():
+        want = _hf_load(checkpoint)(torch.from_numpy(tokens).long()).logits.numpy()
+        again = _hf_load(str(tmp_path))(torch.from_numpy(tokens).long()).logits.numpy()
+    assert _rel(again, want) <= 1e-6
+    reloaded = from_pretrained(str(tmp_path), mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    assert dataclasses.replace(reloaded.cfg) == model.cfg
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+     "RoPE scaling 'yarn'"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention",
+                      "full_attention"]}, "layer_types must list 4"),
+])
+def test_unsupported_configs_are_refused(over, match):
+    hf = {**HF_CONFIG, "model_type": "qwen3_next", **over}
+    with pytest.raises(ValueError, match=match):
+        config_from_hf(hf)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("over,match", [
+    (["model.linear_value_heads=12"], "model.linear_value_heads 12 is not divisible by "
+                                      "mesh.seq 8"),
+    (["model.mixer_pattern=DX"], "model.mixer_pattern 'DX' must be a non-empty string"),
+    (["model.linear_value_heads=6"], "model.linear_value_heads 6 is not divisible by "
+                                     "model.linear_key_heads 4"),
+    (["model.partial_rotary_factor=0.1"], "model.partial_rotary_factor 0.1 must be in"),
+    (["mesh.ring=2", "mesh.seq=2"], "Gated DeltaNet layers .* need mesh.ring 1, got 2"),
+])
+def test_bad_qwen3_next_configs_are_refused(over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(os.path.join(ROOT, "configs", "tiny-qwen3-next.yaml"), over)

@@ -1,0 +1,198 @@
+"""The Qwen3-Next decoder block (``model.family=qwen3_next``): Gated DeltaNet and gated attention.
+
+Letters as in decoder.py, plus for the DeltaNet layers: Hk linear key heads, Hv linear value
+heads (Hv = r Hk), Q key head dim, V value head dim, W convolution width.
+
+As transformers' Qwen3-Next modeling code defines it:
+  - every norm scales by (1 + w), w stored and initialised at 0 (``decoder.norm``), final norm
+    and q/k norms included; the DeltaNet output norm is a plain RMSNorm (weight, init 1) times
+    SiLU of the gate z;
+  - token mixer per layer (``ModelConfig.layer_mixers``: D Gated DeltaNet, A full attention;
+    transformers' layer_types, by default three DeltaNet layers then one attention layer);
+  - full attention: q_proj gives each head its query and an output gate ([D, N, 2H]); q/k
+    norms over the head dim, RoPE on the first ``partial_rotary_factor`` x H dims only, the
+    attention output times sigmoid(gate) before o_proj;
+  - Gated DeltaNet: in_proj_qkvz ([D, Hk, 2Q + 2rV], per key head its q, k, then its r value
+    heads' v and z) and in_proj_ba ([D, Hk, 2r]: b then a per key head); a depthwise causal
+    convolution (width W, SiLU) over the q, k, v channels; beta = sigmoid(b), decay
+    g = -exp(A_log) softplus(a + dt_bias); the gated delta rule with l2-normalised q, k
+    (``attention/linear.py``: the exchange, ``attention/deltanet.py``: the kernels);
+  - MLP: dense SwiGLU, or the MoE with a sigmoid-gated shared expert (``moe.py``).
+Parameters keep transformers' fused layouts (in_proj_qkvz, the [C, 1, W] convolution, q and
+gate in one wq), so a checkpoint maps tensor for tensor; the model splits them where used.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
+from ..attention.linear import gated_deltanet
+from ..config import ModelConfig
+from ..mesh import act_spec, shard
+from .decoder import MLP, _gathered, norm, rope
+from .moe import MoE
+from .norms import rms_norm
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Head dims RoPE rotates: int(H x partial_rotary_factor) (transformers' rounding)."""
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
+
+
+def partial_rope(x, positions, theta: float, dim: int):
+    """RoPE on the first ``dim`` of the last axis (half-split within them), the rest as is.
+
+    Args:
+      x: [B, S, N, H]; positions: [B, S]; dim: even, <= H.
+    """
+    if dim == x.shape[-1]:
+        return rope(x, positions, theta)
+    return jnp.concatenate([rope(x[..., :dim], positions, theta), x[..., dim:]], axis=-1)
+
+
+class GatedAttention(nnx.Module):
+    """Qwen3-Next full attention: output-gated, partial RoPE, (1 + w) q/k norms."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
+                 layout: str = "natural", head_chunks: int = 1):
+        d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        init = nnx.initializers.normal(cfg.init_std)
+        self.wq = nnx.Param(init(rngs.params(), (d, n, 2 * h)))                 # query | gate
+        self.wk = nnx.Param(init(rngs.params(), (d, k, h)))
+        self.wv = nnx.Param(init(rngs.params(), (d, k, h)))
+        self.wo = nnx.Param(nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)(
+            rngs.params(), (n, h, d)))
+        self.q_norm, self.k_norm = norm(cfg, h), norm(cfg, h)
+        self.cfg, self.mesh, self.layout, self.head_chunks = cfg, mesh, layout, head_chunks
+
+    def __call__(self, x, positions, segment_ids):
+        dt, mesh, cfg, h = x.dtype, self.mesh, self.cfg, self.cfg.head_dim
+        qg = jnp.einsum("BSD,DNH->BSNH", x, _gathered(self.wq[...], dt, mesh))     # [B, S, N, 2H]
+        q, gate = qg[..., :h], qg[..., h:]
+        k = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wk[...], dt, mesh))
+        v = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wv[...], dt, mesh))
+        dim = rotary_dim(cfg)
+        q = partial_rope(self.q_norm(q), positions, cfg.rope_theta, dim)            # [B, S, N, H]
+        k = partial_rope(self.k_norm(k), positions, cfg.rope_theta, dim)
+        o = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
+                              impl=cfg.attn_impl, head_chunks=self.head_chunks,
+                              layout=self.layout,
+                              max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
+                              scale=cfg.attn_scale or None)                        # [B, S, N, H]
+        o = o * jax.nn.sigmoid(gate)
+        return jnp.einsum("BSNH,NHD->BSD", o, _gathered(self.wo[...], dt, mesh))
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3-Next linear attention (Gated DeltaNet) over sequence-sharded tokens."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs):
+        d, hk, hv = cfg.d_model, cfg.linear_key_heads, cfg.linear_value_heads
+        dq, dv, w = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv
+        r = hv // hk
+        init = nnx.initializers.normal(cfg.init_std)
+        self.in_proj_qkvz = nnx.Param(init(rngs.params(), (d, hk, 2 * dq + 2 * r * dv)))
+        self.in_proj_ba = nnx.Param(init(rngs.params(), (d, hk, 2 * r)))
+        # transformers' depthwise Conv1d weight [channels, 1, W]; channels q | k | v, head-major.
+        bound = 1.0 / math.sqrt(w)
+        self.conv = nnx.Param(jax.random.uniform(rngs.params(), (2 * hk * dq + hv * dv, 1, w),
+                                                 jnp.float32, -bound, bound))
+        self.a_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32,
+                                                          1.0, 16.0)))
+        self.dt_bias = nnx.Param(jnp.ones((hv,), jnp.float32))
+        self.norm_scale = nnx.Param(jnp.ones((dv,), jnp.float32))
+        self.out_proj = nnx.Param(nnx.initializers.normal(
+            cfg.init_std / (2 * cfg.n_layers) ** 0.5)(rngs.params(), (hv, dv, d)))
+        self.cfg, self.mesh = cfg, mesh
+
+    def __call__(self, x, segment_ids):
+        dt, mesh, cfg = x.dtype, self.mesh, self.cfg
+        b_, s = x.shape[:2]
+        hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
+        dq, dv = cfg.linear_key_dim, cfg.linear_value_dim
+        r = hv // hk
+        qkvz = jnp.einsum("BSD,DKW->BSKW", x, _gathered(self.in_proj_qkvz[...], dt, mesh))
+        q, k = qkvz[..., :dq], qkvz[..., dq:2 * dq]                               # [B, S, Hk, Q]
+        v = qkvz[..., 2 * dq:2 * dq + r * dv].reshape(b_, s, hv, dv)              # [B, S, Hv, V]
+        z = qkvz[..., 2 * dq + r * dv:].reshape(b_, s, hv, dv)
+        ba = jnp.einsum("BSD,DKR->BSKR", x, _gathered(self.in_proj_ba[...], dt, mesh))
+        b, a = ba[..., :r].reshape(b_, s, hv), ba[..., r:].reshape(b_, s, hv)     # [B, S, Hv]
+        conv = _gathered(self.conv[...], jnp.float32, mesh)[:, 0]                 # [C, W]
+        cq = conv[:hk * dq].reshape(hk, dq, -1)
+        ck = conv[hk * dq:2 * hk * dq].reshape(hk, dq, -1)
+        cv = conv[2 * hk * dq:].reshape(hv, dv, -1)
+        o = gated_deltanet(q, k, v, b, a, cq, ck, cv,
+                           _gathered(self.a_log[...], jnp.float32, mesh),
+                           _gathered(self.dt_bias[...], jnp.float32, mesh),
+                           mesh=mesh, segment_ids=segment_ids)                    # [B, S, Hv, V]
+        scale = _gathered(self.norm_scale[...], jnp.float32, mesh)
+        o = (rms_norm(o, scale, cfg.norm_eps).astype(jnp.float32)
+             * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
+        return jnp.einsum("BSNV,NVD->BSD", o, _gathered(self.out_proj[...], dt, mesh))
+
+
+class Qwen3NextBlock(nnx.Module):
+    """x + mixer(norm(x)), then x + mlp(norm(x)); the mixer is Gated DeltaNet (``mixer`` "D")
+    or gated attention ("A"), the MLP dense or MoE (``sparse``). Returns (x, router stats)."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
+                 layout: str = "natural", head_chunks: int = 1, sparse: bool = False,
+                 mixer: str = "A"):
+        self.attn_norm = norm(cfg, cfg.d_model)
+        if mixer == "D":
+            self.linear_attn, self.attn = GatedDeltaNet(cfg, mesh, rngs=rngs), None
+        else:
+            self.linear_attn = None
+            self.attn = GatedAttention(cfg, mesh, rngs=rngs, layout=layout,
+                                       head_chunks=head_chunks)
+        self.mlp_norm = norm(cfg, cfg.d_model)
+        self.mlp = None if sparse else MLP(cfg, mesh, rngs=rngs)
+        self.moe = MoE(cfg, mesh, rngs=rngs) if sparse else None
+        self.mesh, self.chunk = mesh, cfg.mlp_chunk
+
+    def __call__(self, x, positions, segment_ids, kind="G"):
+        with jax.named_scope("attention"):
+            normed = self.attn_norm.over_chunks(x, self.mesh, self.chunk)             # [B, S, D]
+            if self.attn is None:
+                x = x + self.linear_attn(normed, segment_ids)
+            else:
+                x = x + self.attn(normed, positions, segment_ids)
+        stats = None
+        with jax.named_scope("mlp"):
+            if self.moe is None:
+                x = x + self.mlp(x, self.mlp_norm)
+            else:
+                valid = jnp.ones(x.shape[:2], jnp.float32) if segment_ids is None else \
+                    (segment_ids > 0).astype(jnp.float32)                   # [B, S]
+                y, stats = self.moe(self.mlp_norm(x), valid)
+                x = x + y
+        return (x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))), stats
+
+
+def mixer_matmul_params(cfg: ModelConfig, mixer: str) -> int:
+    """Weights one token multiplies through in a layer's token mixer (training/flops.py)."""
+    d = cfg.d_model
+    if mixer == "D":
+        hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
+        dq, dv = cfg.linear_key_dim, cfg.linear_value_dim
+        return d * (2 * hk * dq + 2 * hv * dv) + d * 2 * hv + hv * dv * d
+    gate = 2 if cfg.family == "qwen3_next" else 1  # q_proj also yields the output gate
+    return d * cfg.n_heads * cfg.head_dim * (1 + gate) + 2 * d * cfg.n_kv_heads * cfg.head_dim
+
+
+def deltanet_flops_per_token(cfg: ModelConfig, chunk: int = 64) -> float:
+    """Forward + backward FLOPs of one DeltaNet layer's chunked delta rule, per token.
+
+    Per chunk of C tokens and value head, multiply-adds: q.k and k.k (2 C^2 Q), the inverse
+    by squaring (2 (ceil(log2 C) - 1) C^3), U and the intra-chunk output (2 C^2 V), reading
+    and writing the state (3 C Q V); x 2 FLOPs, x 3 for forward + backward, / C per token.
+    """
+    c, dq, dv = chunk, cfg.linear_key_dim, cfg.linear_value_dim
+    squarings = max(0, math.ceil(math.log2(c)) - 1)
+    per_chunk = 2 * c * c * dq + 2 * squarings * c ** 3 + 2 * c * c * dv + 3 * c * dq * dv
+    return 6.0 * cfg.linear_value_heads * per_chunk / c
