@@ -134,7 +134,7 @@ def test_checkpoints_are_what_they_claim(checkpoints):
     assert len(layer_groups(cfg)) == 3
     periodic = config_from_hf(json.load(open(os.path.join(checkpoints["periodic"],
                                                           "config.json"))))
-    assert layer_groups(periodic) == [(0, (False, True), 2)]
+    assert layer_groups(periodic) == [(0, ((False, "A"), (True, "A")), 2)]
 
 
 def test_export_round_trip(tmp_path):

@@ -289,14 +289,18 @@ def test_sharded_moe_model_equals_one_device():
 
 
 def test_layer_groups():
-    def groups(**kw):
-        return layer_groups(ModelConfig(num_experts=4, **kw))
+    def groups(**kw):  # layer types as (sparse, mixer); every layer here is attention ("A")
+        return [(first, tuple(sparse for sparse, _ in unit), r)
+                for first, unit, r in layer_groups(ModelConfig(num_experts=4, **kw))]
     assert groups(n_layers=3) == [(0, (True,), 3)]
-    assert layer_groups(ModelConfig(n_layers=3)) == [(0, (False,), 3)]  # dense: as always
+    assert layer_groups(ModelConfig(n_layers=3)) == [(0, ((False, "A"),), 3)]  # dense: as always
     assert groups(n_layers=4, decoder_sparse_step=2) == [(0, (False, True), 2)]
     assert groups(n_layers=3, mlp_only_layers=(1,)) == [(0, (True,), 1), (1, (False,), 1),
                                                          (2, (True,), 1)]
     assert groups(n_layers=4, mlp_only_layers=(0, 1)) == [(0, (False,), 2), (2, (True,), 2)]
+    # Qwen3-Next: the mixer splits groups too; DDDA repeated is one scan over a 4-layer unit
+    next_cfg = ModelConfig(family="qwen3_next", n_layers=8, mixer_pattern="DDDA")
+    assert layer_groups(next_cfg) == [(0, ((False, "D"),) * 3 + ((False, "A"),), 2)]
 
 
 def test_train_step_all_to_alls_per_moe_layer():

@@ -66,10 +66,10 @@ def _packed_segments(b, s):
 # ----------------------------------------------------------------------------- kernels
 
 def test_chunked_delta_rule_matches_the_recurrence_and_transformers():
-    q, k, v, g, beta = _rng_inputs(0, 2, 200, 3, 16, 8)
-    qn, kn = deltanet.l2_normalize(q) * 16 ** -0.5, deltanet.l2_normalize(k)
-    want = deltanet.recurrent_reference(qn, kn, v, g, beta)
-    got = jax.jit(lambda *a: deltanet.chunked_delta_rule(*a, chunk=16))(qn, kn, v, g, beta)
+    q, k, v, g, beta = _rng_inputs(0, 2, 200, 6, 16, 8)
+    q, k = q[:, :, :3], k[:, :, :3]          # 3 key heads, 6 value heads: 2 per key head
+    want = deltanet.recurrent_reference(q, k, v, g, beta)
+    got = jax.jit(lambda *a: deltanet.chunked_delta_rule(*a, chunk=16))(q, k, v, g, beta)
     assert float(jnp.max(jnp.abs(want))) > 0.1
     np.testing.assert_allclose(got, want, atol=1e-5)
     t = lambda x: torch.tensor(np.asarray(x), dtype=torch.float64)
@@ -82,7 +82,7 @@ def test_document_resets_values_and_gradients():
     """Packed rows: every document's outputs equal the document run alone (the state and
     nothing else restarts), and gradients of the chunked form equal the recurrence's."""
     q, k, v, g, beta = _rng_inputs(1, 2, 200, 2, 16, 8)
-    args = (deltanet.l2_normalize(q) * 0.25, deltanet.l2_normalize(k), v, g, beta)
+    args = (q, k, v, g, beta)
     seg = _packed_segments(2, 200)
     got = deltanet.chunked_delta_rule(*args, seg, chunk=16)
     np.testing.assert_allclose(got, deltanet.recurrent_reference(*args, seg), atol=1e-5)
@@ -309,3 +309,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bad_qwen3_next_configs_are_refused(over, match):
     with pytest.raises(ConfigError, match=match):
         load_config(os.path.join(ROOT, "configs", "tiny-qwen3-next.yaml"), over)
+
+
+def test_flops_count_the_weights_and_the_delta_rule():
+    """MFU's matmul weights are the weights a real Qwen3-Next Decoder has (gated q_proj,
+    DeltaNet projections, routed + shared experts counted by moe.mlp_matmul_params); the
+    DeltaNet layers add the chunked delta rule's FLOPs, by hand count, and no attention."""
+    import math
+    from ulysses_jax.models.decoder import Decoder
+    from ulysses_jax.training.flops import attention_flops_per_token, matmul_params_per_token
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny-qwen3-next.yaml"),
+                      ["model.num_experts=0"]).model
+    mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
+    params = nnx.to_pure_dict(nnx.state(Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
+    names = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "in_proj_qkvz",
+             "in_proj_ba", "out_proj"}
+    weights = sum(math.prod(leaf.shape) for path, leaf in
+                  jax.tree_util.tree_leaves_with_path(params)
+                  if str(getattr(path[-1], "key", path[-1])) in names)
+    assert matmul_params_per_token(cfg) == weights
+    c, dq, dv, hv = 64, cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_value_heads
+    per_chunk = 2 * c * c * dq + 2 * 5 * c ** 3 + 2 * c * c * dv + 3 * c * dq * dv
+    delta_rule = 6 * hv * per_chunk / c
+    attention = 6 * cfg.n_heads * cfg.head_dim * 512     # one causal attention layer at 512
+    assert attention_flops_per_token(cfg, 512) == pytest.approx(3 * delta_rule + attention)

@@ -93,16 +93,23 @@ def l2_normalize(x, eps: float = 1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def _normalized(q, k):
+    """transformers' kernel prologue: l2-normalised q and k in float32, q / sqrt(Q)."""
+    return l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
+
+
 def recurrent_reference(q, k, v, g, beta, segment_ids=None):
     """The gated delta rule token by token (the definition; tests only).
 
-    Args:
-      q, k: [B, S, h, Q] (already normalised and scaled); v: [B, S, h, V];
-      g, beta: [B, S, h]; segment_ids: [B, S] or None.
+    Args (transformers' ``torch_recurrent_gated_delta_rule`` with q/k l2 normalisation):
+      q, k: [B, S, hk, Q] raw (l2-normalised here, q scaled by Q^-0.5); v: [B, S, h, V],
+      value head j reading key head j // (h / hk); g, beta: [B, S, h]; segment_ids: [B, S].
     Returns:
       o [B, S, h, V] float32.
     """
-    b, s, h, dq = q.shape
+    b, s, hk, dq = q.shape
+    h = v.shape[2]
+    q, k = (jnp.repeat(x, h // hk, axis=2) for x in _normalized(q, k))
     runs = run_ids(segment_ids, s, b)
     prev = jnp.concatenate([runs[:, :1], runs[:, :-1]], axis=1)
     fresh = (runs != prev)                                                    # [B, S]
@@ -133,36 +140,44 @@ def _unit_lower_inverse(a):
 
 
 def _chunk(carry, xs):
-    """One chunk of C tokens. carry: (Z0 [B, h, Q, V], run of the token before [B]);
-    xs: q, k [B, h, C, Q], v [B, h, C, V], g, beta [B, h, C], runs [B, C]."""
+    """One chunk of C tokens; letters n key heads, r value heads per key head (h = n r).
+
+    carry: (Z0 [B, n, r, Q, V] float32, run of the token before [B]);
+    xs: q, k [B, C, n, Q] and v [B, C, n, r, V] in the compute dtype, g, beta [B, C, n, r]
+    float32, runs [B, C]. Returns the new carry and o [B, C, n, r, V] in v's dtype.
+    """
     z0, run_prev = carry
     q, k, v, g, beta, runs = xs
-    c = q.shape[2]
-    cum = jnp.cumsum(g, axis=-1)                                              # [B, h, C]
+    q, k = _normalized(q, k)                                                  # [B, C, n, Q]
+    g, beta = (jnp.moveaxis(x, 1, 3) for x in (g, beta))                      # [B, n, r, C]
+    c = q.shape[1]
+    cum = jnp.cumsum(g, axis=-1)                                              # [B, n, r, C]
     same = runs[:, :, None] == runs[:, None, :]                               # [B, C, C]
     idx = jnp.arange(c)
-    lower = (idx[None, :] <= idx[:, None])[None, None] & same[:, None]        # [B, 1, C, C]
-    strict = lower & (idx[None, :] != idx[:, None])
-    diff = cum[..., :, None] - cum[..., None, :]                              # [B, h, C, C]
+    lower = (idx[None, :] <= idx[:, None])[None] & same                       # [B, C, C]
+    strict = (lower & (idx[None, :] != idx[:, None]))[:, None, None]          # [B, 1, 1, C, C]
+    lower = lower[:, None, None]
+    diff = cum[..., :, None] - cum[..., None, :]                              # [B, n, r, C, C]
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
-    kk = jnp.einsum("bhiq,bhjq->bhij", k, k, precision=_HI)
+    kk = jnp.einsum("binq,bjnq->bnij", k, k, precision=_HI)[:, :, None]       # [B, n, 1, C, C]
     a = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
-    inv = _unit_lower_inverse(a)                                              # [B, h, C, C]
-    first = (runs == run_prev[:, None])[:, None, :]                           # [B, 1, C]
-    reads = jnp.where(first, jnp.exp(cum), 0.0)                               # [B, h, C]
-    rhs = v * beta[..., None] - jnp.einsum("bhiq,bhqv->bhiv", k * (beta * reads)[..., None],
-                                           z0, precision=_HI)
-    u = jnp.einsum("bhij,bhjv->bhiv", inv, rhs, precision=_HI)                # [B, h, C, V]
-    qk = jnp.einsum("bhiq,bhjq->bhij", q, k, precision=_HI) * decay
-    o = (jnp.einsum("bhiq,bhqv->bhiv", q * reads[..., None], z0, precision=_HI)
-         + jnp.einsum("bhij,bhjv->bhiv", qk, u, precision=_HI))
+    inv = _unit_lower_inverse(a)                                              # [B, n, r, C, C]
+    first = (runs == run_prev[:, None])[:, None, None]                        # [B, 1, 1, C]
+    reads = jnp.where(first, jnp.exp(cum), 0.0)                               # [B, n, r, C]
+    kz = jnp.einsum("binq,bnrqv->bnriv", k, z0, precision=_HI)                # [B, n, r, C, V]
+    rhs = (jnp.einsum("binrv,bnri->bnriv", v.astype(_F32), beta, precision=_HI)
+           - (beta * reads)[..., None] * kz)
+    u = jnp.einsum("bnrij,bnrjv->bnriv", inv, rhs, precision=_HI)             # [B, n, r, C, V]
+    qk = jnp.einsum("binq,bjnq->bnij", q, k, precision=_HI)[:, :, None] * decay
+    o = (reads[..., None] * jnp.einsum("binq,bnrqv->bnriv", q, z0, precision=_HI)
+         + jnp.einsum("bnrij,bnrjv->bnriv", qk, u, precision=_HI))
     last = runs[:, -1]                                                        # [B]
-    in_last = (runs == last[:, None])[:, None, :]                             # [B, 1, C]
-    w = jnp.where(in_last, jnp.exp(cum[..., -1:] - cum), 0.0)                 # [B, h, C]
-    keep = jnp.where((last == run_prev)[:, None], jnp.exp(cum[..., -1]), 0.0)  # [B, h]
-    z = z0 * keep[..., None, None] + jnp.einsum("bhjq,bhjv->bhqv", k * w[..., None], u,
+    in_last = (runs == last[:, None])[:, None, None]                          # [B, 1, 1, C]
+    w = jnp.where(in_last, jnp.exp(cum[..., -1:] - cum), 0.0)                 # [B, n, r, C]
+    keep = jnp.where((last == run_prev)[:, None, None], jnp.exp(cum[..., -1]), 0.0)
+    z = z0 * keep[..., None, None] + jnp.einsum("bjnq,bnrj,bnrjv->bnrqv", k, w, u,
                                                 precision=_HI)
-    return (z, last), o
+    return (z, last), jnp.moveaxis(o, 3, 1).astype(v.dtype)                   # [B, C, n, r, V]
 
 
 def group_size(n: int) -> int:
@@ -174,30 +189,33 @@ def group_size(n: int) -> int:
 def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAULT_CHUNK):
     """The gated delta rule over whole sequences in chunks (see the module docstring).
 
-    Args:
-      q, k: [B, S, h, Q] (normalised, q scaled), v: [B, S, h, V]; g (<= 0), beta: [B, S, h];
-      segment_ids: [B, S] ints or None; the state restarts at every run start.
+    Args (as ``recurrent_reference``):
+      q, k: [B, S, hk, Q] raw (normalised per chunk here); v: [B, S, h, V], value head j
+        reading key head j // (h / hk); q, k, v in the compute dtype (kept so in memory,
+        float32 inside each chunk); g (<= 0), beta: [B, S, h]; segment_ids: [B, S] or None:
+        the state restarts at every run start.
       chunk: tokens per chunk C; S is padded to a multiple of it.
     Returns:
-      o [B, S, h, V] float32.
+      o [B, S, h, V] in v's dtype.
     """
-    b, s, h, _ = q.shape
+    b, s, hk, _ = q.shape
+    h, dv = v.shape[2:]
+    r = h // hk
     runs = run_ids(segment_ids, s, b)
     pad = -s % chunk
     n = (s + pad) // chunk
     m = group_size(n)
 
-    def prep(x, fill=0.0):
-        # [B, S, h, ...] -> [n/M, M, B, h, C, ...]
-        x = jnp.pad(x.astype(_F32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
-                    constant_values=fill)
-        x = x.reshape((b, n // m, m, chunk) + x.shape[2:])                   # [B, n/M, M, C, h, .]
-        return jnp.moveaxis(x, (1, 2, 0, 4), (0, 1, 2, 3))
+    def prep(x, fill=0):
+        # [B, S, ...] -> [n/M, M, B, C, ...]: token-major inside a chunk, so for B = 1 a
+        # reshape, not a transposed copy.
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape((b, n // m, m, chunk) + x.shape[2:]), 0, 2)
 
+    gr = lambda x: x.astype(_F32).reshape(b, s, hk, r)                        # [B, S, n, r]
     # Padding tokens form a run of their own after the last one: they touch no real token.
-    runs_p = jnp.pad(runs, [(0, 0), (0, pad)], constant_values=s + 1)
-    runs_p = jnp.moveaxis(runs_p.reshape(b, n // m, m, chunk), 0, 2)          # [n/M, M, B, C]
-    xs = (prep(q), prep(k), prep(v), prep(g), prep(beta), runs_p)
+    xs = (prep(q), prep(k), prep(v.reshape(b, s, hk, r, dv)), prep(gr(g)), prep(gr(beta)),
+          prep(runs, s + 1))
 
     inner = jax.checkpoint(_chunk, prevent_cse=False)
 
@@ -205,10 +223,9 @@ def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAU
     def group(carry, gxs):
         return jax.lax.scan(inner, carry, gxs)
 
-    z0 = _like_varying(jnp.zeros((b, h, q.shape[-1], v.shape[-1]), _F32), k)
-    _, o = jax.lax.scan(group, (z0, runs[:, 0]), xs)                          # [n/M, M, B, h, C, V]
-    o = jnp.moveaxis(o, (0, 1, 2, 3), (1, 2, 0, 4)).reshape(b, n * chunk, h, v.shape[-1])
-    return o[:, :s]
+    z0 = _like_varying(jnp.zeros((b, hk, r, q.shape[-1], dv), _F32), k)
+    _, o = jax.lax.scan(group, (z0, runs[:, 0]), xs)                          # [n/M, M, B, C, n, r, V]
+    return jnp.moveaxis(o, 2, 0).reshape(b, n * chunk, h, dv)[:, :s]
 
 
 def _like_varying(x, ref):

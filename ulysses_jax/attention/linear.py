@@ -61,15 +61,15 @@ def gated_delta_core(q, k, v, b, a, conv_q, conv_k, conv_v, a_log, dt_bias, segm
       conv_q, conv_k: [hk, Q, W], conv_v: [h, V, W]; a_log, dt_bias: [h]; h % hk == 0.
       segment_ids: [B, S] or None.
     Returns:
-      o [B, S, h, V] float32, before the output norm and gate.
+      o [B, S, h, V] in v's dtype, before the output norm and gate.
     """
     bsz, s = q.shape[:2]
+    dt = v.dtype
     runs = deltanet.run_ids(segment_ids, s, bsz)
-    q, k, v = (jax.nn.silu(deltanet.causal_conv(x, w, runs))
+    # SiLU of the convolution, back in the compute dtype (transformers' causal_conv1d_fn);
+    # the kernel normalises q and k in float32 chunk by chunk.
+    q, k, v = (jax.nn.silu(deltanet.causal_conv(x, w, runs)).astype(dt)
                for x, w in ((q, conv_q), (k, conv_k), (v, conv_v)))
-    rep = v.shape[2] // q.shape[2]
-    q = jnp.repeat(deltanet.l2_normalize(q) * q.shape[-1] ** -0.5, rep, axis=2)  # [B, S, h, Q]
-    k = jnp.repeat(deltanet.l2_normalize(k), rep, axis=2)
     beta = jax.nn.sigmoid(b.astype(_F32))                                        # [B, S, h]
     g = -jnp.exp(a_log.astype(_F32)) * jax.nn.softplus(a.astype(_F32) + dt_bias.astype(_F32))
     return deltanet.chunked_delta_rule(q, k, v, g, beta, segment_ids, chunk=chunk)

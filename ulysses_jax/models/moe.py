@@ -152,9 +152,13 @@ def active_params_per_token(cfg: ModelConfig) -> int:
     """Parameters a token passes through in one forward pass (MoE layers count only the
     A routed experts, the router and the shared expert); the embedding lookup is excluded,
     the output head and the norm scales included."""
+    from .qwen3_next import mixer_matmul_params  # qwen3_next builds on this module
+
     d, h = cfg.d_model, cfg.head_dim
-    attn = d * h * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + (2 * h if cfg.qk_norm else 0)
-    layers = sum(attn + 2 * d + mlp_matmul_params(cfg, i) for i in range(cfg.n_layers))
+    norms = 2 * h if cfg.qk_norm else 0
+    mixers = cfg.layer_mixers()
+    layers = sum(mixer_matmul_params(cfg, mixers[i]) + (norms if mixers[i] == "A" else 0)
+                 + 2 * d + mlp_matmul_params(cfg, i) for i in range(cfg.n_layers))
     return layers + d + d * cfg.vocab_size
 
 

@@ -15,31 +15,43 @@ Per token, forward + backward = 3 x forward, a multiply-add = 2 FLOPs:
     a query at position i sees i + 1 keys, about S/2 on average, so forward + backward is
     6·N·H·S per token per layer (6·L·N·H·S² per sequence). Without the causal mask: twice.
     A sliding window W sees min(i + 1, W) keys: local layers count W·S - W(W-1)/2 pairs.
+  - Qwen3-Next (``model.family=qwen3_next``): an attention layer's q_proj also yields the
+    output gate (D·N·2H); a Gated DeltaNet layer counts its projections (in_proj_qkvz,
+    in_proj_ba, out_proj) as matmul weights and, in place of attention, the chunked delta
+    rule's matmuls (``qwen3_next.deltanet_flops_per_token``: linear in S).
 Recomputation (remat) is not counted (that would be hardware FLOPs, HFU), nor the tiles the
 packed-document kernels skip: ``mfu`` counts every causal pair of the row, so packed rows do
 less work than it counts (their "useful" attention is sum(l²)/S² of it).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import ModelConfig
 from ..models.moe import mlp_matmul_params
+from ..models.qwen3_next import deltanet_flops_per_token, mixer_matmul_params
 
 
 def matmul_params_per_token(m: ModelConfig) -> int:
     """Weights each token multiplies through: L x (attention + MLP projections) + head. An
     MoE layer's MLP counts its router and the experts a token is routed to
     (``moe.mlp_matmul_params``), not all experts."""
-    d, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-    attention = d * n * h + 2 * d * k * h + n * h * d
+    mixers = sum(mixer_matmul_params(m, c) for c in m.layer_mixers())
     mlp = sum(mlp_matmul_params(m, i) for i in range(m.n_layers))
-    return m.n_layers * attention + mlp + d * m.vocab_size
+    return mixers + mlp + m.d_model * m.vocab_size
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """Forward + backward FLOPs of the score and value matmuls, per token of a row.
 
     A local layer (``model.sliding_window`` W < S, causal) counts its visible pairs,
-    W·S - W(W-1)/2 per row instead of about S²/2."""
+    W·S - W(W-1)/2 per row instead of about S²/2. Gated DeltaNet layers (Qwen3-Next) count
+    the delta rule's FLOPs instead."""
+    linear = m.layer_mixers().count("D")
+    if linear:
+        full = dataclasses.replace(m, n_layers=m.n_layers - linear, family="llama")
+        return (linear * deltanet_flops_per_token(m)
+                + (attention_flops_per_token(full, seq_len, causal) if full.n_layers else 0.0))
     per_layer = 6 * m.n_heads * m.head_dim * seq_len  # causal: 12·N·H·S²/2 per row / S
     w = m.sliding_window
     if not causal or not w or w >= seq_len:
