@@ -1,5 +1,6 @@
 """The memory-lean RMSNorm and TiledMLP against plain autodiff of the same functions."""
 import chex
+import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
@@ -64,3 +65,24 @@ def test_tiled_mlp_keeps_no_stacked_copy_of_its_input():
 def test_tiled_mlp_rejects_a_chunk_that_does_not_divide():
     with pytest.raises(ValueError, match="chunk 5 does not divide the 64 tokens"):
         tiled(_mlp, jnp.zeros((1, 64, 4)), (jnp.zeros((4, 8)),) * 2 + (jnp.zeros((8, 4)),), 5)
+
+
+def test_gated_rms_norm_matches_autodiff():
+    """Qwen3-Next's gated output norm: values and all three gradients as autodiff of the
+    plain formula (fp32)."""
+    from ulysses_jax.models.norms import gated_rms_norm
+    rng = np.random.default_rng(4)
+    x, gate, ct = (jnp.asarray(rng.normal(size=(2, 6, 3, 8)).astype(np.float32))
+                   for _ in range(3))
+    scale = jnp.asarray(1 + 0.3 * rng.normal(size=(8,)).astype(np.float32))
+
+    def plain(x, scale, gate):
+        r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+        return x * r * scale * jax.nn.silu(gate)
+
+    np.testing.assert_allclose(gated_rms_norm(x, scale, gate, 1e-6), plain(x, scale, gate),
+                               atol=1e-6)
+    got = jax.vjp(lambda *a: gated_rms_norm(*a, 1e-6), x, scale, gate)[1](ct)
+    want = jax.vjp(plain, x, scale, gate)[1](ct)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

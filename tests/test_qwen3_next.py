@@ -333,3 +333,18 @@ def test_flops_count_the_weights_and_the_delta_rule():
     delta_rule = 6 * hv * per_chunk / c
     attention = 6 * cfg.n_heads * cfg.head_dim * 512     # one causal attention layer at 512
     assert attention_flops_per_token(cfg, 512) == pytest.approx(3 * delta_rule + attention)
+
+
+def test_conv_silu_gradients_match_autodiff():
+    """The hand-written backward of SiLU(convolution) equals autodiff of the plain form."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 20, 3, 4)).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(3, 4, 4)).astype(np.float32))
+    runs = deltanet.run_ids(jnp.asarray(np.repeat([[1] * 7 + [2] * 3 + [4] * 10], 2, 0)), 20)
+    plain = lambda x, w: jax.nn.silu(deltanet.causal_conv(x, w, runs))
+    np.testing.assert_allclose(deltanet.conv_silu(x, w, runs), plain(x, w), atol=1e-6)
+    ct = jnp.asarray(rng.normal(size=x.shape).astype(np.float32))
+    got = jax.vjp(lambda x, w: deltanet.conv_silu(x, w, runs), x, w)[1](ct)
+    want = jax.vjp(plain, x, w)[1](ct)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

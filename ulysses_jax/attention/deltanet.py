@@ -62,6 +62,21 @@ def run_ids(segment_ids, s: int, b: int = 1):
     return jnp.cumsum(starts, axis=1)
 
 
+def _shifted(x, shift: int, fill=0):
+    """x_{t-shift} along axis 1 (shift > 0: from earlier tokens, < 0: from later ones)."""
+    s = x.shape[1]
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (shift, 0) if shift > 0 else (0, -shift)
+    x = jnp.pad(x, pad, constant_values=fill)
+    return x[:, :s] if shift > 0 else x[:, -shift:]
+
+
+def _same_run(runs, shift: int, ndim: int):
+    """[B, S, 1...]: token t and token t - shift are in the same run (False past the row)."""
+    same = _shifted(runs, shift, fill=-1) == runs
+    return same.reshape(runs.shape + (1,) * (ndim - 2))
+
+
 def causal_conv(x, w, runs):
     """Depthwise causal convolution of width W that restarts at every run (document) start.
 
@@ -74,17 +89,54 @@ def causal_conv(x, w, runs):
       [B, S, ...channels] in float32.
     """
     width = w.shape[-1]
-    x = x.astype(_F32)
-    w = w.astype(_F32)
+    x, w = x.astype(_F32), w.astype(_F32)
     out = x * w[..., width - 1]
-    extra = (1,) * (x.ndim - 2)
     for shift in range(1, width):
-        pad = [(0, 0), (shift, 0)] + [(0, 0)] * (x.ndim - 2)
-        xs = jnp.pad(x, pad)[:, :x.shape[1]]                                    # x_{t-shift}
-        rs = jnp.pad(runs, [(0, 0), (shift, 0)], constant_values=-1)[:, :x.shape[1]]
-        same = (rs == runs).reshape(runs.shape + extra)
-        out = out + jnp.where(same, xs, 0.0) * w[..., width - 1 - shift]
+        out = out + jnp.where(_same_run(runs, shift, x.ndim), _shifted(x, shift), 0.0) \
+            * w[..., width - 1 - shift]
     return out
+
+
+@jax.custom_vjp
+def _conv_silu(x, w, runs):
+    return jax.nn.silu(causal_conv(x, w, runs)).astype(x.dtype)
+
+
+def _conv_silu_fwd(x, w, runs):
+    return _conv_silu(x, w, runs), (x, w, runs)
+
+
+def _conv_silu_bwd(res, dy):
+    # Recomputes the pre-activation instead of keeping the per-shift masked copies that
+    # autodiff would save: one [B, S, C] fp32 array at a time.
+    x, w, runs = res
+    width = w.shape[-1]
+    u = causal_conv(x, w, runs)
+    sig = jax.nn.sigmoid(u)
+    du = dy.astype(_F32) * sig * (1.0 + u * (1.0 - sig))                       # [B, S, ...]
+    x32 = x.astype(_F32)
+    dx = du * w.astype(_F32)[..., width - 1]
+    dw = [jnp.sum(du * x32, axis=(0, 1))]
+    for shift in range(1, width):
+        masked = jnp.where(_same_run(runs, shift, x.ndim), du, 0.0)           # out_t's term
+        dx = dx + _shifted(masked, -shift) * w.astype(_F32)[..., width - 1 - shift]
+        dw.append(jnp.sum(masked * _shifted(x32, shift), axis=(0, 1)))
+    dw = jnp.stack(dw[::-1], axis=-1)                                         # [..., W]
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+_conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
+
+
+def conv_silu(x, w, runs):
+    """SiLU(causal_conv(x, w, runs)) in x's dtype (transformers casts the convolution's
+    output back to the activations' dtype), with a backward pass that recomputes the
+    convolution rather than keeping per-shift copies of x.
+
+    Args:
+      x: [B, S, ...channels]; w: [...channels, W]; runs: [B, S] (``run_ids``).
+    """
+    return _conv_silu(x, _like_varying(w, x), runs)
 
 
 def l2_normalize(x, eps: float = 1e-6):

@@ -62,3 +62,49 @@ def _bwd(res, dy):
 
 
 _rms_norm.defvjp(_fwd, _bwd)
+
+
+def gated_rms_norm(x, scale, gate, eps):
+    """RMS norm of x times SiLU(gate) (Qwen3-Next's DeltaNet output norm), in x's dtype.
+
+    y = (x / rms(x) * scale) * silu(gate), computed in fp32. The backward pass keeps only x,
+    gate (both in their own dtype), the scale and 1/rms, as ``rms_norm`` does, instead of the
+    fp32 products autodiff would keep.
+
+    Args:
+      x, gate: [..., D]; scale: [D] fp32; eps: a float.
+    """
+    extra = tuple(sorted(_varying(x) - _varying(scale)))
+    if extra:
+        scale = jax.lax.pcast(scale, extra, to="varying")
+    return _gated(x, scale, gate, eps)
+
+
+@jax.custom_vjp
+def _gated(x, scale, gate, eps):
+    normed, _ = _forward(x, scale, eps)
+    return (normed.astype(_F32) * jax.nn.silu(gate.astype(_F32))).astype(x.dtype)
+
+
+def _gated_fwd(x, scale, gate, eps):
+    normed, r = _forward(x, scale, eps)
+    y = (normed.astype(_F32) * jax.nn.silu(gate.astype(_F32))).astype(x.dtype)
+    return y, (x, scale, gate, r)
+
+
+def _gated_bwd(res, dy):
+    x, scale, gate, r = res
+    g32 = gate.astype(_F32)
+    sig = jax.nn.sigmoid(g32)
+    xhat = x.astype(_F32) * r
+    # The forward rounds x̂·scale to x's dtype before the gate (as transformers does); the
+    # derivative treats that rounding as identity.
+    dnormed = dy.astype(_F32) * g32 * sig                                     # d/d(x̂·scale)
+    dgate = dy.astype(_F32) * xhat * scale * sig * (1.0 + g32 * (1.0 - sig))
+    gs = dnormed * scale
+    dx = r * (gs - xhat * jnp.mean(gs * xhat, axis=-1, keepdims=True))
+    dscale = jnp.sum((dnormed * xhat).reshape(-1, x.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dscale.astype(scale.dtype), dgate.astype(gate.dtype), None
+
+
+_gated.defvjp(_gated_fwd, _gated_bwd)

@@ -36,7 +36,7 @@ from ..config import ModelConfig
 from ..mesh import act_spec, shard
 from .decoder import MLP, _gathered, norm, rope
 from .moe import MoE
-from .norms import rms_norm
+from .norms import gated_rms_norm
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
@@ -131,8 +131,7 @@ class GatedDeltaNet(nnx.Module):
                            _gathered(self.dt_bias[...], jnp.float32, mesh),
                            mesh=mesh, segment_ids=segment_ids)                    # [B, S, Hv, V]
         scale = _gathered(self.norm_scale[...], jnp.float32, mesh)
-        o = (rms_norm(o, scale, cfg.norm_eps).astype(jnp.float32)
-             * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
+        o = gated_rms_norm(o, scale, z, cfg.norm_eps)                             # [B, S, Hv, V]
         return jnp.einsum("BSNV,NVD->BSD", o, _gathered(self.out_proj[...], dt, mesh))
 
 
