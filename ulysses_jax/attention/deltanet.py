@@ -34,6 +34,7 @@ the backward of one group recomputes its M chunk states, so about 2 sqrt(n) stat
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -191,15 +192,22 @@ def _unit_lower_inverse(a):
     return inv
 
 
-def _chunk(carry, xs):
+def _chunk(carry, xs, conv=None):
     """One chunk of C tokens; letters n key heads, r value heads per key head (h = n r).
 
     carry: (Z0 [B, n, r, Q, V] float32, run of the token before [B]);
     xs: q, k [B, C, n, Q] and v [B, C, n, r, V] in the compute dtype, g, beta [B, C, n, r]
-    float32, runs [B, C]. Returns the new carry and o [B, C, n, r, V] in v's dtype.
+    float32, runs [B, C]; with ``conv`` (weights [n, Q, W], [n, Q, W], [n, r, V, W]) also the
+    W - 1 tokens before the chunk of q, k, v and runs, and q, k, v are taken before the
+    convolution. Returns the new carry and o [B, C, n, r, V] in v's dtype.
     """
     z0, run_prev = carry
-    q, k, v, g, beta, runs = xs
+    q, k, v, g, beta, runs = xs[:6]
+    if conv is not None:  # SiLU(convolution) over the halo and the chunk, keep the chunk
+        halo = xs[6:]
+        rr = jnp.concatenate([halo[3], runs], axis=1)                         # [B, W-1+C]
+        q, k, v = (conv_silu(jnp.concatenate([x0, x], axis=1), w, rr)[:, x0.shape[1]:]
+                   for x0, x, w in zip(halo[:3], (q, k, v), conv))
     q, k = _normalized(q, k)                                                  # [B, C, n, Q]
     g, beta = (jnp.moveaxis(x, 1, 3) for x in (g, beta))                      # [B, n, r, C]
     c = q.shape[1]
@@ -238,7 +246,8 @@ def group_size(n: int) -> int:
     return max(m for m in range(1, top + 1) if n % m == 0)
 
 
-def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAULT_CHUNK):
+def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAULT_CHUNK,
+                       conv=None):
     """The gated delta rule over whole sequences in chunks (see the module docstring).
 
     Args (as ``recurrent_reference``):
@@ -247,6 +256,10 @@ def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAU
         float32 inside each chunk); g (<= 0), beta: [B, S, h]; segment_ids: [B, S] or None:
         the state restarts at every run start.
       chunk: tokens per chunk C; S is padded to a multiple of it.
+      conv: optional (conv_q [hk, Q, W], conv_k [hk, Q, W], conv_v [h, V, W]): q, k, v are
+        then taken before Gated DeltaNet's short convolution, and SiLU(``causal_conv``) runs
+        chunk by chunk, each chunk with the W - 1 tokens before it (``conv_silu``): no
+        convolved sequence-length array exists, nor its fp32 intermediates.
     Returns:
       o [B, S, h, V] in v's dtype.
     """
@@ -266,10 +279,24 @@ def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAU
 
     gr = lambda x: x.astype(_F32).reshape(b, s, hk, r)                        # [B, S, n, r]
     # Padding tokens form a run of their own after the last one: they touch no real token.
-    xs = (prep(q), prep(k), prep(v.reshape(b, s, hk, r, dv)), prep(gr(g)), prep(gr(beta)),
-          prep(runs, s + 1))
+    v5 = v.reshape(b, s, hk, r, dv)
+    xs = (prep(q), prep(k), prep(v5), prep(gr(g)), prep(gr(beta)), prep(runs, s + 1))
+    weights = None
+    if conv is not None:
+        width = conv[0].shape[-1]
+        weights = tuple(_like_varying(w.astype(_F32), q) for w in conv)
+        weights = weights[:2] + (weights[2].reshape(hk, r, dv, width),)
 
-    inner = jax.checkpoint(_chunk, prevent_cse=False)
+        def halo(x, fill=0):
+            # The W - 1 tokens before each chunk: [B, S, ...] -> [n/M, M, B, W-1, ...]
+            x = jnp.pad(x, [(0, 0), (width - 1, pad)] + [(0, 0)] * (x.ndim - 2),
+                        constant_values=fill)[:, :n * chunk]
+            x = x.reshape((b, n // m, m, chunk) + x.shape[2:])[:, :, :, :width - 1]
+            return jnp.moveaxis(x, 0, 2)
+
+        xs += (halo(q), halo(k), halo(v5), halo(runs, -1))
+
+    inner = jax.checkpoint(partial(_chunk, conv=weights), prevent_cse=False)
 
     @partial_checkpoint
     def group(carry, gxs):

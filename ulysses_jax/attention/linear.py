@@ -63,15 +63,12 @@ def gated_delta_core(q, k, v, b, a, conv_q, conv_k, conv_v, a_log, dt_bias, segm
     Returns:
       o [B, S, h, V] in v's dtype, before the output norm and gate.
     """
-    bsz, s = q.shape[:2]
-    runs = deltanet.run_ids(segment_ids, s, bsz)
-    # SiLU of the convolution, back in the compute dtype (transformers' causal_conv1d_fn);
-    # the kernel normalises q and k in float32 chunk by chunk.
-    q, k, v = (deltanet.conv_silu(x, w, runs)
-               for x, w in ((q, conv_q), (k, conv_k), (v, conv_v)))
     beta = jax.nn.sigmoid(b.astype(_F32))                                        # [B, S, h]
     g = -jnp.exp(a_log.astype(_F32)) * jax.nn.softplus(a.astype(_F32) + dt_bias.astype(_F32))
-    return deltanet.chunked_delta_rule(q, k, v, g, beta, segment_ids, chunk=chunk)
+    # SiLU of the convolution (in the compute dtype, as transformers' causal_conv1d_fn)
+    # runs inside the kernel, chunk by chunk; the kernel normalises q and k in float32.
+    return deltanet.chunked_delta_rule(q, k, v, g, beta, segment_ids, chunk=chunk,
+                                       conv=(conv_q, conv_k, conv_v))
 
 
 def _exchange(parts, p: int):

@@ -116,10 +116,13 @@ class GatedDeltaNet(nnx.Module):
         hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
         dq, dv = cfg.linear_key_dim, cfg.linear_value_dim
         r = hv // hk
-        qkvz = jnp.einsum("BSD,DKW->BSKW", x, _gathered(self.in_proj_qkvz[...], dt, mesh))
-        q, k = qkvz[..., :dq], qkvz[..., dq:2 * dq]                               # [B, S, Hk, Q]
-        v = qkvz[..., 2 * dq:2 * dq + r * dv].reshape(b_, s, hv, dv)              # [B, S, Hv, V]
-        z = qkvz[..., 2 * dq + r * dv:].reshape(b_, s, hv, dv)
+        # One einsum per piece of in_proj_qkvz (its columns per key head: q, k, v, z), so
+        # each lands in its own array; one fused output would be sliced four ways.
+        w = _gathered(self.in_proj_qkvz[...], dt, mesh)                           # [D, Hk, .]
+        bounds = (0, dq, 2 * dq, 2 * dq + r * dv, 2 * dq + 2 * r * dv)
+        q, k, v, z = (jnp.einsum("BSD,DKW->BSKW", x, w[..., lo:hi])
+                      for lo, hi in zip(bounds, bounds[1:]))                      # q: [B, S, Hk, Q]
+        v, z = v.reshape(b_, s, hv, dv), z.reshape(b_, s, hv, dv)                 # [B, S, Hv, V]
         ba = jnp.einsum("BSD,DKR->BSKR", x, _gathered(self.in_proj_ba[...], dt, mesh))
         b, a = ba[..., :r].reshape(b_, s, hv), ba[..., r:].reshape(b_, s, hv)     # [B, S, Hv]
         conv = _gathered(self.conv[...], jnp.float32, mesh)[:, 0]                 # [C, W]
