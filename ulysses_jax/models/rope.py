@@ -42,11 +42,11 @@ from ..config import ROPE_EXACT_FROM, ROPE_TYPES, RopeScalingConfig
 _PIECE = 12  # bits per position piece: piece x (2^-12 grid value) is exact in fp32 (24 bits)
 
 
-def _powers(dim: int, theta: float) -> np.ndarray:
-    """[R/2] float32 theta ** (2i / R), the exponent rounded to fp32 first as torch does, the
-    power then correctly rounded (torch's fp32 pow is within an ulp of it)."""
-    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)             # [R/2] fp32
-    return np.float32(np.float64(theta) ** exponent.astype(np.float64))
+def _powers(dim: int, theta: float, f=np.float32) -> np.ndarray:
+    """[R/2] theta ** (2i / R) in dtype ``f``; in fp32 the exponent is rounded to fp32 first
+    as torch does, the power then correctly rounded (torch's fp32 pow is within an ulp)."""
+    exponent = np.arange(0, dim, 2).astype(f) / f(dim)                              # [R/2]
+    return f(np.float64(theta) ** exponent.astype(np.float64))
 
 
 def _yarn_range(s: RopeScalingConfig, dim: int, theta: float) -> tuple[float, float]:
@@ -63,48 +63,49 @@ def _yarn_range(s: RopeScalingConfig, dim: int, theta: float) -> tuple[float, fl
     return max(low, 0), min(high, dim - 1)
 
 
-def inv_freq(dim: int, theta: float, scaling: RopeScalingConfig | None = None) -> np.ndarray:
+def inv_freq(dim: int, theta: float, scaling: RopeScalingConfig | None = None,
+             dtype=np.float32) -> np.ndarray:
     """Inverse frequencies of RoPE with a scaling.
 
     Args:
       dim: the rotary dim R (even; the head dim unless RoPE is partial).
       theta: the RoPE base.
       scaling: the scaling (None or type "default": unscaled).
+      dtype: float32 (the model's, as transformers rounds each step) or float64 (the same
+        formula evaluated in float64: the reference of benchmarks/rope_precision.py).
     Returns:
-      [R/2] float32 numpy array, as transformers' init function for the type returns it.
+      [R/2] numpy array of ``dtype``, as transformers' init function for the type returns it.
     Raises:
       ValueError: an unknown scaling type.
     """
-    s = scaling or RopeScalingConfig()
-    power = _powers(dim, theta)                                                      # [R/2]
-    base = np.float32(1.0) / power
+    s, f = scaling or RopeScalingConfig(), np.dtype(dtype).type
+    power = _powers(dim, theta, f)                                                   # [R/2]
+    base = f(1.0) / power
     if s.type == "default":
         return base
-    factor = np.float32(s.factor)
+    factor = f(s.factor)
     if s.type == "linear":
         return base / factor
     if s.type == "llama3":
         old = s.original_max_position_embeddings
-        low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+        low_wavelen, high_wavelen = f(old / s.low_freq_factor), f(old / s.high_freq_factor)
         # torch's scalar / tensor is reciprocal(tensor) x scalar, in fp32
-        wavelen = (np.float32(1) / base) * np.float32(2 * math.pi)                   # [R/2]
-        scaled = np.where(wavelen > np.float32(low_wavelen), base / factor, base)
-        span = np.float32(s.high_freq_factor - s.low_freq_factor)
-        smooth = ((np.float32(1) / wavelen) * np.float32(old)
-                  - np.float32(s.low_freq_factor)) / span                          # [R/2]
-        smoothed = (np.float32(1) - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < np.float32(high_wavelen)) & ~(wavelen > np.float32(low_wavelen))
-        return np.where(medium, smoothed, scaled).astype(np.float32)
+        wavelen = (f(1) / base) * f(2 * math.pi)                                     # [R/2]
+        scaled = np.where(wavelen > low_wavelen, base / factor, base)
+        span = f(s.high_freq_factor - s.low_freq_factor)
+        smooth = ((f(1) / wavelen) * f(old) - f(s.low_freq_factor)) / span          # [R/2]
+        smoothed = (f(1) - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(f)
     if s.type == "yarn":
-        extrapolation = np.float32(1.0) / power
-        interpolation = np.float32(1.0) / (factor * power)
+        extrapolation = f(1.0) / power
+        interpolation = f(1.0) / (factor * power)
         low, high = _yarn_range(s, dim, theta)
         if low == high:
             high += 0.001  # as transformers: no division by zero
-        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low))
-                       / np.float32(high - low), 0, 1)                              # [R/2]
-        keep = np.float32(1) - ramp                      # 1 = extrapolate (fast dims kept)
-        return (interpolation * (np.float32(1) - keep) + extrapolation * keep).astype(np.float32)
+        ramp = np.clip((np.arange(dim // 2).astype(f) - f(low)) / f(high - low), 0, 1)  # [R/2]
+        keep = f(1) - ramp                               # 1 = extrapolate (fast dims kept)
+        return (interpolation * (f(1) - keep) + extrapolation * keep).astype(f)
     raise ValueError(f"RoPE scaling type {s.type!r} is not implemented; supported: "
                      f"{', '.join(ROPE_TYPES)}")
 
