@@ -1,6 +1,6 @@
 """RoPE's fp32 angle and output error at positions up to 4,194,304, against float64.
 
-    python benchmarks/rope_precision.py [--max-position 4194304] [--samples 4096]
+    python benchmarks/rope_precision.py [--max-position 4194304] [--samples 4096] [--logits]
 
 For RoPE settings of published models (head_dim 128: Llama-3.1 theta 5e5 with llama3 x8,
 Qwen3 theta 1e6 with YaRN x4 from 32,768, unscaled theta 1e4), and for positions drawn at
@@ -17,6 +17,9 @@ Errors are the largest over positions and frequencies, against two float64 refer
     frequencies (transformers, and us for parity with it) shares.
 Output error: max |RoPE(x) - RoPE64(x)| / max |RoPE64(x)| for random x [1, S, 1, 128]
 (attention factor included), against the "same freqs" reference.
+--logits (needs torch and transformers) also compares the logits of tiny random transformers
+models (Llama-3.1 RoPE, Qwen3 with YaRN, unscaled Llama; 32 tokens from offsets 60,000 to
+1,000,000) with ours for each method: how far exact angles move from transformers' own.
 Results: benchmarks/results/rope_precision.json.
 """
 from __future__ import annotations
@@ -84,10 +87,65 @@ def measure(theta: float, scaling: RopeScalingConfig, top: int, samples: int,
     return rows
 
 
+def logits_vs_transformers(offsets=(60_000, 120_000, 1_000_000)) -> list[dict]:
+    """Relative logit error (max |ours - theirs| / max |theirs|) per model, offset, method."""
+    import tempfile
+
+    import torch
+    import transformers
+    from flax import nnx
+
+    from ulysses_jax import make_mesh
+    from ulysses_jax.hf import from_pretrained
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=300,
+                 max_position_embeddings=131072)
+    models = {"llama3.1": transformers.LlamaConfig(**shape, rope_parameters=dict(
+                  rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+                  high_freq_factor=4.0, original_max_position_embeddings=8192)),
+              "qwen3 yarn": transformers.Qwen3Config(**shape, rope_parameters=dict(
+                  rope_type="yarn", rope_theta=1e6, factor=4.0,
+                  original_max_position_embeddings=32768)),
+              "unscaled": transformers.LlamaConfig(**shape, rope_theta=1e4)}
+    mesh = make_mesh(seq=1, data=1, devices=jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, config in models.items():
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager").eval()
+        with torch.no_grad():  # weights away from their init (norms at 1, ...)
+            for w in hf.parameters():
+                noise = torch.randn_like(w)
+                w.copy_(1 + 0.3 * noise if w.ndim == 1 else 0.08 * noise)
+        path = tempfile.mkdtemp()
+        hf.save_pretrained(path)
+        tokens = rng.integers(0, 300, (2, 32)).astype(np.int32)
+        for offset in offsets:
+            pos = np.broadcast_to(np.arange(32, dtype=np.int32) + offset, (2, 32))
+            with torch.no_grad():
+                want = hf(torch.from_numpy(tokens).long(),
+                          position_ids=torch.from_numpy(pos.copy()).long()).logits.numpy()
+            row = {"model": name, "offset": offset}
+            for method, exact_from in (("fp32", 2**31 - 1), ("exact", 0)):
+                ours = from_pretrained(path, mesh=mesh, attn_impl="xla",
+                                       rope_exact_from=exact_from)
+                got = np.asarray(nnx.jit(lambda m, t, p: m(t, p))(ours, jnp.asarray(tokens),
+                                                                  jnp.asarray(pos)))
+                row[method] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            rows.append(row)
+            print(f"{name:>12} offset {offset:>9,}: fp32 angles {row['fp32']:.1e}, "
+                  f"exact angles {row['exact']:.1e}")
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-position", type=int, default=4_194_304)
     ap.add_argument("--samples", type=int, default=4096)
+    ap.add_argument("--logits", action="store_true",
+                    help="also compare logits with transformers' models (torch needed)")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     results = {"command": command_line(__file__, argv), "head_dim": H,
@@ -101,9 +159,13 @@ def main(argv=None) -> None:
         print(f"{'positions <':>12} " + " ".join(f"{m + ' angle':>22} {m + ' out':>9}"
                                                   for m in METHODS))
         for r in rows:
-            cells = " ".join(f"{r[m]['angle_err_same_freqs']:9.1e} | {r[m]['angle_err_formula']:8.1e}"
-                             f" {r[m]['output_err']:9.1e}" for m in METHODS)
+            cells = " ".join(f"{r[m]['angle_err_same_freqs']:9.1e} | "
+                             f"{r[m]['angle_err_formula']:8.1e} {r[m]['output_err']:9.1e}"
+                             for m in METHODS)
             print(f"{r['position']:>12,} {cells}")
+    if args.logits:
+        print("\nlogits against transformers (relative error), tiny random models:")
+        results["logits_vs_transformers"] = logits_vs_transformers()
     out = ROOT / "benchmarks" / "results" / "rope_precision.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nwrote {out.relative_to(ROOT)}")
