@@ -275,6 +275,28 @@ def test_without_the_scaling_logits_differ(checkpoints, name):
     assert _rel(_our_logits(other, tokens, positions), want) > 10 * TOL
 
 
+def test_exact_angles_from_the_threshold_in_the_model(checkpoints):
+    """model.rope_exact_from reaches the attention: below it the angles are transformers'
+    (same logits as with exact angles switched off), from it on they are the exact ones
+    (same logits as exact everywhere, and measurably not fp32's)."""
+    mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
+    model = from_pretrained(checkpoints["qwen3_yarn"], mesh=mesh, attn_impl="xla")
+    assert model.cfg.rope_exact_from == 2**17
+    tokens, low = _inputs(1, seed=3)
+    high = low + 2**20
+
+    def logits(exact_from, positions):
+        other = Decoder(dataclasses.replace(model.cfg, rope_exact_from=exact_from), mesh=mesh,
+                        rngs=nnx.Rngs(0))
+        nnx.update(other, nnx.state(model, nnx.Param))
+        return _our_logits(other, tokens, positions)
+
+    fp32, exact = 2**31 - 1, 0
+    assert _rel(logits(2**17, low), logits(fp32, low)) <= 1e-7
+    assert _rel(logits(2**17, high), logits(exact, high)) <= 1e-7
+    assert _rel(logits(2**17, high), logits(fp32, high)) > TOL
+
+
 EXPORTS = {
     # name: (arch, ModelConfig changes)
     "llama3": ("llama", dict(rope_theta=5e5, rope_scaling=RopeScalingConfig(
@@ -357,6 +379,8 @@ def test_refusals(keys, reason):
       "model.rope_local_scaling.beta_slow=40"], "needs 0 < beta_slow < beta_fast"),
     (["model.rope_scaling.factor=2"], "has no effect with model.rope_scaling.type 'default'"),
     (["model.rope_scaling.typo=1"], "model.rope_scaling.typo"),
+    (["model.rope_scaling=3"], "must hold keys such as model.rope_scaling.<key>"),
+    (["model.rope_exact_from=-1"], "model.rope_exact_from must be 0"),
 ])
 def test_config_validation(overrides, reason):
     with pytest.raises(ConfigError, match=reason):

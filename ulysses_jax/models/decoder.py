@@ -37,7 +37,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..config import LAYER_KINDS, ModelConfig
+from ..config import INT32_MAX, LAYER_KINDS, ModelConfig
 from .loss import largest_divisor_at_most
 from .norms import rms_norm
 from .rope import apply_rope
@@ -152,7 +152,8 @@ class Attention(nnx.Module):
         def attend(kind, q, k, v):
             local = kind == "L"
             theta, scaling = cfg.rope(kind)
-            exact_from = cfg.rope_exact_from
+            # INT32_MAX: transformers' fp32 angles at every position (no exact branch at all)
+            exact_from = None if cfg.rope_exact_from >= INT32_MAX else cfg.rope_exact_from
             q = apply_rope(q, positions, theta, scaling, exact_from=exact_from)      # [B, S, N, H]
             k = apply_rope(k, positions, theta, scaling, exact_from=exact_from)      # [B, S, K, H]
             return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
