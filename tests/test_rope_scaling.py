@@ -71,6 +71,7 @@ CONFIGS = {
     "qwen3_yarn_mscale": ("qwen3", SHAPE, _new(dict(QWEN3_YARN, factor=40.0, mscale=1.0,
                                                     mscale_all_dim=0.8, beta_fast=16,
                                                     beta_slow=2, truncate=False), 1e4), 32768),
+    "qwen3_yarn_null_factor": ("qwen3", SHAPE, _new(dict(QWEN3_YARN, factor=None), 1e6), 131072),
     "qwen3_yarn_attention_factor": ("qwen3", SHAPE, _new(dict(
         QWEN3_YARN, attention_factor=1.25, original_max_position_embeddings=4096), 1e4), 16384),
     "qwen3_moe_yarn": ("qwen3_moe", dict(SHAPE, num_experts=4, moe_intermediate_size=32),
@@ -80,7 +81,8 @@ CONFIGS = {
                            "rope_local_base_freq": 10000.0}, 131072),
     "gemma3_yarn_new": ("gemma3_text", GEMMA3_SHAPE, {"rope_parameters": {
         "full_attention": dict(QWEN3_YARN, rope_theta=1e6),
-        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}}, 131072),
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        "truncate": False}}, 131072),                 # yarn reads truncate from the top level
 }
 _ROTARY = {"llama": "llama.modeling_llama.LlamaRotaryEmbedding",
            "mistral": "mistral.modeling_mistral.MistralRotaryEmbedding",

@@ -101,8 +101,8 @@ def rope_scaling_from_hf(rope: dict, hf: dict, where: str = "",
         value = rope.get(name)
         if name == "original_max_position_embeddings" and value is None:
             value = hf.get("max_position_embeddings")
-        if kind == "yarn" and name == "factor" and value is None and \
-                "max_position_embeddings" in hf:
+        if kind == "yarn" and name == "factor" and "factor" in rope and value is None and \
+                "max_position_embeddings" in hf:  # an explicit null: the length ratio
             orig = rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
             value = hf["max_position_embeddings"] / orig
         if name in ("beta_fast", "beta_slow"):
