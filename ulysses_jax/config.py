@@ -115,7 +115,7 @@ class ModelConfig:
     rope_local_scaling: RopeScalingConfig = field(default_factory=_local_scaling)
     # Positions from which RoPE angles are reduced modulo a turn before rounding (accurate at
     # millions of positions; models/rope.py); below it transformers' fp32(position x
-    # inv_freq), bit for bit. 0 = exact everywhere; 2147483647 = transformers' everywhere.
+    # inv_freq). 0 = exact everywhere; 2147483647 = transformers' everywhere.
     rope_exact_from: int = ROPE_EXACT_FROM
     attn_scale: float = 0.0         # softmax scale of q.k; 0 = head_dim ** -0.5
     attn_softcap: float = 0.0       # tanh cap on attention logits (Gemma 2); 0 = none

@@ -18,15 +18,16 @@ was trained with:
            (0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio, or attention_factor).
 
 Angles. transformers forms fp32(position x inv_freq) and takes its cos / sin; that rounding
-costs up to half an ulp of the angle (2e-3 rad at 60k, 0.25 rad at 4M for the fastest
-frequency). At positions from ``model.rope_exact_from`` (default 2^17 = 131,072) the product
+costs up to half an ulp of the angle (2e-3 rad at 60k, 0.12-0.25 rad around 4M for the
+fastest frequency). At positions from ``model.rope_exact_from`` (default 2^17 = 131,072) the product
 is instead reduced modulo one turn before any rounding: the position is split into three
 12-bit pieces and each frequency, in turns, into a part on a 2^-12 grid plus a small rest
 (computed in float64 on the host), so every piece times grid part is an exact fp32 product
 whose whole turns drop out exactly; only the small rests round. Those angles are accurate to
 ~1e-6 rad at any int32 position, for the same fp32 frequencies. Below the threshold the
-angles are transformers' own, bit for bit: exact angles there differ from its logits by
-~3e-4 (relative) at 60k-120k, more than the 1e-4 parity we keep. benchmarks/rope_precision.py
+angles are formed as transformers forms them (the same fp32 product of frequencies that
+agree to an ulp): exact angles there would move the logits from its by 1.6e-4 to 1.8e-3
+(relative) at 60k-120k, more than the 1e-4 parity we keep. benchmarks/rope_precision.py
 measures both (docs/CONTEXT.md).
 """
 from __future__ import annotations
@@ -174,7 +175,7 @@ def angles(positions: jax.Array, freqs: np.ndarray,
       freqs: [R/2] float32 inverse frequencies (``inv_freq``).
       exact_from: positions at or above it get the angle reduced modulo a turn before any
         rounding (module docstring); those below, and all with None, transformers'
-        fp32(position x inv_freq), equal to its angles bit for bit. 0 = exact everywhere.
+        fp32(position x inv_freq). 0 = exact everywhere.
     Returns:
       [B, S, R/2] float32 (an angle modulo 2 pi where exact).
     """
