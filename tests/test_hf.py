@@ -217,9 +217,10 @@ def _hf_config(**over):
     (dict(attention_bias=True), {}, "attention_bias=true"),
     (dict(mlp_bias=True), {}, "mlp_bias=true"),
     (dict(hidden_act="gelu"), {}, "hidden_act 'gelu'"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), {}, "RoPE scaling 'llama3'"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), {}, "RoPE scaling 'yarn'"),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), {}, "RoPE scaling 'linear'"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 8.0}), {}, "RoPE scaling 'dynamic'"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), {},
+     "RoPE scaling 'longrope'"),
+    (dict(rope_scaling={"type": "linear"}), {}, "RoPE scaling 'linear' lacks 'factor'"),
     (dict(partial_rotary_factor=0.5), {}, "partial_rotary_factor"),
     (dict(model_type="qwen3", attention_bias=True), {}, "attention_bias=true"),
 ])

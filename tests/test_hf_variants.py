@@ -157,9 +157,9 @@ def test_export_refusals():
                 num_hidden_layers=2, num_attention_heads=3, vocab_size=V)
     for over, reason in ((dict(hidden_activation="silu"), "hidden_activation 'silu'"),
                          (dict(use_bidirectional_attention=True), "bidirectional"),
-                         (dict(rope_parameters={"full_attention": {"rope_type": "linear",
+                         (dict(rope_parameters={"full_attention": {"rope_type": "dynamic",
                                                                    "factor": 8.0}}),
-                          "RoPE scaling 'linear' on full_attention")):
+                          "RoPE scaling 'dynamic' on full_attention layers")):
         with pytest.raises(ValueError, match=reason):
             config_from_hf({**base, **over})
     assert pattern_string("LLLLLGLLLLLGLL") == "LLLLLG" and pattern_string("GGL") == "GGL"

@@ -282,8 +282,8 @@ def test_export_round_trip(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("over,match", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
-     "RoPE scaling 'yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     "RoPE scaling 'dynamic'"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"layer_types": ["linear_attention", "sliding_attention", "full_attention",
                       "full_attention"]}, "layer_types must list 4"),
@@ -373,3 +373,28 @@ def test_convolution_inside_the_chunks_equals_convolving_first():
     grad = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=range(6))
     for a, b in zip(grad(fused)(q, k, v, *conv), grad(first)(q, k, v, *conv), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+
+def test_yarn_scaled_checkpoint_matches_transformers_at_long_positions(tmp_path):
+    """A Qwen3-Next config with YaRN (factor 4 from 4096) on its partial RoPE: logits equal
+    transformers' at positions 60,000 on, where the scaling matters, on 2 devices."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.5}
+    torch.manual_seed(1)
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3NextConfig(
+        **{**HF_CONFIG, "rope_parameters": rope, "max_position_embeddings": 16384,
+           "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+           "mlp_only_layers": []}))
+    _randomize(hf_model, 1)
+    hf_model.save_pretrained(str(tmp_path), safe_serialization=True)
+    tokens = _tokens(3, 32)
+    pos = np.broadcast_to(60_000 + np.arange(32, dtype=np.int32), (B, 32))
+    with torch.no_grad():
+        want = _hf_load(str(tmp_path))(torch.from_numpy(tokens).long(),
+                                       position_ids=torch.from_numpy(pos.copy()).long()).logits
+    mesh = make_mesh(seq=2, data=1, devices=need_devices(2))
+    model = from_pretrained(str(tmp_path), mesh=mesh, dtype=jnp.float32, attn_impl="xla",
+                            rope_exact_from=2**31 - 1)   # transformers' fp32 angles
+    assert model.cfg.rope_scaling.type == "yarn" and model.cfg.partial_rotary_factor == 0.5
+    logits, _ = _ours(model, tokens, mesh, positions=pos)
+    assert _rel(logits, want.numpy()) <= 3e-4, _rel(logits, want.numpy())

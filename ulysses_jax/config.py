@@ -24,6 +24,8 @@ FAMILIES = ("llama", "gemma", "qwen3_next")
 LAYER_KINDS = "LG"  # local (sliding window), global
 MIXERS = "DA"  # token mixers of qwen3_next layers: D Gated DeltaNet, A full attention
 MOMENT_DTYPES = ("float32", "bfloat16")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # models/rope.py
+ROPE_EXACT_FROM = 2**17  # positions from which RoPE angles are reduced exactly (models/rope.py)
 INT32_MAX = 2**31 - 1  # integer settings reach jitted code (step counter, positions) as int32
 
 
@@ -45,6 +47,32 @@ class UlyssesConfig:
     # Split each device's heads into this many groups, each exchanged and attended on its own,
     # so the all-to-all of one group can overlap the attention of another (GPU).
     chunks: int = 1
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """RoPE scaling for context extension (models/rope.py), transformers' rope_parameters.
+
+    Each type reads only its own fields: linear factor; llama3 factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings; yarn factor,
+    original_max_position_embeddings, beta_fast, beta_slow, attention_factor, mscale,
+    mscale_all_dim, truncate.
+    """
+    type: str = "default"           # default | linear | llama3 | yarn
+    factor: float = 1.0             # context length x factor (>= 1)
+    original_max_position_embeddings: int = 0  # the pretraining length (llama3, yarn)
+    low_freq_factor: float = 1.0    # llama3: wavelengths > original / this are divided by factor
+    high_freq_factor: float = 4.0   # llama3: wavelengths < original / this are kept
+    beta_fast: float = 32.0         # yarn: dims with more turns than this are kept
+    beta_slow: float = 1.0          # yarn: dims with fewer turns than this are interpolated
+    attention_factor: float = 0.0   # yarn: cos / sin factor; 0 = from factor (and mscale)
+    mscale: float = 0.0             # yarn: with mscale_all_dim, attention factor
+    mscale_all_dim: float = 0.0     # (0.1 m ln f + 1) / (0.1 m_all ln f + 1); 0 = unset
+    truncate: bool = True           # yarn: round the ramp's ends outwards to whole dims
+
+
+def _local_scaling() -> RopeScalingConfig:
+    return RopeScalingConfig(type="")
 
 
 @dataclass(frozen=True)
@@ -82,6 +110,14 @@ class ModelConfig:
     layer_pattern: str = ""         # kinds, repeated over the layers: L local, G global; "" =
                                     # all L with a sliding_window, else all G
     rope_local_theta: float = 0.0   # RoPE base of local layers (Gemma 3); 0 = rope_theta
+    # RoPE scaling of global layers, and of local ones (Gemma 3 scales only its global
+    # layers); rope_local_scaling.type "" = as rope_scaling.
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    rope_local_scaling: RopeScalingConfig = field(default_factory=_local_scaling)
+    # Positions from which RoPE angles are reduced modulo a turn before rounding (accurate at
+    # millions of positions; models/rope.py); below it transformers' fp32(position x
+    # inv_freq). 0 = exact everywhere; 2147483647 = transformers' everywhere.
+    rope_exact_from: int = ROPE_EXACT_FROM
     attn_scale: float = 0.0         # softmax scale of q.k; 0 = head_dim ** -0.5
     attn_softcap: float = 0.0       # tanh cap on attention logits (Gemma 2); 0 = none
     final_softcap: float = 0.0      # tanh cap on the output logits (Gemma 2); 0 = none
@@ -110,6 +146,13 @@ class ModelConfig:
     linear_value_dim: int = 128
     linear_conv: int = 4            # short convolution width
     partial_rotary_factor: float = 1.0
+
+    def rope(self, kind: str) -> tuple[float, RopeScalingConfig]:
+        """(RoPE base, scaling) of a layer of kind L (local) or G (global)."""
+        if kind != "L":
+            return self.rope_theta, self.rope_scaling
+        local = self.rope_local_scaling
+        return self.rope_local_theta or self.rope_theta, local if local.type else self.rope_scaling
 
     def layer_kinds(self) -> str:
         """One letter per layer, L (sliding window) or G (whole causal prefix)."""
@@ -198,11 +241,20 @@ _SECTIONS = tuple(f.name for f in dataclasses.fields(Config)
                   if f.default_factory is not dataclasses.MISSING)
 
 
+# Keys inside model that hold a group of keys (model.rope_scaling, ...).
+_MODEL_SECTIONS = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                        if f.default_factory is not dataclasses.MISSING)
+
+
 def _merge(cfg: DictConfig, update: DictConfig, where: str) -> DictConfig:
-    for name in _SECTIONS:
-        if name in update and not isinstance(update[name], DictConfig):
+    groups = [(name, update) for name in _SECTIONS]
+    if isinstance(update.get("model"), DictConfig):
+        groups += [(f"model.{name}", update.model) for name in _MODEL_SECTIONS]
+    for name, parent in groups:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in parent and not isinstance(parent[leaf], DictConfig):
             raise ConfigError(f"{where}config key {name!r}: must hold keys such as "
-                              f"{name}.<key>, not one value; got {update[name]!r}")
+                              f"{name}.<key>, not one value; got {parent[leaf]!r}")
     try:
         return OmegaConf.merge(cfg, update)
     except OmegaConfBaseException as e:
@@ -272,9 +324,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         errors.append(f"model.max_segments must be 0 (from the data) or positive, got "
                       f"{m.max_segments}")
     errors += _number_errors(cfg)
+    if m.rope_exact_from < 0:
+        errors.append(f"model.rope_exact_from must be 0 (exact angles everywhere) or positive, "
+                      f"got {m.rope_exact_from}")
     if m.mlp_chunk < 0:
         errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
     errors += _variant_errors(m)
+    errors += rope_scaling_errors(m.rope_scaling, "model.rope_scaling")
+    errors += rope_scaling_errors(m.rope_local_scaling, "model.rope_local_scaling", local=True)
     if m.offload_checkpoints and m.remat != "full":
         errors.append(f"model.offload_checkpoints=true needs model.remat=full (the layer "
                       f"inputs are then the only checkpoints), got model.remat={m.remat!r}")
@@ -382,6 +439,36 @@ def _qwen3_next_errors(m: ModelConfig) -> list[str]:
     if m.sliding_window:
         errors.append(f"model.family=qwen3_next has no sliding-window layers; set "
                       f"model.sliding_window=0, got {m.sliding_window}")
+    return errors
+
+
+def rope_scaling_errors(s: RopeScalingConfig, key: str, local: bool = False) -> list[str]:
+    """Messages for a RoPE scaling that cannot be computed (``key``: its dotted name)."""
+    types = ROPE_TYPES + (("",) if local else ())
+    if s.type not in types:
+        shown = ", ".join(repr(t) for t in types)
+        return [f"{key}.type must be one of {shown}, got {s.type!r}"]
+    if s.type in ("", "default"):
+        return [] if s.factor == 1.0 else [
+            f"{key}.factor {s.factor} has no effect with {key}.type {s.type!r}; choose a type "
+            f"(linear, llama3, yarn) or leave factor at 1"]
+    errors = []
+    if not s.factor >= 1.0:
+        errors.append(f"{key}.factor must be >= 1 for type {s.type!r}, got {s.factor}")
+    if s.type in ("llama3", "yarn") and s.original_max_position_embeddings < 1:
+        errors.append(f"{key}.original_max_position_embeddings (the pretraining length) must "
+                      f"be set for type {s.type!r}, got {s.original_max_position_embeddings}")
+    if s.type == "llama3" and not 0 < s.low_freq_factor < s.high_freq_factor:
+        errors.append(f"{key}: type 'llama3' needs 0 < low_freq_factor < high_freq_factor, "
+                      f"got {s.low_freq_factor} and {s.high_freq_factor}")
+    if s.type == "yarn":
+        if not 0 < s.beta_slow < s.beta_fast:
+            errors.append(f"{key}: type 'yarn' needs 0 < beta_slow < beta_fast, got "
+                          f"beta_slow {s.beta_slow} and beta_fast {s.beta_fast}")
+        errors += [f"{key}.{name} must be 0 (unset) or positive, got {v}"
+                   for name, v in (("attention_factor", s.attention_factor),
+                                   ("mscale", s.mscale), ("mscale_all_dim", s.mscale_all_dim))
+                   if v < 0]
     return errors
 
 

@@ -23,8 +23,10 @@ checkpoints. transformers 5.24 writes the expert count as ``num_local_experts``;
 and the Qwen releases as ``num_experts``: both are read, ``num_experts`` is written.
 Sliding windows (Mistral, Qwen2 / Qwen3 / Qwen3-MoE with use_sliding_window) and the Gemma 2 /
 Gemma 3 text decoders are mapped by ``hf_variants.py``, which this module dispatches to.
-What our Decoder cannot express (an o_proj or MLP bias, scaled RoPE, other activations) is
-refused with a ValueError, never silently dropped.
+RoPE scalings default, linear, llama3 and yarn load from rope_parameters or the older
+rope_scaling (``hf_variants.rope_scaling_from_hf``) and are written back. What our Decoder
+cannot express (an o_proj or MLP bias, dynamic or longrope RoPE, partial RoPE, other
+activations) is refused with a ValueError, never silently dropped.
 """
 from __future__ import annotations
 
@@ -140,13 +142,15 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
         if hf.get(key):
             problems.append(f"{key}=true (the Decoder has biases on q/k/v only, and only for "
                             f"qwen2)")
-    # transformers >= 5 writes rope_parameters; older files have rope_theta / rope_scaling.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        problems.append(f"RoPE scaling {rope_type!r} (only unscaled RoPE is implemented)")
-    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        problems.append("partial_rotary_factor != 1 (RoPE on the whole head_dim only)")
+    # transformers >= 5 writes rope_parameters; older files have rope_theta / rope_scaling,
+    # which transformers 5 still prefers when both are there.
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    scaling = None
+    try:
+        scaling = hf_variants.rope_scaling_from_hf(
+            {"partial_rotary_factor": hf.get("partial_rotary_factor", 1.0), **rope}, hf)
+    except ValueError as e:
+        problems.append(str(e))
     if problems:
         raise ValueError(f"cannot import this {mt} checkpoint: " + "; ".join(problems))
     dtype = _dtype_name(dtype)
@@ -166,6 +170,7 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         ffn_dim=hf["intermediate_size"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=mt in ("qwen3", "qwen3_moe"),
         qkv_bias=mt == "qwen2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype,
@@ -184,7 +189,7 @@ def _dtype_name(dtype) -> str:
 
 
 def config_to_hf(cfg: ModelConfig, arch: str | None = None,
-                 max_position_embeddings: int = 4096) -> dict:
+                 max_position_embeddings: int | None = None) -> dict:
     """The transformers config.json dict of a Decoder.
 
     Args:
@@ -193,6 +198,8 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
         with experts, qwen3 with QK-norm, qwen2 with q/k/v biases, mistral with a window on
         every layer, else llama; for the gemma family gemma3_text with QK-norm, else gemma2.
       max_position_embeddings: written for transformers' RoPE cache; our model has no limit.
+        None = 4096; raised to original_max_position_embeddings x factor
+        of a llama3 / yarn scaling.
     Returns:
       A dict for config.json (both the transformers >= 5 and the older RoPE keys).
     """
@@ -215,6 +222,9 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
     if fits == "llama" and "L" in cfg.layer_kinds():
         fits = "mistral"
     arch = arch or fits
+    if cfg.rope("L") != cfg.rope("G") and "L" in cfg.layer_kinds():
+        raise ValueError(f"{arch} has one RoPE base and scaling for all layers, but local "
+                         f"layers have {cfg.rope('L')} and global ones {cfg.rope('G')}")
     if arch not in ARCHS or arch in hf_variants.GEMMA_ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
     if bool(cfg.num_experts) != (arch == "qwen3_moe"):
@@ -227,13 +237,18 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
     if cfg.qkv_bias != (arch == "qwen2"):
         raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen2' else 'has no'} q/k/v biases "
                          f"but the model has qkv_bias={cfg.qkv_bias}; use arch={fits!r}")
+    rope = hf_variants.rope_scaling_to_hf(cfg.rope_scaling, cfg.rope_theta)
     hf = {"architectures": [ARCHS[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
           "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
           "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-          "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-          "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-          "max_position_embeddings": max_position_embeddings,
+          "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+          "rope_parameters": rope,
+          # transformers 5 reads a non-null rope_scaling first; older versions only it.
+          "rope_scaling": None if cfg.rope_scaling.type == "default" else dict(rope),
+          "max_position_embeddings": max(
+              max_position_embeddings or 4096,
+              hf_variants.min_max_position_embeddings(cfg.rope_scaling)),
           "tie_word_embeddings": cfg.tie_embeddings,
           "attention_dropout": 0.0, "torch_dtype": "float32", "dtype": "float32"}
     if arch != "qwen2":  # Qwen2Config has no such key: its q/k/v biases are always there

@@ -11,12 +11,14 @@ its gate ``mlp.shared_expert_gate`` [1, D].
 
 Config: layer_types (linear_attention / full_attention; by default full attention every
 ``full_attention_interval`` = 4 layers) becomes ``mixer_pattern``; RoPE's
-partial_rotary_factor (default 0.25) is read from rope_parameters or the top level. Scaled
-RoPE, biases and other activations are refused with a ValueError naming them.
+partial_rotary_factor (default 0.25) is read from rope_parameters or the top level, RoPE
+scaling as for the other families (``hf_variants.rope_scaling_from_hf``: linear, llama3,
+yarn). Other scalings, biases and activations are refused with a ValueError naming them.
 """
 from __future__ import annotations
 
 from .config import ModelConfig
+from .hf_variants import min_max_position_embeddings, rope_scaling_from_hf, rope_scaling_to_hf
 
 ARCH = "Qwen3NextForCausalLM"
 
@@ -77,11 +79,12 @@ def config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
         problems.append(f"hidden_act {hf['hidden_act']!r} (only silu is implemented)")
     if hf.get("attention_bias"):
         problems.append("attention_bias=true (the Qwen3-Next block has no biases)")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        problems.append(f"RoPE scaling {rope_type!r} (only unscaled RoPE is implemented for "
-                        f"qwen3_next)")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    partial = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+    try:  # default, linear, llama3, yarn, on the rotated dims (rope.py)
+        scaling = rope_scaling_from_hf(rope, hf)
+    except ValueError as e:
+        problems.append(str(e))
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                            "num_hidden_layers", "num_attention_heads") if k not in hf]
     if missing:
@@ -100,7 +103,6 @@ def config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
     if problems:
         raise ValueError("cannot import this qwen3_next checkpoint: " + "; ".join(problems))
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
     moe = {}
     if hf["num_experts"]:
         moe = dict(num_experts=hf["num_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
@@ -121,10 +123,11 @@ def config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
         linear_value_heads=hf["linear_num_value_heads"],
         linear_key_dim=hf["linear_key_head_dim"], linear_value_dim=hf["linear_value_head_dim"],
         linear_conv=hf["linear_conv_kernel_dim"], partial_rotary_factor=partial,
+        rope_scaling=scaling,
         **{**moe, **overrides})
 
 
-def config_to_hf(cfg: ModelConfig, max_position_embeddings: int) -> dict:
+def config_to_hf(cfg: ModelConfig, max_position_embeddings: int | None) -> dict:
     """The config.json of a family-qwen3_next Decoder."""
     if cfg.qkv_bias or not cfg.qk_norm:
         raise ValueError(f"Qwen3-Next attention has q/k norms and no biases; qk_norm="
@@ -135,8 +138,10 @@ def config_to_hf(cfg: ModelConfig, max_position_embeddings: int) -> dict:
     if cfg.num_experts and not cfg.moe_shared_ffn_dim:
         raise ValueError("a Qwen3-Next MoE layer always has a shared expert; "
                          "moe_shared_ffn_dim=0")
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta,
+    rope = {**rope_scaling_to_hf(cfg.rope_scaling, cfg.rope_theta),
             "partial_rotary_factor": cfg.partial_rotary_factor}
+    max_position_embeddings = max(max_position_embeddings or 4096,
+                                  min_max_position_embeddings(cfg.rope_scaling))
     hf = {"architectures": [ARCH], "model_type": "qwen3_next", "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
           "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,

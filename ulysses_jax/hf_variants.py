@@ -11,15 +11,18 @@ i see keys j with i - W < j <= i (``masking_utils.sliding_window_overlay``); Gem
 logits by query_pre_attn_scalar ** -0.5, caps attention logits at c tanh(x / c) before the
 mask (attn_logit_softcapping) and the output logits likewise (final_logit_softcapping),
 multiplies embeddings by sqrt(hidden_size) in the weights' dtype, norms with (1 + w), uses
-GeGLU (gelu_pytorch_tanh); Gemma 3 adds q/k norms and a RoPE base of its own for sliding
-layers (rope_parameters["sliding_attention"], older files rope_local_base_freq). Gemma 2 layer
-i slides when i is even, Gemma 3's when (i + 1) % sliding_window_pattern != 0, unless the
-file lists layer_types. Anything else (scaled RoPE, biases, bidirectional attention, other
-activations) is refused with a ValueError naming it.
+GeGLU (gelu_pytorch_tanh); Gemma 3 adds q/k norms and a RoPE base and scaling of its own for
+sliding layers (rope_parameters["sliding_attention"], older files rope_local_base_freq, and
+their rope_scaling applies to the full-attention layers only). Gemma 2 layer i slides when i
+is even, Gemma 3's when (i + 1) % sliding_window_pattern != 0, unless the file lists
+layer_types. RoPE scalings (default, linear, llama3, yarn) are read and written here for all
+families (``rope_scaling_from_hf``, ``rope_scaling_to_hf``); dynamic, longrope and other types
+are refused. Anything else (biases, bidirectional attention, other activations) is refused
+with a ValueError naming it.
 """
 from __future__ import annotations
 
-from .config import ModelConfig
+from .config import ROPE_TYPES, ModelConfig, RopeScalingConfig, rope_scaling_errors
 
 GEMMA_ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _KIND = {"sliding_attention": "L", "full_attention": "G"}
@@ -55,6 +58,87 @@ _GEMMA_DEFAULTS = {
                     "sliding_window_pattern": 6},
 }
 _THETA = {"gemma2": (10000.0, None), "gemma3_text": (1_000_000.0, 10000.0)}  # (global, local)
+
+
+# The fields each scaling type reads from a rope_parameters dict, with transformers' defaults
+# where it has one (None: required). ModelConfig.rope_scaling holds the same names.
+_ROPE_FIELDS = {
+    "default": {},
+    "linear": {"factor": None},
+    "llama3": {"factor": None, "low_freq_factor": None, "high_freq_factor": None,
+               "original_max_position_embeddings": None},
+    "yarn": {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0,
+             "beta_slow": 1.0, "attention_factor": 0.0, "mscale": 0.0, "mscale_all_dim": 0.0,
+             "truncate": True},
+}
+
+
+def rope_scaling_from_hf(rope: dict, hf: dict, where: str = "",
+                         truncate_from: dict | None = None) -> RopeScalingConfig:
+    """The scaling of one transformers RoPE dict (rope_parameters, or the older rope_scaling
+    with ``type`` for ``rope_type``), read as transformers' init functions read it.
+
+    Args:
+      rope: the dict ({} = unscaled).
+      hf: the whole config.json: original_max_position_embeddings defaults to its
+        max_position_embeddings (transformers' standardize_rope_params), a yarn factor of
+        null to max_position_embeddings / original_max_position_embeddings.
+      where: names the dict in messages (e.g. " on full_attention layers").
+      truncate_from: the dict yarn's truncate is read from (transformers reads the top-level
+        rope_parameters even when it is split per layer type); default ``rope``.
+    Raises:
+      ValueError: a type we do not implement (dynamic, longrope, ...), missing or bad fields.
+    """
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"RoPE scaling {kind!r}{where} is not implemented (supported: "
+                         f"{', '.join(ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {rope['partial_rotary_factor']}{where}: RoPE "
+                         f"on the whole head_dim only")
+    fields = {}
+    for name, default in _ROPE_FIELDS[kind].items():
+        value = rope.get(name)
+        if name == "original_max_position_embeddings" and value is None:
+            value = hf.get("max_position_embeddings")
+        if kind == "yarn" and name == "factor" and "factor" in rope and value is None and \
+                "max_position_embeddings" in hf:  # an explicit null: the length ratio
+            orig = rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+            value = hf["max_position_embeddings"] / orig
+        if name in ("beta_fast", "beta_slow"):
+            value = value or default  # transformers: `get(...) or 32` (resp. 1)
+        if name == "truncate":
+            value = (rope if truncate_from is None else truncate_from).get("truncate", True)
+        if value is None:
+            value = default
+        if value is None:
+            raise ValueError(f"RoPE scaling {kind!r}{where} lacks {name!r}")
+        fields[name] = bool(value) if name == "truncate" else (
+            int(value) if name == "original_max_position_embeddings" else float(value))
+    scaling = RopeScalingConfig(type=kind, **fields)
+    errors = rope_scaling_errors(scaling, "rope_scaling")
+    if errors:
+        raise ValueError(f"RoPE scaling {kind!r}{where}: " + "; ".join(errors))
+    return scaling
+
+
+def rope_scaling_to_hf(s: RopeScalingConfig, theta: float) -> dict:
+    """The transformers rope_parameters dict of a scaling: rope_type, rope_theta and the
+    fields its type reads (yarn's attention_factor / mscale only when set)."""
+    out = {"rope_type": s.type, "rope_theta": theta}
+    for name in _ROPE_FIELDS[s.type]:
+        value = getattr(s, name)
+        if name in ("attention_factor", "mscale", "mscale_all_dim") and not value:
+            continue
+        out[name] = value
+    return out
+
+
+def min_max_position_embeddings(*scalings: RopeScalingConfig) -> int:
+    """The length a scaled model covers: original_max_position_embeddings x factor (0 when
+    no scaling names an original length)."""
+    return max([round(s.original_max_position_embeddings * s.factor) for s in scalings
+                if s.type in ("llama3", "yarn")] + [0])
 
 
 def pattern_string(kinds: str) -> str:
@@ -144,14 +228,27 @@ def gemma_config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
         problems.append("use_bidirectional_attention=true (the Decoder is causal)")
     global_theta, local_theta = _THETA[mt]
     rope = hf.get("rope_parameters") or {}
-    if mt == "gemma3_text" and ("full_attention" in rope or "sliding_attention" in rope):
+    nested = mt == "gemma3_text" and ("full_attention" in rope or "sliding_attention" in rope)
+    if nested:
         full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
-    else:  # one dict for all layers, or the older rope_theta / rope_local_base_freq keys
-        full = local = rope or hf.get("rope_scaling") or {}
+    elif mt == "gemma3_text":  # Gemma3TextConfig applies the older rope_scaling to global layers
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            problems.append(f"a scaled rope_parameters not split per layer type "
+                            f"(gemma3_text reads rope_parameters['full_attention'] and "
+                            f"['sliding_attention']): {rope}")
+        full, local = hf.get("rope_scaling") or {}, {}  # bases: rope_theta, rope_local_base_freq
+    else:  # gemma2: one dict for all layers
+        full = local = hf.get("rope_scaling") or rope
+    scalings = {}
     for name, r in (("full_attention", full), ("sliding_attention", local)):
-        kind = r.get("rope_type", r.get("type", "default"))
-        if kind != "default":
-            problems.append(f"RoPE scaling {kind!r} on {name} layers (only unscaled RoPE)")
+        if nested and "truncate" in r and r["truncate"] != rope.get("truncate", True):
+            problems.append(f"truncate={r['truncate']} inside rope_parameters[{name!r}] "
+                            f"(transformers reads only rope_parameters['truncate'])")
+        try:
+            scalings[name] = rope_scaling_from_hf(
+                r, hf, f" on {name} layers", truncate_from=rope if nested else None)
+        except ValueError as e:
+            problems.append(str(e))
     theta = float(full.get("rope_theta", hf.get("rope_theta", global_theta)))
     if mt == "gemma3_text":
         theta_local = float(local.get("rope_theta", hf.get("rope_local_base_freq", local_theta)))
@@ -177,14 +274,19 @@ def gemma_config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
         sliding_window=int(window or 0),
         layer_pattern=pattern_string(kinds) if window else "",
         rope_local_theta=theta_local if theta_local != theta else 0.0,
+        rope_scaling=scalings["full_attention"],
+        rope_local_scaling=(RopeScalingConfig(type="") if scalings["sliding_attention"] ==
+                            scalings["full_attention"] else scalings["sliding_attention"]),
         attn_scale=float(hf["query_pre_attn_scalar"]) ** -0.5,
         attn_softcap=float(hf["attn_logit_softcapping"] or 0.0),
         final_softcap=float(hf["final_logit_softcapping"] or 0.0), **overrides)
 
 
 def gemma_config_to_hf(cfg: ModelConfig, arch: str | None,
-                       max_position_embeddings: int) -> dict:
-    """The config.json of a family-gemma Decoder: gemma3_text (q/k norms) or gemma2."""
+                       max_position_embeddings: int | None) -> dict:
+    """The config.json of a family-gemma Decoder: gemma3_text (q/k norms) or gemma2.
+
+    max_position_embeddings: None = 4096, raised to original x factor of a scaling."""
     fits = "gemma3_text" if cfg.qk_norm else "gemma2"
     arch = arch or fits
     if arch != fits:
@@ -195,14 +297,25 @@ def gemma_config_to_hf(cfg: ModelConfig, arch: str | None,
     if arch == "gemma2" and cfg.rope_local_theta not in (0.0, cfg.rope_theta):
         raise ValueError(f"gemma2 has one RoPE base; rope_local_theta {cfg.rope_local_theta} "
                          f"!= rope_theta {cfg.rope_theta}")
+    (theta, scaling), (theta_local, local_scaling) = cfg.rope("G"), cfg.rope("L")
+    if arch == "gemma2" and local_scaling != scaling:
+        raise ValueError(f"gemma2 has one RoPE scaling; rope_local_scaling {local_scaling} "
+                         f"!= rope_scaling {scaling}")
+    if arch == "gemma3_text" and local_scaling.type == "yarn" and scaling.type == "yarn" and \
+            local_scaling.truncate != scaling.truncate:
+        raise ValueError("gemma3_text reads one yarn truncate for both layer types; "
+                         f"rope_scaling.truncate {scaling.truncate} != rope_local_scaling."
+                         f"truncate {local_scaling.truncate}")
     scalar = (cfg.attn_scale ** -2) if cfg.attn_scale else float(cfg.head_dim)
     if abs(scalar - round(scalar)) > 1e-6 * scalar:  # transformers types it as an int
         raise ValueError(f"attn_scale {cfg.attn_scale} is not query_pre_attn_scalar ** -0.5 "
                          f"for a whole-number query_pre_attn_scalar ({scalar:.6g})")
     scalar = round(scalar)
     kinds = cfg.layer_kinds()
-    local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
-    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    local = rope_scaling_to_hf(local_scaling, theta_local)
+    full = rope_scaling_to_hf(scaling, theta)
+    max_position_embeddings = max(max_position_embeddings or 4096,
+                                  min_max_position_embeddings(scaling, local_scaling))
     hf = {"architectures": [GEMMA_ARCHS[arch]], "model_type": arch,
           "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
           "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
@@ -218,6 +331,9 @@ def gemma_config_to_hf(cfg: ModelConfig, arch: str | None,
           "attention_dropout": 0.0, "torch_dtype": "float32", "dtype": "float32"}
     if arch == "gemma3_text":
         hf["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+        truncate = {r.get("truncate") for r in (full, local)} - {None}
+        if truncate:  # yarn reads it from the top level only (rope_scaling_from_hf)
+            hf["rope_parameters"]["truncate"] = truncate.pop()
     else:
         hf["rope_parameters"] = full
     return hf

@@ -18,7 +18,8 @@ that off they are token-local too. In a mixture-of-experts layer (``model.num_ex
 RoPE runs before the exchange, on each device's own tokens, with the global (or per-document)
 position of every token carried in the batch (``positions`` [B, S], sharded like the tokens).
 Rotating before the exchange needs no knowledge of which shard a token came from, and the
-exchange moves rotated q/k, which is all attention needs.
+exchange moves rotated q/k, which is all attention needs. RoPE itself, with its scalings
+(``model.rope_scaling``, ``model.rope_local_scaling``), is rope.py.
 
 Weights use an [in, out] layout per projection (``wq`` [D, N, H], ``wo`` [N, H, D],
 ``w_gate`` [D, F] ...), so a Hugging Face Linear weight [out, in] maps by a transpose and a
@@ -36,9 +37,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..config import LAYER_KINDS, ModelConfig
+from ..config import INT32_MAX, LAYER_KINDS, ModelConfig
 from .loss import largest_divisor_at_most
 from .norms import rms_norm
+from .rope import apply_rope
 from .tiled_mlp import tiled
 from ..mesh import act_spec, shard
 from . import vocab
@@ -71,22 +73,14 @@ def _gathered(w: jax.Array, dtype, mesh: Mesh | None) -> jax.Array:
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, half-split convention (as Llama/Qwen in transformers).
+    """Unscaled RoPE over the whole head (``rope.apply_rope``, kept for older callers).
 
     Args:
       x: [B, S, N, H]; positions: [B, S] ints.
     Returns:
       [B, S, N, H] in x's dtype.
     """
-    h = x.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)          # [H/2]
-    angles = positions.astype(jnp.float32)[:, :, None] * inv_freq                   # [B, S, H/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]            # [B, S, 1, H]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    return apply_rope(x, positions, theta)
 
 
 class RMSNorm(nnx.Module):
@@ -142,8 +136,8 @@ class Attention(nnx.Module):
         self.cfg, self.mesh, self.layout, self.head_chunks = cfg, mesh, layout, head_chunks
 
     def __call__(self, x, positions, segment_ids, kind="G"):
-        """``kind``: "L" (local: sliding window, local RoPE base) or "G"; or, when the layers
-        mix both, a traced index into LAYER_KINDS (``lax.switch`` between the two)."""
+        """``kind``: "L" (local: sliding window, local RoPE base and scaling) or "G"; or, when
+        the layers mix both, a traced index into LAYER_KINDS (``lax.switch`` between the two)."""
         dt, mesh, cfg = x.dtype, self.mesh, self.cfg
         q = jnp.einsum("BSD,DNH->BSNH", x, _gathered(self.wq[...], dt, mesh))
         k = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wk[...], dt, mesh))
@@ -157,9 +151,11 @@ class Attention(nnx.Module):
 
         def attend(kind, q, k, v):
             local = kind == "L"
-            theta = (cfg.rope_local_theta or cfg.rope_theta) if local else cfg.rope_theta
-            q = rope(q, positions, theta)                                            # [B, S, N, H]
-            k = rope(k, positions, theta)                                            # [B, S, K, H]
+            theta, scaling = cfg.rope(kind)
+            # INT32_MAX: transformers' fp32 angles at every position (no exact branch at all)
+            exact_from = None if cfg.rope_exact_from >= INT32_MAX else cfg.rope_exact_from
+            q = apply_rope(q, positions, theta, scaling, exact_from=exact_from)      # [B, S, N, H]
+            k = apply_rope(k, positions, theta, scaling, exact_from=exact_from)      # [B, S, K, H]
             return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
                                      impl=cfg.attn_impl, head_chunks=self.head_chunks,
                                      layout=self.layout,

@@ -24,6 +24,7 @@ gate in one wq), so a checkpoint maps tensor for tensor; the model splits them w
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +33,10 @@ from jax.sharding import Mesh
 
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.linear import gated_deltanet
-from ..config import ModelConfig
+from ..config import INT32_MAX, ModelConfig
 from ..mesh import act_spec, shard
-from .decoder import MLP, _gathered, norm, rope
+from .decoder import MLP, _gathered, norm
+from .rope import apply_rope
 from .moe import MoE
 from .norms import gated_rms_norm
 
@@ -42,17 +44,6 @@ from .norms import gated_rms_norm
 def rotary_dim(cfg: ModelConfig) -> int:
     """Head dims RoPE rotates: int(H x partial_rotary_factor) (transformers' rounding)."""
     return int(cfg.head_dim * cfg.partial_rotary_factor)
-
-
-def partial_rope(x, positions, theta: float, dim: int):
-    """RoPE on the first ``dim`` of the last axis (half-split within them), the rest as is.
-
-    Args:
-      x: [B, S, N, H]; positions: [B, S]; dim: even, <= H.
-    """
-    if dim == x.shape[-1]:
-        return rope(x, positions, theta)
-    return jnp.concatenate([rope(x[..., :dim], positions, theta), x[..., dim:]], axis=-1)
 
 
 class GatedAttention(nnx.Module):
@@ -76,9 +67,12 @@ class GatedAttention(nnx.Module):
         q, gate = qg[..., :h], qg[..., h:]
         k = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wk[...], dt, mesh))
         v = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wv[...], dt, mesh))
-        dim = rotary_dim(cfg)
-        q = partial_rope(self.q_norm(q), positions, cfg.rope_theta, dim)            # [B, S, N, H]
-        k = partial_rope(self.k_norm(k), positions, cfg.rope_theta, dim)
+        # RoPE (with its scaling) on the first rotary_dim dims of each head only.
+        theta, scaling = cfg.rope("G")
+        exact_from = None if cfg.rope_exact_from >= INT32_MAX else cfg.rope_exact_from
+        rope = partial(apply_rope, positions=positions, theta=theta, scaling=scaling,
+                       rotary_dim=rotary_dim(cfg), exact_from=exact_from)
+        q, k = rope(self.q_norm(q)), rope(self.k_norm(k))                           # [B, S, N, H]
         o = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
                               impl=cfg.attn_impl, head_chunks=self.head_chunks,
                               layout=self.layout,

@@ -19,7 +19,8 @@ from ..config import Config, ConfigError, ModelConfig, to_dict, validate
 
 # The run's own model options, kept when the model's shape comes from a checkpoint.
 RUNTIME_FIELDS = ("dtype", "remat", "attn_impl", "loss_chunk", "vocab_parallel", "mlp_chunk",
-                  "init_std", "max_segments", "offload_checkpoints", "moe_capacity_factor")
+                  "init_std", "max_segments", "offload_checkpoints", "moe_capacity_factor",
+                  "rope_exact_from")
 # Settings a checkpoint depends on, named in a refusal when they differ from the saved config:
 # the data iterator's position, and the arrays' shapes.
 DATA_KEYS = ("seed", "seq_len", "data.source", "data.tokenizer", "data.heldout_fraction")
