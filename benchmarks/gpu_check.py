@@ -32,6 +32,13 @@ finishes (a timeout keeps what ran); a failing section records its error and the
   offload_8b       the one-GPU 8B preset (host offload of checkpoints and optimizer): the GPU
                    compiler's memory analysis at the preset's length against the CPU
                    planner's, and one executed step at 131,072 tokens (time, peak bytes).
+  qwen3_next       Gated DeltaNet (issue 21): the chunked delta rule with the convolution in
+                   bf16 against the fp32 step-by-step recurrence (forward and gradients, packed
+                   documents; max |err| / max |ref| <= 1e-2); forward+backward time of one
+                   Qwen3-Next-80B-shaped DeltaNet core (32 value heads of 128) against cuDNN
+                   attention (16 / 2 heads of 256) at 8k and 32k; the GPU compiler's peak of
+                   the one-layer train steps of benchmarks/deltanet_memory.py (DeltaNet vs
+                   attention layer, target ratio <= 1.2).
   pytest           the test suite on this host (one GPU: the GPU tests on the GPU, the rest on
                    8 CPU devices as in CI), in a subprocess with --pytest-timeout; pass and
                    fail counts and the failures' names.
@@ -488,9 +495,78 @@ def _pytest(smoke: bool, timeout: int) -> dict:
     return {"returncode": rc, "counts": counts, "failed": failed[:50],
             "seconds": round(time.time() - t0, 1), "tail": text[-3000:]}
 
+def _qwen3_next(smoke: bool, repeats: int = 5) -> dict:
+    """Gated DeltaNet on the GPU: bf16 correctness against the fp32 recurrence, time against
+    attention, and the GPU compiler's memory of a DeltaNet layer against an attention layer."""
+    import jax
+    import jax.numpy as jnp
+    from ulysses_jax import make_mesh, ulysses_attention
+    from ulysses_jax.attention import deltanet, linear
+    from ulysses_jax.config import load_config
+    from ulysses_jax.training.dry_run import dry_run
+
+    out = {}
+    s = 256 if smoke else 4096
+    ks = jax.random.split(jax.random.key(21), 8)
+    q = jax.random.normal(ks[0], (1, s, 2, 64), jnp.float32)
+    k = jax.random.normal(ks[1], (1, s, 2, 64), jnp.float32)
+    v = jax.random.normal(ks[2], (1, s, 4, 64), jnp.float32)
+    g = -0.2 * jnp.abs(jax.random.normal(ks[3], (1, s, 4)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, s, 4)))
+    seg = jnp.asarray(_packed_segments(s, 4, seed=21)[0])
+    ct = jax.random.normal(ks[5], v.shape, jnp.float32)
+
+    def vjp(fn, *args):
+        o, pull = jax.vjp(fn, *args)
+        return (o, *pull(ct.astype(o.dtype)))
+
+    ref = jax.jit(lambda *a: vjp(lambda q, k, v: deltanet.recurrent_reference(
+        q, k, v, g, beta, seg), *a))(q, k, v)
+    got = jax.jit(lambda *a: vjp(lambda q, k, v: deltanet.chunked_delta_rule(
+        q, k, v, g, beta, seg), *a))(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    errs = {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
+            for n, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+    out["bf16_vs_fp32_recurrence"] = {"rel_err": errs, "pass": all(e <= 1e-2 for e in
+                                                                     errs.values())}
+    mesh = make_mesh(seq=1, data=1, devices=jax.devices()[:1])
+    for s in ([512] if smoke else [8192, 32768]):
+        ks = jax.random.split(jax.random.key(s), 12)
+        bf = lambda i, shape: jax.random.normal(ks[i], shape, jnp.bfloat16)
+        core = (bf(0, (1, s, 16, 128)), bf(1, (1, s, 16, 128)), bf(2, (1, s, 32, 128)),
+                bf(3, (1, s, 32)), bf(4, (1, s, 32)), 0.3 * bf(5, (16, 128, 4)),
+                0.3 * bf(6, (16, 128, 4)), 0.3 * bf(7, (32, 128, 4)), bf(8, (32,)),
+                bf(9, (32,)))
+        dct = bf(10, (1, s, 32, 128))
+        row = {}
+
+        def timed(fn, args, cotangent):
+            run = jax.jit(lambda *a: jax.vjp(fn, *a)[1](cotangent))
+            return 1e3 * _timed(run, args, 2, repeats)
+
+        row["deltanet_ms"] = timed(lambda *a: linear.gated_deltanet(*a, mesh=mesh), core, dct)
+        qa, ka, va = bf(0, (1, s, 16, 256)), bf(1, (1, s, 2, 256)), bf(2, (1, s, 2, 256))
+        try:
+            row["cudnn_attention_ms"] = timed(lambda q, k, v: ulysses_attention(
+                q, k, v, mesh=mesh, impl="cudnn"), (qa, ka, va), bf(11, qa.shape))
+        except Exception as e:  # noqa: BLE001 - no cuDNN off GPU
+            row["cudnn_attention"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out[f"time_s{s}"] = row
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from deltanet_memory import LAYER
+    preset = os.path.join(ROOT, "configs", "tiny-qwen3-next.yaml")
+    for s in ([1024] if smoke else [32768, 131072]):
+        peaks = {}
+        for mixer in ("A", "D"):
+            cfg = load_config(preset, LAYER + [f"model.mixer_pattern={mixer}", f"seq_len={s}",
+                                               "mesh.seq=1"])
+            peaks[mixer] = dry_run(cfg)["peak_bytes_per_device"]
+        out[f"compiled_peak_s{s}"] = {"attention": peaks["A"], "deltanet": peaks["D"],
+                                      "ratio": peaks["D"] / peaks["A"]}
+    return out
+
 
 SECTIONS = ("env", "attention_bf16", "packed_attention", "window_attention", "throughput",
-            "transformers", "longest_8b", "offload_8b", "pytest")
+            "transformers", "longest_8b", "offload_8b", "qwen3_next", "pytest")
 
 
 def main():
@@ -528,6 +604,7 @@ def main():
         "transformers": lambda: _transformers(args.smoke),
         "longest_8b": lambda: _longest_8b(args.smoke),
         "offload_8b": lambda: _offload_8b(args.smoke, args.offload_seq_len),
+        "qwen3_next": lambda: _qwen3_next(args.smoke),
         "pytest": lambda: _pytest(args.smoke, args.pytest_timeout),
     }
     for name in names:

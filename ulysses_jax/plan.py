@@ -195,6 +195,15 @@ def _moe_note(m) -> str:
             f" capacity_factor={cf if cf else 'none (no dropping)'}")
 
 
+def _mixer_note(m) -> str:
+    """Qwen3-Next's token mixers for the header (DeltaNet layers need linear value heads
+    divisible by each P; checked per P)."""
+    if m.family != "qwen3_next":
+        return ""
+    return (f" mixers={m.mixer_pattern} deltanet_heads={m.linear_key_heads}/"
+            f"{m.linear_value_heads}x{m.linear_value_dim}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     try:
@@ -217,7 +226,7 @@ def main(argv=None) -> int:
     host_budget = None if args.host_memory_gb is None else int(args.host_memory_gb * GIB)
     print(f"plan: {args.config}  d_model={m.d_model} layers={m.n_layers} heads={m.n_heads}/"
           f"{m.n_kv_heads} dtype={m.dtype} remat={m.remat} param_sharding={cfg.param_sharding} "
-          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}{_moe_note(m)} offload: checkpoints="
+          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}{_moe_note(m)}{_mixer_note(m)} offload: checkpoints="
           f"{m.offload_checkpoints} optimizer={cfg.optimizer.offload}; budget "
           f"{args.memory_gb:g} GiB per device"
           f"{'' if host_budget is None else f', {args.host_memory_gb:g} GiB host per device'}; "
