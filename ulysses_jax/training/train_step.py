@@ -174,7 +174,7 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
     offload = cfg.optimizer.offload
     tx_adamw = make_optimizer(cfg.optimizer, cfg.steps, clip=False)
     dtype = jnp.dtype(cfg.model.dtype)
-    on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings["params"])
+    on_device = _device_shardings(shardings)
     replicated = NamedSharding(mesh, P())
 
     def update(grads, opt_state, params):
@@ -193,12 +193,8 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
 
     def step(state, batch):
         params = state["params"]
-        if offload:  # cast the layer weights on the host; the model streams them per layer
-            cast = compute_copy_mask(params)
-            with jax.named_scope("optimizer"), compute_on("device_host"):
-                copy = jax.tree.map(lambda p, c: p.astype(dtype) if c else p, params, cast)
-            params = jax.tree.map(lambda p, c, s: p if c else jax.device_put(p, s), copy, cast,
-                                  on_device)
+        if offload:
+            params = _offloaded_params_for_compute(params, dtype, on_device)
         (_, (loss, extra)), grads = jax.value_and_grad(
             lambda p: objective(graphdef, p, batch, mesh), has_aux=True)(params)
         with jax.named_scope("optimizer"):
@@ -221,10 +217,32 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
                    out_shardings=(shardings, None), donate_argnums=0)
 
 
-def make_eval_step(mesh: Mesh, graphdef, shardings) -> Callable:
-    """Jitted ``eval(params, batch) -> (mean loss, tokens)``."""
-    return jax.jit(lambda params, batch: loss_fn(graphdef, params, batch, mesh),
-                   in_shardings=(shardings["params"], batch_shardings(mesh)))
+def _device_shardings(shardings):
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings["params"])
+
+
+def _offloaded_params_for_compute(params, dtype, on_device):
+    """optimizer.offload: the layer weights cast to the compute dtype on the host (the
+    model streams them to the device per layer); every other parameter moved to the device."""
+    cast = compute_copy_mask(params)
+    with jax.named_scope("optimizer"), compute_on("device_host"):
+        copy = jax.tree.map(lambda p, c: p.astype(dtype) if c else p, params, cast)
+    return jax.tree.map(lambda p, c, s: p if c else jax.device_put(p, s), copy, cast, on_device)
+
+
+def make_eval_step(mesh: Mesh, graphdef, shardings, cfg: Config | None = None) -> Callable:
+    """Jitted ``eval(params, batch) -> (mean loss, tokens)``. With ``cfg.optimizer.offload``
+    the parameters live in host memory and are prepared as the train step prepares them."""
+    offload = cfg is not None and cfg.optimizer.offload
+    dtype = None if cfg is None else jnp.dtype(cfg.model.dtype)
+    on_device = _device_shardings(shardings) if offload else None
+
+    def evaluate(params, batch):
+        if offload:
+            params = _offloaded_params_for_compute(params, dtype, on_device)
+        return loss_fn(graphdef, params, batch, mesh)
+
+    return jax.jit(evaluate, in_shardings=(shardings["params"], batch_shardings(mesh)))
 
 
 def param_count(params: Any) -> int:

@@ -273,7 +273,7 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
     """Steps ``start + 1`` ... ``cfg.steps``: log, evaluate, checkpoint; stop on a signal."""
     graphdef, state, shardings, tx = layout
     step_fn = make_train_step(cfg, mesh, graphdef, tx, shardings)
-    eval_fn = make_eval_step(mesh, graphdef, shardings)
+    eval_fn = make_eval_step(mesh, graphdef, shardings, cfg)
     # Compile ahead of the loop: the loop runs this executable, timings exclude compilation,
     # and its cost analysis is per device (a lowered, unpartitioned program's is global).
     t0 = time.time()
