@@ -68,10 +68,13 @@ def _decoder(manifest):
     path = manifest["tokenizer"]["path"]
     if path is not None and not os.path.exists(path):
         raise ValueError(f"the store's tokenizer {path} is gone; cannot decode (use --json)")
-    return load_tokenizer(path)
+    tok = load_tokenizer(path)
+    if hasattr(tok, "_tok"):  # a Hugging Face tokenizer: show special tokens (end of turn)
+        return lambda ids: tok._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    return tok.decode
 
 
-def _text(row: dict, tokenizer) -> str:
+def _text(row: dict, decode) -> str:
     """Each segment's text; a token whose prediction is trained on (the target of the
     token before it) is wrapped in ⟦ ⟧, runs of them together."""
     tok, seg, mask = row["tokens"], row["segment_ids"], row["loss_mask"]
@@ -84,7 +87,7 @@ def _text(row: dict, tokenizer) -> str:
         parts, start = [], idx[0]
         for j in range(idx[0] + 1, idx[-1] + 2):
             if j > idx[-1] or supervised[j] != supervised[start]:
-                text = tokenizer.decode(tok[start:j])
+                text = decode(tok[start:j])
                 parts.append(f"{MARK[0]}{text}{MARK[1]}" if supervised[start] else text)
                 start = j
         lines.append("".join(parts))

@@ -84,7 +84,7 @@ def _chunks(records: Iterator[tuple[str, object]]) -> Iterator[list]:
         yield chunk
 
 
-def _file_hash(path: str) -> str:
+def file_hash(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -126,7 +126,7 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     if tokenizer is not None:
         tok_file = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) \
             else tokenizer
-        tok_info = {"path": os.path.abspath(tokenizer), "sha256": _file_hash(tok_file)}
+        tok_info = {"path": os.path.abspath(tokenizer), "sha256": file_hash(tok_file)}
     else:
         tok_info = {"path": None, "sha256": "bytes"}
     options = {"chat": chat, "key": messages_key if chat else text_key,

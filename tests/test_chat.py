@@ -1,0 +1,189 @@
+"""Chat masks (ulysses_jax.training.chat): golden spans for a ChatML-style and a Llama-3-style
+template, the trap of an answer equal to earlier user text, refusals, and prepare --chat."""
+import json
+
+import numpy as np
+import pytest
+
+from ulysses_jax.training import chat, prepare as prepare_lib
+from ulysses_jax.training.data import load_tokenizer
+from ulysses_jax.training.store import TokenStore
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+          "'<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+# Drops the text of every assistant answer but the last: the history the model is trained on
+# would differ from what it sees at inference.
+UNSTABLE = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+            "{{ '<|im_start|>assistant\\n(earlier answer)<|im_end|>\\n' }}{% else %}"
+            "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+            "{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
+           "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+# The trap: the first answer repeats the user's words exactly; a mask found by searching for
+# the answer's text would land on the user turn.
+TRAP = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": "Say hi"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "hi"}]
+
+
+def write_tokenizer_dir(path, template, eos="<|im_end|>", seed=0):
+    """A small byte-level BPE tokenizer directory with the chat special tokens and
+    ``template`` in its tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    rng = np.random.default_rng(seed)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    words = ["Say", " hi", " again", " the", " answer", " is", " user", "\n", " 42"]
+    tok.train_from_iterator(["".join(rng.choice(words, 40)) for _ in range(40)], trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": template, "eos_token": eos, "bos_token": "<|begin_of_text|>",
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return str(path)
+
+
+def decode(tokenizer, ids):
+    """Text of ids, special tokens included (HFTokenizer.decode drops them)."""
+    return tokenizer._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def supervised_runs(tokenizer, tokens, weights):
+    """Decoded runs of consecutive weight-1 tokens, and the index each starts at."""
+    runs, starts, j = [], [], 0
+    while j < len(tokens):
+        if weights[j]:
+            k = j
+            while k < len(tokens) and weights[k]:
+                k += 1
+            runs.append(decode(tokenizer, tokens[j:k]))
+            starts.append(j)
+            j = k
+        else:
+            j += 1
+    return runs, starts
+
+
+GOLDEN = {
+    "chatml": (CHATML, "<|im_end|>", [
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay hi<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "Say hi<|im_end|>",
+        "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n",
+        "hi<|im_end|>",
+        "\n"]),
+    "llama3": (LLAMA3, "<|eot_id|>", [
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nSay hi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "Say hi<|eot_id|>",
+        "<|start_header_id|>user<|end_header_id|>\n\nagain<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "hi<|eot_id|>",
+        ""]),
+}
+
+
+@pytest.mark.parametrize("style", sorted(GOLDEN))
+def test_golden_spans_and_weights(tmp_path, style):
+    template_src, eos, pieces = GOLDEN[style]
+    directory = write_tokenizer_dir(tmp_path / style, template_src, eos)
+    template = chat.ChatTemplate.from_dir(directory)
+    text, spans = chat.supervised_spans(template, TRAP)
+    assert text == "".join(pieces)
+    a1 = len(pieces[0])
+    a2 = a1 + len(pieces[1]) + len(pieces[2])
+    assert spans == [(a1, a1 + len(pieces[1])), (a2, a2 + len(pieces[3]))]
+    # The user's "Say hi" sits before the first span: searching for the answer's text would
+    # have found it first.
+    assert text.index("Say hi") < a1 and text[a1:a1 + 6] == "Say hi"
+
+    tok = load_tokenizer(directory)
+    tokens, weights = chat.encode_conversation(tok, template, TRAP)
+    assert tokens.dtype == np.int32 and weights.dtype == np.uint8 and len(tokens) == len(weights)
+    runs, starts = supervised_runs(tok, tokens, weights)
+    assert runs == [pieces[1], pieces[3]]
+    assert decode(tok, tokens[:starts[0]]) == pieces[0]  # the user's "Say hi" is unsupervised
+    assert tokens[starts[0] + len(tok.encode("Say hi"))] == tok._tok.token_to_id(eos)
+    assert decode(tok, tokens) == text
+
+
+def test_matches_transformers_apply_chat_template(tmp_path):
+    """Our sandboxed rendering is the text transformers renders, prompt prefixes included."""
+    transformers = pytest.importorskip("transformers")
+    checked = 0
+    for name, src in (("chatml", CHATML), ("llama3", LLAMA3)):
+        directory = write_tokenizer_dir(tmp_path / name, src)
+        ref = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
+        ours = chat.ChatTemplate.from_dir(directory)
+        for i in range(1, len(TRAP) + 1):  # transformers refuses an empty conversation
+            for gen in (False, True):
+                assert ours.render(TRAP[:i], gen) == ref.apply_chat_template(
+                    TRAP[:i], tokenize=False, add_generation_prompt=gen)
+                checked += 1
+    assert checked == 20
+
+
+def test_tool_turns_are_not_supervised(tmp_path):
+    template = chat.ChatTemplate(CHATML)
+    msgs = [{"role": "user", "content": "the answer"},
+            {"role": "assistant", "content": "call 42"},
+            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": "the answer is 42"}]
+    text, spans = chat.supervised_spans(template, msgs)
+    assert [text[a:b] for a, b in spans] == ["call 42<|im_end|>", "the answer is 42<|im_end|>"]
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(chat.NotPrefixStable, match="not prefix-stable at assistant message 2"):
+        chat.supervised_spans(chat.ChatTemplate(UNSTABLE), TRAP, "conv.jsonl:7")
+    with pytest.raises(chat.NoSupervision, match="conv.jsonl:3: no supervised token"):
+        chat.supervised_spans(chat.ChatTemplate(CHATML),
+                              [{"role": "user", "content": "hi"},
+                               {"role": "user", "content": "anyone?"}], "conv.jsonl:3")
+    # An empty answer still trains the end-of-turn token: that is supervision.
+    text, spans = chat.supervised_spans(chat.ChatTemplate(CHATML),
+                                        [{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": ""}])
+    assert [text[a:b] for a, b in spans] == ["<|im_end|>"]
+    with pytest.raises(ValueError, match="role 'robot'"):
+        chat.supervised_spans(chat.ChatTemplate(CHATML), [{"role": "robot", "content": "x"}])
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no chat template"):
+        chat.ChatTemplate.from_dir(str(tmp_path))
+
+
+def test_prepare_chat_counts_and_names_unsupervised(tmp_path):
+    directory = write_tokenizer_dir(tmp_path / "tok", CHATML)
+    lines = [{"messages": TRAP}, {"messages": [{"role": "user", "content": "hi"}]},
+             {"messages": TRAP[:3]}, {"messages": [{"role": "system", "content": "x"}]}]
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "store"
+    with pytest.raises(chat.NoSupervision, match=r"2 conversation\(s\) have no supervised "
+                       r"token.*chat.jsonl:2.*chat.jsonl:4"):
+        prepare_lib.prepare([str(src)], str(out), directory, chat=True, progress=False)
+    assert not out.exists() and not list(tmp_path.glob("store.tmp-*"))
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines[::2]))
+    manifest, built = prepare_lib.prepare([str(src)], str(out), directory, chat=True,
+                                          progress=False)
+    assert built and manifest["kind"] == "chat" and manifest["num_docs"] == 2
+    store, tok = TokenStore(str(out)), load_tokenizer(directory)
+    assert manifest["template_sha256"] == chat.ChatTemplate(CHATML).hash
+    runs = supervised_runs(tok, store.doc(0), store.doc(0, weights=True))[0]
+    assert runs == ["Say hi<|im_end|>", "hi<|im_end|>"]
+    assert manifest["num_supervised"] == sum(int(store.doc(d, True).sum()) for d in range(2))
+    with pytest.raises(ValueError, match="--chat needs --tokenizer"):
+        prepare_lib.prepare([str(src)], str(tmp_path / "x"), None, chat=True, progress=False)
