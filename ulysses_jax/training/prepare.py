@@ -1,7 +1,7 @@
 """``prepare``: raw corpora -> a token store (``store.py``), in bounded memory, in parallel.
 
 The main process streams records (``sources.py``) in chunks of about 1 MB of text; worker
-processes (multiprocessing, forked) tokenize chunks (and render chat templates); the main
+processes (multiprocessing, spawned) tokenize chunks (and render chat templates); the main
 process writes results in input order, so the store does not depend on the number of workers.
 At most two chunks per worker are in flight, so memory stays flat however large the corpus.
 
@@ -191,7 +191,8 @@ def _encoded(chunks, tokenizer: str | None, chat: bool, workers: int):
         for chunk in chunks:
             yield _encode_chunk(chunk)
         return
-    ctx = multiprocessing.get_context("fork")
+    # spawn, not fork: the parent may have started JAX's threads (forking them can deadlock)
+    ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, _init_worker, (tokenizer, chat)) as pool:
         pending = collections.deque()
         for chunk in chunks:
