@@ -115,7 +115,8 @@ def _arrow_batches(path: str, key: str):
                 for batch in reader:
                     yield from batch.select([key]).to_batches(max_chunksize=_BATCH_ROWS)
         return
-    pf = pq.ParquetFile(path)
+    # Buffered page reads: a row group (often 100s of MB) is not loaded whole.
+    pf = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     if key not in pf.schema_arrow.names:
         raise ValueError(f'{path}: no column "{key}" (columns {pf.schema_arrow.names})')
     yield from pf.iter_batches(batch_size=_BATCH_ROWS, columns=[key])
