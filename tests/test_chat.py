@@ -187,3 +187,37 @@ def test_prepare_chat_counts_and_names_unsupervised(tmp_path):
     assert manifest["num_supervised"] == sum(int(store.doc(d, True).sum()) for d in range(2))
     with pytest.raises(ValueError, match="--chat needs --tokenizer"):
         prepare_lib.prepare([str(src)], str(tmp_path / "x"), None, chat=True, progress=False)
+
+
+def test_chat_from_parquet_and_datasets_directory(tmp_path):
+    """Messages as a list<struct> column: a parquet file and a save_to_disk directory (Arrow
+    IPC stream + state.json) give the same conversations as the jsonl."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    directory = write_tokenizer_dir(tmp_path / "tok", CHATML)
+    convs = [TRAP, TRAP[1:3], [{"role": "user", "content": "x"},
+                               {"role": "assistant", "content": "the answer is 42"}]]
+    table = pa.table({"messages": convs, "id": [0, 1, 2]})
+    pq.write_table(table, tmp_path / "c.parquet")
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    with pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as f:
+        with pa.ipc.new_stream(f, table.schema) as w:
+            w.write_table(table)
+    (ds / "state.json").write_text(json.dumps({"_data_files": [
+        {"filename": "data-00000-of-00001.arrow"}]}))
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    stores = {}
+    for name, src in (("jsonl", tmp_path / "c.jsonl"), ("parquet", tmp_path / "c.parquet"),
+                      ("ds", ds)):
+        manifest, _ = prepare_lib.prepare([str(src)], str(tmp_path / f"s-{name}"), directory,
+                                          chat=True, progress=False)
+        assert manifest["num_docs"] == 3
+        stores[name] = TokenStore(str(tmp_path / f"s-{name}"))
+    checked = 0
+    for d in range(3):
+        for name in ("parquet", "ds"):
+            np.testing.assert_array_equal(stores[name].doc(d), stores["jsonl"].doc(d))
+            np.testing.assert_array_equal(stores[name].doc(d, True), stores["jsonl"].doc(d, True))
+            checked += 1
+    assert checked == 6

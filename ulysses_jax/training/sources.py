@@ -108,12 +108,14 @@ def _arrow_batches(path: str, key: str):
         raise ImportError("reading parquet / arrow needs pyarrow: pip install pyarrow") from e
     if os.path.isdir(path):
         for f in sorted(glob.glob(os.path.join(path, "*.arrow"))):
-            with open(f, "rb") as fh:
-                reader = pyarrow.ipc.open_stream(fh)
+            with pyarrow.memory_map(f) as mm:  # batches are views of the mapped file
+                reader = pyarrow.ipc.open_stream(mm)
                 if key not in reader.schema.names:
                     raise ValueError(f'{f}: no column "{key}" (columns {reader.schema.names})')
                 for batch in reader:
-                    yield from batch.select([key]).to_batches(max_chunksize=_BATCH_ROWS)
+                    column = batch.select([key])
+                    for start in range(0, column.num_rows, _BATCH_ROWS):
+                        yield column.slice(start, _BATCH_ROWS)
         return
     # Buffered page reads: a row group (often 100s of MB) is not loaded whole.
     pf = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
