@@ -97,3 +97,24 @@ def test_chat_store_resume_exact_and_on_another_mesh(tmp_path):
     with pytest.raises(ConfigError, match="not the tokenizer the store"):
         train(_cfg(store, "steps=1", f"data.tokenizer={other_tok}"), str(tmp_path / "x"),
               progress=False)
+
+
+def test_text_store_trains_with_heldout(tmp_path, capsys):
+    rng = np.random.default_rng()
+    words = ["def ", "return ", "x", " + 1\n", "é", "漢字", "\n", "(", ")"]
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for _ in range(120):
+            f.write(json.dumps({"text": "".join(rng.choice(words, int(rng.integers(5, 80))))})
+                    + "\n")
+    prepare([str(tmp_path / "c.jsonl")], str(tmp_path / "store"), progress=False)
+    summary = train(_cfg(str(tmp_path / "store"), "steps=2", "mesh.seq=4", "mesh.data=2",
+                         "model.vocab_size=257", "data.heldout_fraction=0.1"),
+                    str(tmp_path / "run"), progress=False)
+    out = capsys.readouterr().out
+    assert "data: text store: 120 documents" in out and "held-out rows" in out
+    assert summary["step"] == 2 and np.isfinite(summary["loss"])
+    assert summary["eval_loss"] is not None and np.isfinite(summary["eval_loss"])
+    with pytest.raises(ConfigError, match="the store's tokenizer has 257 ids but "
+                                          "model.vocab_size is 200"):
+        train(_cfg(str(tmp_path / "store"), "steps=1", "model.vocab_size=200"),
+              str(tmp_path / "bad"), progress=False)
