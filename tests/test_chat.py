@@ -221,3 +221,41 @@ def test_chat_from_parquet_and_datasets_directory(tmp_path):
             np.testing.assert_array_equal(stores[name].doc(d, True), stores["jsonl"].doc(d, True))
             checked += 1
     assert checked == 6
+
+
+def test_packed_rows_supervise_exactly_the_answers(tmp_path):
+    """prepare --chat, then ChatRows: each conversation is one segment of one row, and its
+    supervised targets decode to exactly its assistant answers, each with <|im_end|>."""
+    from ulysses_jax.training.packing import ChatRows
+    rng = np.random.default_rng()
+    directory = write_tokenizer_dir(tmp_path / "tok", CHATML)
+    words = ["Say", " hi", " again", " the", " answer", " is", " 42", " user"]
+    say = lambda n: "".join(rng.choice(words, int(n)))  # noqa: E731
+    convs = []
+    for _ in range(30):
+        msgs = [{"role": "system", "content": say(2)}]
+        for _ in range(int(rng.integers(1, 4))):
+            q = say(rng.integers(1, 5))
+            a = q if rng.random() < 0.3 else say(rng.integers(1, 6))  # answers that echo
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        convs.append(msgs)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    prepare_lib.prepare([str(tmp_path / "c.jsonl")], str(tmp_path / "s"), directory, chat=True,
+                        workers=2, progress=False)
+    store, tok = TokenStore(str(tmp_path / "s")), load_tokenizer(directory)
+    rows = ChatRows(store, np.arange(store.num_docs), 256, seed=5)
+    assert rows.num_long == 0
+    seen = []
+    for r in range(rows.num_rows):
+        row = rows.row(r, epoch=0, seed=5)
+        plan = int(rows._perm(5, 0)[r])
+        docs = rows.ids[rows.row_docs[rows.row_start[plan]:rows.row_start[plan + 1]]]
+        assert int(row["segment_ids"].max()) == len(docs)
+        for seg, d in enumerate(docs, 1):
+            idx = np.flatnonzero(row["segment_ids"] == seg)
+            sup = row["loss_mask"][idx] > 0
+            runs = supervised_runs(tok, row["targets"][idx], sup.astype(np.uint8))[0]
+            answers = [m["content"] + "<|im_end|>" for m in convs[d] if m["role"] == "assistant"]
+            assert runs == answers, (d, runs, answers)
+            seen.append(int(d))
+    assert sorted(seen) == list(range(len(convs)))
