@@ -250,3 +250,21 @@ def test_chat_best_fit_picks_the_tightest_row(tmp_path):
     got = [sorted(rows.row_docs[rows.row_start[r]:rows.row_start[r + 1]].tolist())
            for r in range(2)]
     assert got == [[0, 3], [1, 2]]
+
+
+def test_prepare_cli_errors_exit_2(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("x")
+    cases = [(["prepare", str(tmp_path / "none*.jsonl"), "--out", str(tmp_path / "s")],
+              "matches no file"),
+             (["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "s"), "--chat"],
+              "--chat needs --tokenizer"),
+             (["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "s"),
+               "--workers", "0"], "--workers must be at least 1, got 0"),
+             (["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "a.txt")],
+              "already exists and holds something else"),
+             (["show", str(tmp_path), "--seq-len", "8", "--row", "0"], "is not a token store")]
+    for argv, message in cases:
+        assert data_cli(argv + (["--no-progress"] if argv[0] == "prepare" else [])) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "s").exists()
