@@ -5,11 +5,12 @@ a 3-step train.py run's wall time and peak RSS, on parquet corpora of growing si
 
 Corpora are synthetic text in parquet files of 64 MB row groups, sized in bytes (with the
 byte tokenizer one token per byte, plus EOS per document; ``--bpe`` tokenizes with a
-4096-id byte-level BPE trained here, about 4x fewer tokens and a real tokenization cost). Each measured command runs in its own process: peak RSS is
-that of its largest process (``ru_maxrss`` of the waited-for children; prepare's tokenizer
-workers included). "open store" is what train.py does with the store before compiling
-(packing plan, segment bound, first rows), timed inside its process. Writes a Markdown table to stdout and the rows as JSON to
-WORKDIR/data_scale.json.
+4096-id byte-level BPE trained here: about 4.5x fewer tokens, and a real tokenization cost).
+Each measured command runs in its own process: peak RSS is that of its largest process
+(``ru_maxrss`` of the waited-for children; prepare's tokenizer workers included). "open
+store" is what train.py does with the store before compiling (packing plan, segment bound,
+first rows), timed inside its process. Writes a Markdown table to stdout and the rows as JSON
+to WORKDIR/data_scale.json.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import sources as sources_lib
 from .chat import ChatTemplate, NoSupervision, encode_conversation
-from .store import MANIFEST, StoreWriter, TokenStore, is_store, name_hash, token_dtype
+from .store import StoreWriter, TokenStore, is_store, name_hash, token_dtype
 
 CHUNK_CHARS = 1 << 20  # text per work item: big enough to amortise pickling, small in memory
 MAX_NAMED = 5  # bad conversations named in an error, of all counted
@@ -96,8 +96,18 @@ def _remove_dead_leftovers(out: str) -> None:
     """Deletes ``OUT.tmp-PID`` directories whose process is gone (a killed prepare)."""
     for leftover in glob.glob(f"{out}.tmp-*"):
         pid = leftover.rsplit("-", 1)[-1]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):  # no such process (or no such pid at all)
+        return False
+    except PermissionError:
+        return True  # exists, under another user: leave its directory alone
+    return True
 
 
 def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: bool = False,
