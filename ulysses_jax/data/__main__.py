@@ -71,7 +71,11 @@ def _decoder(manifest):
     tok = load_tokenizer(path)
     if hasattr(tok, "_tok"):  # a Hugging Face tokenizer: show special tokens (end of turn)
         return lambda ids: tok._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-    return tok.decode
+
+    def decode(ids):  # bytes: ByteTokenizer.decode drops EOS, show it
+        cuts = np.flatnonzero(np.asarray(ids) == tok.eos_id)
+        return "<eos>".join(tok.decode(part) for part in np.split(np.asarray(ids), cuts))
+    return decode
 
 
 def _text(row: dict, decode) -> str:

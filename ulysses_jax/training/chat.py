@@ -4,7 +4,7 @@ A conversation is a list of ``{"role": "system" | "user" | "assistant" | "tool",
 rendered with the chat template of a Hugging Face tokenizer directory
 (``tokenizer_config.json``'s ``chat_template``), in a sandboxed jinja2 environment set up as
 transformers sets up its own (trim_blocks, lstrip_blocks, loop controls, ``raise_exception``,
-``tojson``), so the text is what ``apply_chat_template`` would give.
+``tojson``, ``strftime_now``), so the text is what ``apply_chat_template`` would give.
 
 Supervised spans come from rendering prefixes, never from searching for an answer's text: for
 assistant message i, ``P = render(messages[:i], add_generation_prompt=True)`` and
@@ -20,6 +20,7 @@ straddles a span boundary: a token is either wholly supervised or not.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -64,6 +65,9 @@ class ChatTemplate:
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
             x, ensure_ascii=False, indent=indent, sort_keys=kw.get("sort_keys", False))
         env.globals["raise_exception"] = raise_exception
+        # As transformers: templates such as Llama 3.2's print today's date in the system turn
+        # (the store then depends on the day it was prepared; its template hash does not).
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self.source = template
         self._template = env.from_string(template)
         self.special = dict(special or {})
