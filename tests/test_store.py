@@ -268,3 +268,26 @@ def test_prepare_cli_errors_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "s").exists()
+
+
+def test_position_is_a_row_index_checked_against_the_store(tmp_path):
+    """The saved position is a global row index; the same store (reopened) accepts it, a
+    store with other content refuses it, naming the fingerprint."""
+    rng = np.random.default_rng()
+    docs = unique_docs(rng, [int(x) for x in rng.integers(1, 30, 30)])
+    write_store(tmp_path / "a", [np.append(d, EOS) for d in docs])
+    write_store(tmp_path / "b", [np.append(d, EOS) for d in docs[1:]])
+    it = data.BatchIterator(packing.StoreRows(TokenStore(str(tmp_path / "a")),
+                                              np.arange(len(docs)), 8), 4, seed=3)
+    first = [next(it) for _ in range(2)]
+    state = json.loads(json.dumps(it.get_state()))
+    assert state["next_row"] == 8
+    again = data.BatchIterator(packing.StoreRows(TokenStore(str(tmp_path / "a")),
+                                                 np.arange(len(docs)), 8), 4, seed=3)
+    again.set_state(state)
+    np.testing.assert_array_equal(next(again)["tokens"], next(it)["tokens"])
+    assert not np.array_equal(first[0]["tokens"], first[1]["tokens"])
+    other = data.BatchIterator(packing.StoreRows(TokenStore(str(tmp_path / "b")),
+                                                 np.arange(len(docs) - 1), 8), 4, seed=3)
+    with pytest.raises(ValueError, match="fingerprint"):
+        other.set_state(state)
