@@ -30,9 +30,12 @@ def _parser():
                     "(default: bytes)")
     pr.add_argument("--chat", action="store_true", help="records are conversations "
                     "(assistant-only loss); needs --tokenizer with a chat_template")
-    pr.add_argument("--text-key", default="text")
-    pr.add_argument("--messages-key", default="messages")
-    pr.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    pr.add_argument("--text-key", default="text", help="field of a text record (default text)")
+    pr.add_argument("--messages-key", default="messages",
+                    help="field of a conversation's message list (default messages)")
+    pr.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="tokenizer processes (default: cores - 1); the store is the same "
+                    "for any number")
     pr.add_argument("--shard-tokens", type=int, default=1 << 30, help=argparse.SUPPRESS)
     pr.add_argument("--force", action="store_true", help="replace --out if it holds a store "
                     "of other inputs")
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: nothing was written (no half store is left)", file=sys.stderr)
+        print("interrupted" + (": no store was written (prepare leaves no half store)"
+                               if args.command == "prepare" else ""), file=sys.stderr)
         return 130
 
 
