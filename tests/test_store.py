@@ -291,3 +291,30 @@ def test_position_is_a_row_index_checked_against_the_store(tmp_path):
                                                  np.arange(len(docs) - 1), 8), 4, seed=3)
     with pytest.raises(ValueError, match="fingerprint"):
         other.set_state(state)
+
+
+def test_prepare_killed_by_sigkill(tmp_path):
+    """kill -9 while prepare runs: no store at --out; the next prepare removes the dead
+    process's temporary directory and builds the store."""
+    import signal
+    import time
+    rng = np.random.default_rng()
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": fresh_text(rng, 50)}) + "\n"
+                           for _ in range(20000)))
+    out = tmp_path / "store"
+    proc = subprocess.Popen([sys.executable, "-m", "ulysses_jax.data", "prepare", str(src),
+                             "--out", str(out), "--workers", "2", "--no-progress"], cwd=ROOT,
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob("store.tmp-*")) and time.time() < deadline:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL  # killed mid-run, not finished
+    assert not out.exists() and [p.name for p in tmp_path.glob("store.tmp-*")] == \
+        [f"store.tmp-{proc.pid}"]
+    manifest, built = prepare_lib.prepare([str(src)], str(out), progress=False)
+    assert built and manifest["num_docs"] == 20000
+    assert not list(tmp_path.glob("store.tmp-*"))
