@@ -73,6 +73,9 @@ def files(tmp_path_factory):
         "bad_tok_cfg": (_tokenizer(p("badcfg", "tokenizer.json"), 20),
                         _write(p("badcfg", "tokenizer_config.json"), "{eos"))[0],
         "a_file": _write(p("a_file"), "not a directory\n"),
+        "bad_store": os.path.dirname(_write(p("bad_store", "manifest.json"), "{")),
+        "old_store": os.path.dirname(_write(p("old_store", "manifest.json"), json.dumps(
+            {"format": "ulysses-jax-token-store", "version": 0}))),
         "hf_bad_json": hf_dir("hf_bad_json", "{"),
         "hf_list": hf_dir("hf_list", "[1, 2]"),
         "hf_gpt2": hf_dir("hf_gpt2", json.dumps(LLAMA | {"model_type": "gpt2"})),
@@ -138,6 +141,12 @@ TRAIN_CASES = [
     ("source_no_match", ["data.source={dir}/nothing/*.txt"], ["data.source", "matches no file"]),
     ("source_file_type", ["data.source={csv}"], ["data.source", "unsupported file type"]),
     ("source_empty", ["data.source={empty_txt}"], ["data.source", "no non-empty document"]),
+    ("chat_overflow_choice", ["data.chat_overflow=cut"],
+     ["data.chat_overflow", "must be 'truncate' or 'drop', got 'cut'"]),
+    ("store_damaged", ["data.source={bad_store}"],
+     ["data.source", "not a readable token store"]),
+    ("store_other_version", ["data.source={old_store}"],
+     ["data.source", "version 0", "prepare the store again"]),
     # tokenizer
     ("tokenizer_corrupt", ["data.tokenizer={bad_tok}"],
      ["data.tokenizer", "is not a tokenizer.json the tokenizers package can read"]),

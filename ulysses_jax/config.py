@@ -189,9 +189,13 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Corpus, tokenizer and held-out split."""
-    source: str = "stdlib"          # "stdlib" or comma-separated .txt/.md/.jsonl files/dirs/globs
-    tokenizer: Optional[str] = None  # None = bytes; a tokenizer.json (or a dir holding one)
+    source: str = "stdlib"          # a token store dir (python -m ulysses_jax.data prepare),
+    #                                 "stdlib", or comma-separated .txt/.md/.jsonl files/dirs/globs
+    tokenizer: Optional[str] = None  # None = bytes (a store: the one it was prepared with);
+    #                                  a tokenizer.json (or a dir holding one)
     heldout_fraction: float = 0.02
+    chat_overflow: str = "truncate"  # chat store: a conversation longer than seq_len is
+    #                                  "truncate"d to its first seq_len tokens or "drop"ped
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,7 @@ class Config:
     param_sharding: str = "replicated"  # replicated | zero3 (over data x seq devices)
     init_from: Optional[str] = None     # Hugging Face checkpoint dir
     gpu_overlap: bool = True        # GPU: XLA latency-hiding scheduler (see train.py)
+    log_tensorboard: bool = True    # TensorBoard event files beside metrics.jsonl
     mesh: MeshConfig = field(default_factory=MeshConfig)
     ulysses: UlyssesConfig = field(default_factory=UlyssesConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -390,6 +395,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                       f"{cfg.optimizer.schedule_steps}")
     if not 0.0 <= cfg.data.heldout_fraction < 1.0:
         errors.append(f"data.heldout_fraction must be in [0, 1), got {cfg.data.heldout_fraction}")
+    if cfg.data.chat_overflow not in ("truncate", "drop"):
+        errors.append(f"data.chat_overflow must be 'truncate' or 'drop', got "
+                      f"{cfg.data.chat_overflow!r}")
     if errors:
         raise ConfigError("; ".join(errors))
 

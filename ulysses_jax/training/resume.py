@@ -23,7 +23,8 @@ RUNTIME_FIELDS = ("dtype", "remat", "attn_impl", "loss_chunk", "vocab_parallel",
                   "rope_exact_from")
 # Settings a checkpoint depends on, named in a refusal when they differ from the saved config:
 # the data iterator's position, and the arrays' shapes.
-DATA_KEYS = ("seed", "seq_len", "data.source", "data.tokenizer", "data.heldout_fraction")
+DATA_KEYS = ("seed", "seq_len", "data.source", "data.tokenizer", "data.heldout_fraction",
+             "data.chat_overflow")
 SHAPE_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
                    if f.name not in RUNTIME_FIELDS)
 

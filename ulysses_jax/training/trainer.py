@@ -2,9 +2,11 @@
 
 ``train(cfg, workdir)`` runs (or resumes) a run in ``workdir``: ``checkpoints/`` holds Orbax
 checkpoints (train state + data-iterator position), ``metrics.jsonl`` one JSON object per
-logged step (each step once), ``config.yaml`` the resolved config, ``train.lock`` keeps a
-second run out (``run_dir.py``). A run resumes from its newest checkpoint that restores, also
-on a different mesh (the state is restored straight into the new layout; ``resume.py``).
+logged step (each step once; the same scalars as TensorBoard event files, ``tb_log.py``),
+``config.yaml`` the resolved config, ``train.lock`` keeps a second run out (``run_dir.py``).
+A run resumes from its newest checkpoint that restores, also on a different mesh (the state
+is restored straight into the new layout; ``resume.py``). ``data.source`` may name a token
+store (``store.py``), which is memory-mapped, not loaded.
 SIGTERM or SIGINT during training saves a checkpoint and returns; a non-finite loss stops the
 run before anything is saved after it.
 """
@@ -22,6 +24,10 @@ import numpy as np
 from . import data as data_lib
 from .checkpoint import Checkpointer, SaveFailed
 from .flops import train_step_flops
+from .packing import store_rows
+from .prepare import file_hash
+from .store import is_store
+from .tb_log import TensorBoardLog, Tee
 from .resume import resolve_init_from, start_state
 from .run_dir import MetricsLog, RunError, WorkdirLock, make_workdir, write_config
 from ..config import Config, ConfigError, to_dict, to_yaml, validate
@@ -109,6 +115,8 @@ def model_flops_per_device(cfg: Config) -> float:
 
 def _load_data(cfg: Config):
     """Train and held-out rows; a bad data.* setting is a ConfigError (clean CLI exit)."""
+    if is_store(cfg.data.source):
+        return _load_store(cfg)
     try:
         tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
     except (OSError, ValueError, ImportError) as e:
@@ -121,6 +129,32 @@ def _load_data(cfg: Config):
                                    cfg.data.heldout_fraction, cfg.seed)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
+
+
+def _load_store(cfg: Config):
+    """Rows of a prepared token store (memory-mapped; ``packing.py``)."""
+    try:
+        train_rows, held_rows, notes = store_rows(cfg.data.source, cfg.seq_len,
+                                                  cfg.data.heldout_fraction, cfg.seed,
+                                                  cfg.data.chat_overflow)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
+    manifest = train_rows.store.manifest
+    if manifest["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(f"data.source {cfg.data.source!r}: the store's tokenizer has "
+                          f"{manifest['vocab_size']} ids but model.vocab_size is "
+                          f"{cfg.model.vocab_size}")
+    if cfg.data.tokenizer is not None:
+        path = cfg.data.tokenizer
+        path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(path) or file_hash(path) != manifest["tokenizer"]["sha256"]:
+            raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} is not the tokenizer the "
+                              f"store {cfg.data.source!r} was prepared with "
+                              f"({manifest['tokenizer']['path'] or 'bytes'}); unset "
+                              f"data.tokenizer or prepare the store again")
+    for note in notes:
+        _log(f"data: {note}")
+    return train_rows, held_rows
 
 
 def with_segment_bound(cfg: Config, train_rows, held_rows) -> Config:
@@ -239,8 +273,12 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool) -> dict:
         if start >= cfg.steps:
             summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
         else:
-            summary = _loop(cfg, mesh, (graphdef, state, shardings, tx), start, batches,
-                            held_rows, ckpt, log, progress)
+            tb = TensorBoardLog(workdir, start, enabled=_is_main() and cfg.log_tensorboard)
+            try:
+                summary = _loop(cfg, mesh, (graphdef, state, shardings, tx), start, batches,
+                                held_rows, ckpt, Tee(log, tb), progress)
+            finally:
+                tb.close()
         ckpt.close()
         return summary
     except SaveFailed as e:

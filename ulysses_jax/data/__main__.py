@@ -1,0 +1,143 @@
+"""python -m ulysses_jax.data prepare|show: build a token store; look at a packed row.
+
+    prepare SRC [SRC ...] --out DIR [--tokenizer PATH] [--chat] [--text-key text]
+            [--messages-key messages] [--workers N] [--force]
+    show DIR --seq-len S --row N [--json] [--seed 0] [--heldout-fraction 0.02]
+
+Exit codes: 0 done (or nothing to do), 2 a bad input, with one ``error: ...`` paragraph.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+MARK = ("\u27e6", "\u27e7")  # ⟦ supervised ⟧
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m ulysses_jax.data",
+                                description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pr = sub.add_parser("prepare", help="tokenize corpora into a token store")
+    pr.add_argument("sources", nargs="+", help=".txt/.md/.jsonl/.parquet files, directories, "
+                    "globs, datasets save_to_disk directories")
+    pr.add_argument("--out", required=True, help="the store directory to write")
+    pr.add_argument("--tokenizer", help="tokenizer.json or a Hugging Face tokenizer directory "
+                    "(default: bytes)")
+    pr.add_argument("--chat", action="store_true", help="records are conversations "
+                    "(assistant-only loss); needs --tokenizer with a chat_template")
+    pr.add_argument("--text-key", default="text", help="field of a text record (default text)")
+    pr.add_argument("--messages-key", default="messages",
+                    help="field of a conversation's message list (default messages)")
+    pr.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="tokenizer processes (default: cores - 1); the store is the same "
+                    "for any number")
+    pr.add_argument("--shard-tokens", type=int, default=1 << 30, help=argparse.SUPPRESS)
+    pr.add_argument("--force", action="store_true", help="replace --out if it holds a store "
+                    "of other inputs")
+    pr.add_argument("--no-progress", action="store_true")
+    sh = sub.add_parser("show", help="print row N of epoch 0 with supervised tokens marked")
+    sh.add_argument("store")
+    sh.add_argument("--seq-len", type=int, required=True)
+    sh.add_argument("--row", type=int, required=True)
+    sh.add_argument("--json", action="store_true", help="one JSON object of the row's lists")
+    sh.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
+    sh.add_argument("--heldout-fraction", type=float, default=0.02,
+                    help="the run's data.heldout_fraction (default 0.02)")
+    sh.add_argument("--overflow", default="truncate", choices=("truncate", "drop"))
+    return p
+
+
+def _prepare(args) -> int:
+    from ulysses_jax.training.prepare import describe, prepare
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    manifest, built = prepare(args.sources, args.out, args.tokenizer, args.chat, args.text_key,
+                              args.messages_key, args.workers, args.force,
+                              not args.no_progress, args.shard_tokens)
+    if built:
+        print(f"wrote {args.out}: {describe(manifest)} in {manifest['seconds']:.1f} s")
+    else:
+        print(f"nothing to do: {args.out} already holds these inputs ({describe(manifest)})")
+    return 0
+
+
+def _decoder(manifest):
+    from ulysses_jax.training.data import load_tokenizer
+    path = manifest["tokenizer"]["path"]
+    if path is not None and not os.path.exists(path):
+        raise ValueError(f"the store's tokenizer {path} is gone; cannot decode (use --json)")
+    tok = load_tokenizer(path)
+    if hasattr(tok, "_tok"):  # a Hugging Face tokenizer: show special tokens (end of turn)
+        return lambda ids: tok._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def decode(ids):  # bytes: ByteTokenizer.decode drops EOS, show it
+        cuts = np.flatnonzero(np.asarray(ids) == tok.eos_id)
+        return "<eos>".join(tok.decode(part) for part in np.split(np.asarray(ids), cuts))
+    return decode
+
+
+def _text(row: dict, decode) -> str:
+    """Each segment's text; a token whose prediction is trained on (the target of the
+    token before it) is wrapped in ⟦ ⟧, runs of them together."""
+    tok, seg, mask = row["tokens"], row["segment_ids"], row["loss_mask"]
+    supervised = np.concatenate([[0], mask[:-1]]) > 0  # token j is the target of j-1
+    lines = []
+    for s in [int(x) for x in np.unique(seg) if x > 0]:
+        idx = np.flatnonzero(seg == s)
+        lines.append(f"--- segment {s}: {len(idx)} tokens, "
+                     f"{int(supervised[idx].sum())} supervised ---")
+        parts, start = [], idx[0]
+        for j in range(idx[0] + 1, idx[-1] + 2):
+            if j > idx[-1] or supervised[j] != supervised[start]:
+                text = decode(tok[start:j])
+                parts.append(f"{MARK[0]}{text}{MARK[1]}" if supervised[start] else text)
+                start = j
+        lines.append("".join(parts))
+    pad = int((seg == 0).sum())
+    if pad:
+        lines.append(f"--- padding: {pad} tokens ---")
+    return "\n".join(lines)
+
+
+def _show(args) -> int:
+    from ulysses_jax.training.data import FIELDS
+    from ulysses_jax.training.packing import store_rows
+    from ulysses_jax.training.store import TokenStore, is_store
+    if not is_store(args.store):
+        raise ValueError(f"{args.store} is not a token store (no manifest.json); build one "
+                         f"with python -m ulysses_jax.data prepare")
+    rows, _, _ = store_rows(args.store, args.seq_len, args.heldout_fraction, args.seed,
+                            args.overflow)
+    if not 0 <= args.row < rows.num_rows:
+        raise ValueError(f"row {args.row} is past the last row: the store packs into "
+                         f"{rows.num_rows} rows of {args.seq_len} tokens (rows 0 to "
+                         f"{rows.num_rows - 1})")
+    row = rows.row(args.row, epoch=0, seed=args.seed)
+    if args.json:
+        print(json.dumps({f: row[f].astype(np.int64 if f != "loss_mask" else np.float64)
+                          .tolist() for f in FIELDS}))
+    else:
+        print(_text(row, _decoder(TokenStore(args.store).manifest)))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _prepare(args) if args.command == "prepare" else _show(args)
+    except (ValueError, OSError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted" + (": no store was written (prepare leaves no half store)"
+                               if args.command == "prepare" else ""), file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Chat data: OpenAI-style messages -> tokens and per-token loss weights (assistant-only loss).
+
+A conversation is a list of ``{"role": "system" | "user" | "assistant" | "tool", "content": ...}``
+rendered with the chat template of a Hugging Face tokenizer directory
+(``tokenizer_config.json``'s ``chat_template``), in a sandboxed jinja2 environment set up as
+transformers sets up its own (trim_blocks, lstrip_blocks, loop controls, ``raise_exception``,
+``tojson``, ``strftime_now``), so the text is what ``apply_chat_template`` would give.
+
+Supervised spans come from rendering prefixes, never from searching for an answer's text: for
+assistant message i, ``P = render(messages[:i], add_generation_prompt=True)`` and
+``Q = render(messages[:i+1])``; the answer is ``Q[len(P):]`` up to and including its
+end-of-turn token (trailing whitespace after it, e.g. ChatML's newline, is not supervised). An
+answer equal to earlier user or system text therefore cannot move the mask. The template must
+be prefix-stable (Q starts with P, and the whole conversation's text starts with Q); one that
+rewrites earlier turns (e.g. drops reasoning of past answers) is refused, since the text the
+model would be trained on then differs from what it sees at inference.
+
+Text is tokenized piece by piece (prompt pieces and answer pieces separately), so no token
+straddles a span boundary: a token is either wholly supervised or not.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class NotPrefixStable(ValueError):
+    """The chat template renders a conversation's prefix differently from its start."""
+
+
+class NoSupervision(ValueError):
+    """A conversation with no assistant token to train on."""
+
+
+def _special(value) -> str:
+    """A special token of tokenizer_config.json: a string, or {"content": ...}."""
+    return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+
+class ChatTemplate:
+    """The chat template of a tokenizer directory, rendered in a jinja2 sandbox.
+
+    Args:
+      template: the jinja2 source.
+      special: values for the template's variables such as ``bos_token`` and ``eos_token``.
+    """
+
+    def __init__(self, template: str, special: dict | None = None):
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"the chat template refused the conversation: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
+            x, ensure_ascii=False, indent=indent, sort_keys=kw.get("sort_keys", False))
+        env.globals["raise_exception"] = raise_exception
+        # As transformers: templates such as Llama 3.2's print today's date in the system turn
+        # (the store then depends on the day it was prepared; its template hash does not).
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        self.source = template
+        self._template = env.from_string(template)
+        self.special = dict(special or {})
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ChatTemplate":
+        """From ``path/tokenizer_config.json`` (or ``path/chat_template.jinja``)."""
+        config_path = os.path.join(path, "tokenizer_config.json")
+        config = {}
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        template = config.get("chat_template")
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"),
+                            None)
+        if not isinstance(template, str):
+            raise ValueError(f"{path} has no chat template: chat data needs a tokenizer "
+                             f"directory whose tokenizer_config.json has a \"chat_template\"")
+        special = {k: _special(config.get(k)) for k in
+                   ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return cls(template, special)
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+        return self._template.render(messages=list(messages),
+                                     add_generation_prompt=add_generation_prompt,
+                                     **self.special)
+
+
+def _check_messages(messages, name: str) -> None:
+    if not messages:
+        raise NoSupervision(f"{name}: an empty conversation has no assistant turn")
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise ValueError(f"{name}: message {i} has role {m.get('role')!r}; roles are "
+                             f"{', '.join(ROLES)}")
+
+
+def supervised_spans(template: ChatTemplate, messages: Sequence[dict],
+                     name: str = "conversation") -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans [a, b) of its assistant answers.
+
+    Raises:
+      NotPrefixStable: the template is not prefix-stable at some assistant turn.
+      NoSupervision: no assistant turn renders any text to train on.
+    """
+    _check_messages(messages, name)
+    full = template.render(messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = template.render(messages[:i], add_generation_prompt=True)
+        upto = template.render(messages[:i + 1])
+        if not upto.startswith(prompt) or not full.startswith(upto):
+            which = ("the text up to it does not start with the prompt rendered with the "
+                     "generation prompt" if not upto.startswith(prompt) else
+                     "the whole conversation's text does not start with the text up to it")
+            raise NotPrefixStable(
+                f"{name}: the chat template is not prefix-stable at assistant message {i}: "
+                f"{which}. Masks are found by rendering prefixes, so such a template (one "
+                f"that rewrites earlier turns) cannot be used; pick a template that renders "
+                f"each turn the same whatever follows it")
+        end = len(upto.rstrip())  # through the end-of-turn token, not the whitespace after
+        if end > len(prompt):
+            spans.append((len(prompt), end))
+    if not spans:
+        raise NoSupervision(f"{name}: no supervised token (no assistant answer with text)")
+    return full, spans
+
+
+def encode_conversation(tokenizer, template: ChatTemplate, messages: Sequence[dict],
+                        name: str = "conversation") -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and loss weights of one conversation.
+
+    Returns:
+      (tokens int32 [T], weights uint8 [T]): weight 1 on the tokens of assistant answers
+      (each through its end-of-turn token), 0 elsewhere.
+    """
+    text, spans = supervised_spans(template, messages, name)
+    cuts, flags = [0], []
+    for a, b in spans:
+        if a > cuts[-1]:
+            cuts.append(a)
+            flags.append(0)
+        cuts.append(b)
+        flags.append(1)
+    if len(text) > cuts[-1]:
+        cuts.append(len(text))
+        flags.append(0)
+    pieces = tokenizer.encode_batch([text[a:b] for a, b in zip(cuts[:-1], cuts[1:])])
+    tokens = np.concatenate(pieces).astype(np.int32)
+    weights = np.concatenate([np.full(len(p), f, np.uint8) for p, f in zip(pieces, flags)])
+    if not weights.any():
+        raise NoSupervision(f"{name}: no supervised token (the answers encode to no token)")
+    return tokens, weights

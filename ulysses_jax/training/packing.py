@@ -1,0 +1,225 @@
+"""Packing plans over a token store: rows of S tokens read straight from the memory maps.
+
+Both classes have ``PackedRows``' interface (``num_rows``, ``row(index, epoch, seed)``,
+``rows``, ``segments_per_row``, ``empty_rows``, ``fingerprint``), so ``BatchIterator``,
+``shard_batch`` and the trainer use them unchanged, and a resume position stays one global
+row index g (epoch g // num_rows): independent of workers, processes and mesh.
+
+* ``StoreRows`` (text stores): the pretraining rule of ``data.py`` exactly (documents, each
+  ending with EOS, in a seeded per-epoch order, cut into rows that read one token past their
+  end). Only the order and cumulative lengths are held per epoch (16 bytes a document).
+* ``ChatRows`` (chat stores): whole conversations per row, one segment each, placed by best
+  fit (each conversation, in a seeded order, goes to the open row with the least room that
+  still holds it). The plan is made once per run; each epoch visits its rows in a seeded
+  order. A conversation longer than S is truncated to its first S tokens or dropped
+  (``data.chat_overflow``); both are counted. The loss mask of token t is the weight of token
+  t+1 (the target), so supervised targets are exactly the assistant answers' tokens.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+
+import numpy as np
+
+from .data import PackedRows
+from .store import TokenStore, unit_hash
+
+
+class _StoreDocs:
+    """The documents ``ids`` of a store as a lazy sequence of memory-map views."""
+
+    def __init__(self, store: TokenStore, ids: np.ndarray):
+        self.store, self.ids = store, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.store.view(int(self.ids[i]))
+
+
+class StoreRows(PackedRows):
+    """The pretraining packing rule over documents ``ids`` of a text store.
+
+    Args:
+      store: an open TokenStore of kind "text" (documents end with EOS).
+      ids: int64 [n] the store documents to pack (a split).
+      seq_len: S.
+      shuffle: a seeded per-epoch document order (training) or the stored order (held-out).
+    """
+
+    def __init__(self, store: TokenStore, ids: np.ndarray, seq_len: int, shuffle: bool = True,
+                 pad_id: int = 0):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if len(ids) == 0:
+            raise ValueError("no document to pack")
+        self.store, self.ids = store, np.asarray(ids, np.int64)
+        self.docs = _StoreDocs(store, self.ids)
+        self.seq_len, self.eos_id, self.shuffle, self.pad_id = (seq_len, store.eos_id, shuffle,
+                                                                pad_id)
+        self.lengths = store.lengths()[self.ids]  # EOS included
+        self.num_tokens = int(self.lengths.sum())
+        self.num_rows = -(-(self.num_tokens - 1) // seq_len)
+        self._layouts = {}
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.blake2b(digest_size=8)
+        h.update(f"{self.store.manifest['fingerprint']}\0{self.seq_len}\0{self.shuffle}".encode())
+        h.update(self.ids.tobytes())
+        return h.hexdigest()
+
+
+class ChatRows(PackedRows):
+    """Whole conversations per row, best fit, over documents ``ids`` of a chat store.
+
+    Args:
+      store: an open TokenStore of kind "chat".
+      ids: int64 [n] conversations to pack.
+      seq_len: S.
+      seed: seeds the plan (placement order); epoch e visits rows in rng((seed, e)) order.
+      shuffle: False keeps the plan's rows in order every epoch (held-out data).
+      overflow: "truncate" (keep the first S tokens) or "drop" a conversation longer than S.
+    """
+
+    def __init__(self, store: TokenStore, ids: np.ndarray, seq_len: int, seed: int = 0,
+                 shuffle: bool = True, overflow: str = "truncate", pad_id: int = 0):
+        if overflow not in ("truncate", "drop"):
+            raise ValueError(f"overflow must be 'truncate' or 'drop', got {overflow!r}")
+        self.store, self.seq_len, self.shuffle, self.pad_id = store, seq_len, shuffle, pad_id
+        self.eos_id, self.plan_seed, self.overflow = store.eos_id, seed, overflow
+        ids = np.asarray(ids, np.int64)
+        lengths = store.lengths()[ids]
+        long = lengths > seq_len
+        self.num_long = int(long.sum())
+        self.long_unsupervised = sum(  # truncation cut off every answer of these
+            1 for d in ids[long] if not store.view(int(d), weights=True)[1:seq_len].any()
+        ) if overflow == "truncate" else 0
+        if overflow == "drop":
+            ids, lengths = ids[~long], lengths[~long]
+        if len(ids) == 0:
+            raise ValueError(f"no conversation fits in seq_len {seq_len} (all {self.num_long} "
+                             f"are longer and data.chat_overflow is 'drop')")
+        self.ids, self.lengths = ids, np.minimum(lengths, seq_len)
+        rows = self._best_fit(np.random.default_rng(seed).permutation(len(ids)) if shuffle
+                              else np.arange(len(ids)))
+        self.row_start = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
+        self.row_docs = np.concatenate([np.asarray(r, np.int64) for r in rows])  # local idx
+        self.row_fill = np.add.reduceat(self.lengths[self.row_docs], self.row_start[:-1])
+        self.num_rows = len(rows)
+        self.num_tokens = int(self.lengths.sum())
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+
+    def _best_fit(self, order: np.ndarray) -> list[list[int]]:
+        """Rows (lists of local conversation indices): each conversation goes to the open
+        row with the least room that holds it; rooms are kept in buckets by size."""
+        S, rows = self.seq_len, []
+        rooms: list[int] = []  # sorted distinct room sizes with a non-empty bucket
+        bucket: dict[int, list[int]] = {}  # room -> rows with that much room
+        for i in order:
+            n = int(self.lengths[i])
+            k = bisect.bisect_left(rooms, n)
+            if k == len(rooms):
+                r, room = len(rows), S
+                rows.append([])
+            else:
+                room = rooms[k]
+                r = bucket[room].pop()
+                if not bucket[room]:
+                    del bucket[room]
+                    rooms.pop(k)
+            rows[r].append(int(i))
+            left = room - n
+            if left > 0:
+                if left not in bucket:
+                    bisect.insort(rooms, left)
+                    bucket[left] = []
+                bucket[left].append(r)
+        return rows
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.blake2b(digest_size=8)
+        h.update(f"{self.store.manifest['fingerprint']}\0{self.seq_len}\0{self.shuffle}\0"
+                 f"{self.plan_seed}\0{self.overflow}".encode())
+        h.update(self.ids.tobytes())
+        return h.hexdigest()
+
+    def _perm(self, seed: int, epoch: int) -> np.ndarray:
+        key = (seed, epoch) if self.shuffle else (0, 0)
+        if key not in self._perms:
+            if len(self._perms) >= 2:  # a batch touches at most two epochs
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[key] = (np.random.default_rng(key).permutation(self.num_rows)
+                                if self.shuffle else np.arange(self.num_rows))
+        return self._perms[key]
+
+    def row(self, index: int, epoch: int = 0, seed: int = 0) -> dict:
+        """Row ``index`` of ``epoch``: dict of FIELDS, each [S]."""
+        if not 0 <= index < self.num_rows:
+            raise IndexError(f"row {index} out of range [0, {self.num_rows})")
+        r = int(self._perm(seed, epoch)[index])
+        out = {f: v[0] for f, v in self.empty_rows(1).items()}
+        p = 0
+        for seg, i in enumerate(self.row_docs[self.row_start[r]:self.row_start[r + 1]], 1):
+            n, d = int(self.lengths[i]), int(self.ids[i])
+            tok = self.store.view(d)[:n]
+            w = self.store.view(d, weights=True)[:n]
+            mask = w[1:] > 0  # the target (next token) is an answer token
+            out["tokens"][p:p + n] = tok
+            out["targets"][p:p + n - 1] = np.where(mask, tok[1:], self.pad_id)
+            out["loss_mask"][p:p + n - 1] = mask
+            out["segment_ids"][p:p + n] = seg
+            out["positions"][p:p + n] = np.arange(n)
+            p += n
+        return out
+
+    def segments_per_row(self, epoch: int = 0, seed: int = 0) -> np.ndarray:
+        """Segment ids per row of ``epoch`` (conversations, plus one for padding), [num_rows]."""
+        counts = np.diff(self.row_start) + (self.row_fill < self.seq_len)
+        return counts[self._perm(seed, epoch)].astype(np.int64)
+
+
+def split_store(store: TokenStore, heldout_fraction: float, seed: int):
+    """(train ids, held-out ids) of a store's documents, int64 each: a document is held out
+    iff the hash of (its name, seed) is below the fraction; with >= 2 documents and a
+    fraction > 0 both parts are non-empty (as ``data.split_documents``)."""
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    h = unit_hash(store.doc_hashes(), seed)
+    held = h < heldout_fraction
+    if heldout_fraction > 0 and len(h) >= 2:
+        if not held.any():
+            held[np.argmin(h)] = True
+        elif held.all():
+            held[np.argmax(h)] = False
+    return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def store_rows(path: str, seq_len: int, heldout_fraction: float = 0.0, seed: int = 0,
+               overflow: str = "truncate"):
+    """(train rows, held-out rows or None, notes to log) of the store at ``path``."""
+    store = TokenStore(path)
+    train, held = split_store(store, heldout_fraction, seed)
+    if len(train) == 0:
+        raise ValueError(f"{path}: all {store.num_docs} document(s) fall in the held-out "
+                         f"split (heldout_fraction {heldout_fraction}); lower it")
+    if store.chat:
+        rows = [ChatRows(store, ids, seq_len, seed, shuffle=s, overflow=overflow)
+                for ids, s in ((train, True), (held, False)) if len(ids)]
+        long = sum(r.num_long for r in rows)
+        lost = sum(r.long_unsupervised for r in rows)
+        n_rows = sum(r.num_rows for r in rows)
+        fill = sum(r.num_tokens for r in rows) / (n_rows * seq_len)
+        notes = [f"chat store: {n_rows} rows of {seq_len} tokens hold "
+                 f"{sum(len(r.ids) for r in rows)} conversations ({fill:.1%} full); "
+                 f"{long} longer than seq_len were "
+                 f"{'dropped' if overflow == 'drop' else 'truncated'}"
+                 + (f" ({lost} of them lost every answer)" if lost else "")]
+    else:
+        rows = [StoreRows(store, ids, seq_len, shuffle=s)
+                for ids, s in ((train, True), (held, False)) if len(ids)]
+        notes = [f"text store: {store.num_docs} documents, {store.manifest['num_tokens']} tokens"]
+    return rows[0], (rows[1] if len(rows) > 1 else None), notes

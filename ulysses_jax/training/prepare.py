@@ -1,0 +1,235 @@
+"""``prepare``: raw corpora -> a token store (``store.py``), in bounded memory, in parallel.
+
+The main process streams records (``sources.py``) in chunks of about 1 MB of text; worker
+processes (multiprocessing, spawned) tokenize chunks (and render chat templates); the main
+process writes results in input order, so the store does not depend on the number of workers.
+At most two chunks per worker are in flight, so memory stays flat however large the corpus.
+
+The store is built in ``OUT.tmp-PID`` beside OUT and renamed to OUT at the end: a killed
+prepare leaves no half store (a later prepare removes leftovers of dead processes). Running
+again with the same inputs (paths, sizes, mtimes, options, tokenizer, template) does nothing.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import hashlib
+import multiprocessing
+import os
+import shutil
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from . import sources as sources_lib
+from .chat import ChatTemplate, NoSupervision, encode_conversation
+from .store import StoreWriter, TokenStore, is_store, name_hash, token_dtype
+
+CHUNK_CHARS = 1 << 20  # text per work item: big enough to amortise pickling, small in memory
+MAX_NAMED = 5  # bad conversations named in an error, of all counted
+
+_worker: dict = {}  # per-process tokenizer and template (set by _init_worker)
+
+
+def _load(tokenizer_path: str | None, chat: bool):
+    from .data import load_tokenizer
+    tokenizer = load_tokenizer(tokenizer_path)
+    template = None
+    if chat:
+        if tokenizer_path is None:
+            raise ValueError("--chat needs --tokenizer: a Hugging Face tokenizer directory "
+                             "whose tokenizer_config.json has a chat_template")
+        directory = tokenizer_path if os.path.isdir(tokenizer_path) else \
+            os.path.dirname(tokenizer_path)
+        template = ChatTemplate.from_dir(directory)
+    return tokenizer, template
+
+
+def _init_worker(tokenizer_path, chat):
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    _worker["tokenizer"], _worker["template"] = _load(tokenizer_path, chat)
+
+
+def _encode_chunk(chunk: list[tuple[str, object]]):
+    """Worker: [(name, text or messages)] -> ([(name hash, tokens, weights|None)], [messages
+    naming the conversations without a supervised token])."""
+    tok, template = _worker["tokenizer"], _worker["template"]
+    out, bad = [], []
+    if template is None:
+        for (name, _), ids in zip(chunk, tok.encode_batch([t for _, t in chunk])):
+            if len(ids):  # an empty document holds no next-token pair
+                out.append((name_hash(name), np.append(ids, tok.eos_id), None))
+        return out, bad
+    for name, messages in chunk:
+        try:
+            ids, weights = encode_conversation(tok, template, messages, name)
+        except NoSupervision as e:
+            bad.append(str(e))
+            continue
+        out.append((name_hash(name), ids, weights))
+    return out, bad
+
+
+def _chunks(records: Iterator[tuple[str, object]]) -> Iterator[list]:
+    chunk, size = [], 0
+    for name, payload in records:
+        chunk.append((name, payload))
+        size += len(payload) if isinstance(payload, str) else sum(
+            len(str(m.get("content") or "")) for m in payload)
+        if size >= CHUNK_CHARS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def file_hash(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _remove_dead_leftovers(out: str) -> None:
+    """Deletes ``OUT.tmp-PID`` directories whose process is gone (a killed prepare)."""
+    for leftover in glob.glob(f"{out}.tmp-*"):
+        pid = leftover.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):  # no such process (or no such pid at all)
+        return False
+    except PermissionError:
+        return True  # exists, under another user: leave its directory alone
+    return True
+
+
+def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: bool = False,
+            text_key: str = "text", messages_key: str = "messages", workers: int = 1,
+            force: bool = False, progress: bool = True,
+            shard_tokens: int = 1 << 30) -> tuple[dict, bool]:
+    """Builds the token store ``out`` from ``srcs`` (files, directories, globs).
+
+    Args:
+      tokenizer: None for bytes, or a tokenizer.json / Hugging Face tokenizer directory
+        (with ``chat``, the directory's tokenizer_config.json gives the chat template).
+      workers: tokenizer processes; 1 tokenizes in this process.
+      force: replace ``out`` when it holds a store of other inputs.
+      shard_tokens: tokens per shard file (tests use small ones).
+
+    Returns:
+      (manifest, built): built is False when ``out`` already held these inputs' store.
+
+    Raises:
+      ValueError: a bad source or record, ``out`` holds something else, a template that is
+        not prefix-stable, or conversations without a supervised token (counted and named).
+    """
+    out = os.path.abspath(out.rstrip("/"))
+    paths = sources_lib.expand_sources(srcs)
+    tok, template = _load(tokenizer, chat)
+    if tokenizer is not None:
+        tok_file = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) \
+            else tokenizer
+        tok_info = {"path": os.path.abspath(tokenizer), "sha256": file_hash(tok_file)}
+    else:
+        tok_info = {"path": None, "sha256": "bytes"}
+    options = {"chat": chat, "key": messages_key if chat else text_key,
+               "tokenizer": tok_info["sha256"], "eos_id": tok.eos_id,
+               "template": template.hash if template else None}
+    fp = sources_lib.fingerprint(paths, options)
+    if os.path.exists(out):
+        if is_store(out) and TokenStore(out).manifest.get("fingerprint") == fp:
+            return TokenStore(out).manifest, False
+        if not force:
+            what = "a token store of other inputs" if is_store(out) else "something else"
+            raise ValueError(f"--out {out} already exists and holds {what}; pass --force to "
+                             f"replace it, or choose another --out")
+    _remove_dead_leftovers(out)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    writer = StoreWriter(tmp, token_dtype(tok.vocab_size), chat, shard_tokens)
+    bad: list[str] = []
+    bar = _bar(progress)
+    t0 = time.time()
+    try:
+        records = sources_lib.iter_records(paths, text_key, messages_key, chat)
+        for docs, bad_names in _encoded(_chunks(records), tokenizer, chat, workers):
+            for h, ids, weights in docs:
+                writer.add(ids, h, weights)
+                bar.update(len(ids))
+            bad += bad_names
+        if bad:
+            raise NoSupervision(
+                f"{len(bad)} conversation(s) have no supervised token (assistant-only loss "
+                f"needs at least one assistant answer with text): "
+                f"{'; '.join(bad[:MAX_NAMED])}{'; ...' if len(bad) > MAX_NAMED else ''}. "
+                f"Remove them from the input or fix their messages")
+        if writer.num_docs == 0:
+            raise ValueError(f"the sources {list(srcs)} hold no non-empty document")
+        manifest = writer.finish({
+            "fingerprint": fp, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+            "eos_appended": not chat, "tokenizer": tok_info,
+            "template_sha256": template.hash if template else None,
+            "text_key": text_key, "messages_key": messages_key if chat else None,
+            "sources": [os.path.abspath(p) for p in paths],
+            "seconds": round(time.time() - t0, 3)})
+        if os.path.exists(out):  # --force: the old store goes only once the new one is whole
+            old = f"{out}.old-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)
+        return manifest, True
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+
+
+def _encoded(chunks, tokenizer: str | None, chat: bool, workers: int):
+    """Encoded chunks in input order, ``workers`` processes, at most 2 chunks each in flight."""
+    if workers <= 1:
+        _init_worker(tokenizer, chat)
+        for chunk in chunks:
+            yield _encode_chunk(chunk)
+        return
+    # spawn, not fork: the parent may have started JAX's threads (forking them can deadlock)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, _init_worker, (tokenizer, chat)) as pool:
+        pending = collections.deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            while len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class _NoBar:
+    def update(self, n): pass
+    def close(self): pass
+
+
+def _bar(enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(desc="prepare", unit="tok", unit_scale=True, dynamic_ncols=True)
+
+
+def describe(manifest: dict) -> str:
+    """One line about a store's manifest."""
+    line = (f"{manifest['kind']} store: {manifest['num_docs']} documents, "
+            f"{manifest['num_tokens']} tokens ({manifest['dtype']}), "
+            f"{len(manifest['shards'])} shard(s)")
+    if manifest["kind"] == "chat":
+        line += f", {manifest['num_supervised']} supervised tokens"
+    return line

@@ -1,0 +1,151 @@
+"""Streaming readers of raw corpora for ``prepare``: files, directories and globs, read one
+record at a time so memory stays bounded whatever the corpus size.
+
+Kinds (by suffix): ``.txt``/``.md`` one document per file; ``.jsonl`` one per non-blank line;
+``.parquet`` one per row (read a record batch at a time with pyarrow); a Hugging Face
+``datasets`` directory written by ``save_to_disk`` (``state.json`` beside ``*.arrow`` files in
+Arrow's IPC stream format) one per row. A record is the text under ``text_key``, or with
+``chat=True`` the list of messages under ``messages_key``. Names are ``path``, ``path:line``
+(1-based) or ``path:row`` (0-based), stable across runs: the held-out split hashes them.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from typing import Iterator, Sequence
+
+FILE_KINDS = (".txt", ".md", ".jsonl", ".parquet")
+_BATCH_ROWS = 1024  # rows per parquet/arrow record batch: bounds memory per read
+
+
+def _is_hf_dataset_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "state.json")) and bool(
+        glob.glob(os.path.join(path, "*.arrow")))
+
+
+def expand_sources(sources: Sequence[str]) -> list[str]:
+    """Files (and HF dataset directories) named by ``sources``, sorted, each once.
+
+    A directory is searched recursively for FILE_KINDS (a ``save_to_disk`` directory is one
+    source itself); anything else is a glob pattern. ValueError for a source that matches
+    nothing or a file of another kind.
+    """
+    paths = []
+    for item in sources:
+        if os.path.isdir(item):
+            if _is_hf_dataset_dir(item):
+                found = [item]
+            else:
+                found = [p for ext in FILE_KINDS
+                         for p in glob.glob(os.path.join(item, "**", f"*{ext}"), recursive=True)]
+                found += [os.path.dirname(p) for p in
+                          glob.glob(os.path.join(item, "**", "state.json"), recursive=True)
+                          if _is_hf_dataset_dir(os.path.dirname(p))]
+        else:
+            found = glob.glob(item)
+        if not found:
+            raise ValueError(f"data source {item!r} matches no file")
+        for p in found:
+            if not (os.path.isdir(p) or p.endswith(FILE_KINDS)):
+                raise ValueError(f"{p}: unsupported file type, expected one of "
+                                 f"{', '.join(FILE_KINDS)} or a datasets save_to_disk directory")
+        paths.extend(found)
+    return sorted(set(paths))
+
+
+def fingerprint(paths: Sequence[str], extra: dict) -> str:
+    """Identifies the inputs without reading them: each file's path, size and mtime (for a
+    directory source, those of its .arrow files), and ``extra`` (options, tokenizer hash)."""
+    h = hashlib.sha256(json.dumps(extra, sort_keys=True).encode())
+    for p in paths:
+        files = sorted(glob.glob(os.path.join(p, "*.arrow"))) if os.path.isdir(p) else [p]
+        for f in files:
+            st = os.stat(f)
+            h.update(f"{os.path.abspath(f)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def _field(record, key: str, where: str, chat: bool):
+    if not isinstance(record, dict) or key not in record:
+        got = f"keys {sorted(record)}" if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f'{where}: each record must be an object with a "{key}" field, '
+                         f'got {got}')
+    value = record[key]
+    if chat:
+        if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+            raise ValueError(f'{where}: "{key}" must be a list of message objects '
+                             f'{{"role": ..., "content": ...}}, got {type(value).__name__}')
+    elif not isinstance(value, str):
+        raise ValueError(f'{where}: "{key}" must be a string, got {type(value).__name__}')
+    return value
+
+
+def _jsonl(path: str, key: str, chat: bool) -> Iterator[tuple[str, object]]:
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            where = f"{path}:{n}"
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte {e.start} of the line)") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            yield where, _field(record, key, where, chat)
+
+
+def _arrow_batches(path: str, key: str):
+    """(record batches of column ``key``) of a parquet file or a save_to_disk directory."""
+    try:
+        import pyarrow.ipc
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError("reading parquet / arrow needs pyarrow: pip install pyarrow") from e
+    if os.path.isdir(path):
+        for f in sorted(glob.glob(os.path.join(path, "*.arrow"))):
+            with pyarrow.memory_map(f) as mm:  # batches are views of the mapped file
+                reader = pyarrow.ipc.open_stream(mm)
+                if key not in reader.schema.names:
+                    raise ValueError(f'{f}: no column "{key}" (columns {reader.schema.names})')
+                for batch in reader:
+                    column = batch.select([key])
+                    for start in range(0, column.num_rows, _BATCH_ROWS):
+                        yield column.slice(start, _BATCH_ROWS)
+        return
+    # Buffered page reads: a row group (often 100s of MB) is not loaded whole.
+    pf = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
+    if key not in pf.schema_arrow.names:
+        raise ValueError(f'{path}: no column "{key}" (columns {pf.schema_arrow.names})')
+    yield from pf.iter_batches(batch_size=_BATCH_ROWS, columns=[key])
+
+
+def _table_rows(path: str, key: str, chat: bool) -> Iterator[tuple[str, object]]:
+    row = 0
+    for batch in _arrow_batches(path, key):
+        for value in batch.column(0).to_pylist():
+            where = f"{path}:{row}"
+            yield where, _field({key: value}, key, where, chat)
+            row += 1
+
+
+def iter_records(paths: Sequence[str], text_key: str = "text", messages_key: str = "messages",
+                 chat: bool = False) -> Iterator[tuple[str, object]]:
+    """(name, text) pairs, or with ``chat`` (name, messages) pairs, of ``expand_sources``'
+    paths in order; ValueError naming file:line (or file:row) for a bad record."""
+    key = messages_key if chat else text_key
+    for path in paths:
+        if path.endswith((".txt", ".md")):
+            if chat:
+                raise ValueError(f"{path}: chat data must be .jsonl, .parquet or a datasets "
+                                 f'directory with a "{messages_key}" field, not plain text')
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield path, f.read()
+        elif path.endswith(".jsonl"):
+            yield from _jsonl(path, key, chat)
+        else:
+            yield from _table_rows(path, key, chat)
