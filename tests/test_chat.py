@@ -259,3 +259,27 @@ def test_packed_rows_supervise_exactly_the_answers(tmp_path):
             assert runs == answers, (d, runs, answers)
             seen.append(int(d))
     assert sorted(seen) == list(range(len(convs)))
+
+
+@pytest.mark.parametrize("message, what", [
+    ({"role": "user"}, "UndefinedError"),  # no "content": the template reads m['content']
+    ({"role": "user", "content": None}, "TypeError"),
+    ({"role": "user", "content": [{"type": "text", "text": "hi"}]}, "TypeError")])
+def test_template_errors_name_the_conversation(tmp_path, capsys, message, what):
+    """A conversation the template cannot render is a bad input (ValueError naming it and the
+    template's complaint; the CLI exits 2), not a crash with a traceback."""
+    from ulysses_jax.data.__main__ import main as data_cli
+    msgs = [message, {"role": "assistant", "content": "x"}]
+    with pytest.raises(ValueError, match=f"conv.jsonl:9: the chat template failed to render "
+                                         f"messages\\[:.\\].*{what}"):
+        chat.supervised_spans(chat.ChatTemplate(CHATML), msgs, "conv.jsonl:9")
+    directory = write_tokenizer_dir(tmp_path / "tok", CHATML)
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": TRAP}) + "\n"
+                                      + json.dumps({"messages": msgs}) + "\n")
+    for workers in ("1", "2"):
+        assert data_cli(["prepare", str(tmp_path / "c.jsonl"), "--chat", "--tokenizer",
+                         directory, "--out", str(tmp_path / "s"), "--workers", workers,
+                         "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "c.jsonl:2: the chat template failed" in err, err
+        assert len(err.splitlines()) == 1 and not (tmp_path / "s").exists()

@@ -114,6 +114,19 @@ def _check_messages(messages, name: str) -> None:
                              f"{', '.join(ROLES)}")
 
 
+def _render(template: ChatTemplate, messages: Sequence[dict], upto: int, name: str,
+            add_generation_prompt: bool = False) -> str:
+    """``template.render(messages[:upto])``; any error the template raises (a message without
+    "content", content that is not a string, ``raise_exception``) is a ValueError naming the
+    conversation, so prepare reports a bad record instead of crashing."""
+    try:
+        return template.render(messages[:upto], add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - a template is user code: it can raise anything
+        raise ValueError(f"{name}: the chat template failed to render messages[:{upto}] "
+                         f"({type(e).__name__}: {e}); fix the conversation's messages or "
+                         f"the template") from None
+
+
 def supervised_spans(template: ChatTemplate, messages: Sequence[dict],
                      name: str = "conversation") -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans [a, b) of its assistant answers.
@@ -123,13 +136,13 @@ def supervised_spans(template: ChatTemplate, messages: Sequence[dict],
       NoSupervision: no assistant turn renders any text to train on.
     """
     _check_messages(messages, name)
-    full = template.render(messages)
+    full = _render(template, messages, len(messages), name)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = template.render(messages[:i], add_generation_prompt=True)
-        upto = template.render(messages[:i + 1])
+        prompt = _render(template, messages, i, name, add_generation_prompt=True)
+        upto = _render(template, messages, i + 1, name)
         if not upto.startswith(prompt) or not full.startswith(upto):
             which = ("the text up to it does not start with the prompt rendered with the "
                      "generation prompt" if not upto.startswith(prompt) else
