@@ -318,3 +318,36 @@ def test_prepare_killed_by_sigkill(tmp_path):
     manifest, built = prepare_lib.prepare([str(src)], str(out), progress=False)
     assert built and manifest["num_docs"] == 20000
     assert not list(tmp_path.glob("store.tmp-*"))
+
+
+def test_chat_heldout_all_dropped_leaves_training(tmp_path):
+    """data.chat_overflow=drop removing every held-out conversation leaves no held-out rows
+    (noted), not a refusal of the whole store: training still has conversations that fit."""
+    docs = unique_docs(np.random.default_rng(), [5, 6, 7, 40, 5, 6])
+    names = [f"c.jsonl:{i}" for i in range(len(docs))]
+    store = write_store(tmp_path / "s", docs, weights=[np.ones(len(d), np.uint8) for d in docs],
+                        names=names)
+    seed = next(s for s in range(1000)  # a seed that holds out exactly the long conversation
+                if packing.split_store(store, 0.1, s)[1].tolist() == [3])
+    train, held, notes = packing.store_rows(str(tmp_path / "s"), 16, 0.1, seed, "drop")
+    assert held is None and sorted(train.ids.tolist()) == [0, 1, 2, 4, 5]
+    assert "no held-out rows" in " ".join(notes)
+    with pytest.raises(ValueError, match=r"no conversation fits in seq_len 4 \(all 5"):
+        packing.store_rows(str(tmp_path / "s"), 4, 0.1, seed, "drop")
+
+
+def test_show_bad_seq_len_and_row_exit_2(tmp_path, capsys):
+    """show --seq-len 0 (text and chat stores) and a negative --row: exit 2, one line."""
+    docs = unique_docs(np.random.default_rng(), [5, 6, 7])
+    write_store(tmp_path / "t", [np.append(d, EOS) for d in docs])
+    write_store(tmp_path / "c", docs, weights=[np.ones(len(d), np.uint8) for d in docs])
+    cases = [(["t", "--seq-len", "0", "--row", "0"], "seq_len must be positive, got 0"),
+             (["c", "--seq-len", "0", "--row", "0"], "seq_len must be positive, got 0"),
+             (["c", "--seq-len", "8", "--row", "-1"], "row -1 is negative: rows are 0 to")]
+    checked = 0
+    for (name, *rest), message in cases:
+        assert data_cli(["show", str(tmp_path / name), *rest, "--heldout-fraction", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
+        checked += 1
+    assert checked == 3

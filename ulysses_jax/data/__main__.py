@@ -113,7 +113,10 @@ def _show(args) -> int:
                          f"with python -m ulysses_jax.data prepare")
     rows, _, _ = store_rows(args.store, args.seq_len, args.heldout_fraction, args.seed,
                             args.overflow)
-    if not 0 <= args.row < rows.num_rows:
+    if args.row < 0:
+        raise ValueError(f"row {args.row} is negative: rows are 0 to {rows.num_rows - 1} "
+                         f"({rows.num_rows} rows of {args.seq_len} tokens)")
+    if args.row >= rows.num_rows:
         raise ValueError(f"row {args.row} is past the last row: the store packs into "
                          f"{rows.num_rows} rows of {args.seq_len} tokens (rows 0 to "
                          f"{rows.num_rows - 1})")

@@ -88,6 +88,8 @@ class ChatRows(PackedRows):
                  shuffle: bool = True, overflow: str = "truncate", pad_id: int = 0):
         if overflow not in ("truncate", "drop"):
             raise ValueError(f"overflow must be 'truncate' or 'drop', got {overflow!r}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
         self.store, self.seq_len, self.shuffle, self.pad_id = store, seq_len, shuffle, pad_id
         self.eos_id, self.plan_seed, self.overflow = store.eos_id, seed, overflow
         ids = np.asarray(ids, np.int64)
@@ -207,6 +209,11 @@ def store_rows(path: str, seq_len: int, heldout_fraction: float = 0.0, seed: int
         raise ValueError(f"{path}: all {store.num_docs} document(s) fall in the held-out "
                          f"split (heldout_fraction {heldout_fraction}); lower it")
     if store.chat:
+        dropped_held = 0
+        if overflow == "drop" and len(held) and seq_len > 0 and \
+                (store.lengths()[held] > seq_len).all():
+            # Every held-out conversation is too long: no held-out loss, training goes on.
+            held, dropped_held = held[:0], len(held)
         rows = [ChatRows(store, ids, seq_len, seed, shuffle=s, overflow=overflow)
                 for ids, s in ((train, True), (held, False)) if len(ids)]
         long = sum(r.num_long for r in rows)
@@ -217,7 +224,9 @@ def store_rows(path: str, seq_len: int, heldout_fraction: float = 0.0, seed: int
                  f"{sum(len(r.ids) for r in rows)} conversations ({fill:.1%} full); "
                  f"{long} longer than seq_len were "
                  f"{'dropped' if overflow == 'drop' else 'truncated'}"
-                 + (f" ({lost} of them lost every answer)" if lost else "")]
+                 + (f" ({lost} of them lost every answer)" if lost else "")
+                 + (f"; all {dropped_held} held-out conversations are longer than seq_len: "
+                    f"no held-out rows" if dropped_held else "")]
     else:
         rows = [StoreRows(store, ids, seq_len, shuffle=s)
                 for ids, s in ((train, True), (held, False)) if len(ids)]
