@@ -351,3 +351,19 @@ def test_show_bad_seq_len_and_row_exit_2(tmp_path, capsys):
         assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
         checked += 1
     assert checked == 3
+
+
+def test_force_replaces_only_a_store(tmp_path):
+    """--force replaces a token store, never a directory or file that is not one (a typo in
+    --out must not delete a corpus)."""
+    (tmp_path / "a.txt").write_text("hello world")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "keep.txt").write_text("precious")
+    for out in (corpus, tmp_path / "a.txt"):
+        with pytest.raises(ValueError, match="not a token store.*even with --force"):
+            prepare_lib.prepare([str(tmp_path / "a.txt")], str(out), force=True,
+                                progress=False)
+    assert (corpus / "keep.txt").read_text() == "precious"
+    assert (tmp_path / "a.txt").read_text() == "hello world"
+    assert not list(tmp_path.glob("*.tmp-*")) and not list(tmp_path.glob("*.old-*"))

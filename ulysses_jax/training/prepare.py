@@ -144,12 +144,19 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
                "template": template.hash if template else None}
     fp = sources_lib.fingerprint(paths, options)
     if os.path.exists(out):
-        if is_store(out) and TokenStore(out).manifest.get("fingerprint") == fp:
-            return TokenStore(out).manifest, False
+        if not is_store(out):  # --force replaces stores only: a typo must not delete a corpus
+            raise ValueError(f"--out {out} already exists and holds something else (not a "
+                             f"token store: no manifest.json); prepare does not replace it, "
+                             f"even with --force: choose another --out")
+        try:
+            old = TokenStore(out).manifest
+        except ValueError:  # a damaged or older store: other inputs, --force replaces it
+            old = {}
+        if old.get("fingerprint") == fp:
+            return old, False
         if not force:
-            what = "a token store of other inputs" if is_store(out) else "something else"
-            raise ValueError(f"--out {out} already exists and holds {what}; pass --force to "
-                             f"replace it, or choose another --out")
+            raise ValueError(f"--out {out} already exists and holds a token store of other "
+                             f"inputs; pass --force to replace it, or choose another --out")
     _remove_dead_leftovers(out)
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
