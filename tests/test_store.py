@@ -91,6 +91,8 @@ def test_killed_prepare_leaves_no_store(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
     leftover = tmp_path / "store.tmp-999999999"  # a dead process's half store
     leftover.mkdir()
+    # A --force run killed between its two renames: the replaced store, now unreferenced.
+    (tmp_path / "store.old-999999998").mkdir()
     monkeypatch.undo()
     prepare_lib.prepare([str(src)], str(tmp_path / "store"), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "store"]

@@ -93,8 +93,9 @@ def file_hash(path: str) -> str:
 
 
 def _remove_dead_leftovers(out: str) -> None:
-    """Deletes ``OUT.tmp-PID`` directories whose process is gone (a killed prepare)."""
-    for leftover in glob.glob(f"{out}.tmp-*"):
+    """Deletes ``OUT.tmp-PID`` and ``OUT.old-PID`` directories (a half store; a store that
+    --force was replacing) whose process is gone (a killed prepare)."""
+    for leftover in glob.glob(f"{out}.tmp-*") + glob.glob(f"{out}.old-*"):
         pid = leftover.rsplit("-", 1)[-1]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(leftover, ignore_errors=True)
