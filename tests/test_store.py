@@ -369,3 +369,22 @@ def test_force_replaces_only_a_store(tmp_path):
     assert (corpus / "keep.txt").read_text() == "precious"
     assert (tmp_path / "a.txt").read_text() == "hello world"
     assert not list(tmp_path.glob("*.tmp-*")) and not list(tmp_path.glob("*.old-*"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove"])
+def test_damaged_shard_is_refused_at_open(tmp_path, capsys, damage):
+    """A shard file shorter than the manifest says (or missing) is refused when the store is
+    opened, naming the file and the sizes: not an error in the middle of training."""
+    docs = unique_docs(np.random.default_rng(), [30] * 6)
+    write_store(tmp_path / "s", docs, weights=[np.ones(len(d), np.uint8) for d in docs])
+    shard = tmp_path / "s" / "weights-00001.bin"
+    if damage == "truncate":
+        with open(shard, "r+b") as f:
+            f.truncate(7)
+    else:
+        shard.unlink()
+    with pytest.raises(ValueError, match=r"weights-00001.bin .*manifest.json says .*damaged"):
+        TokenStore(str(tmp_path / "s"))
+    assert data_cli(["show", str(tmp_path / "s"), "--seq-len", "64", "--row", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "weights-00001.bin" in err and len(err.splitlines()) == 1, err

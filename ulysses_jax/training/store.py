@@ -149,6 +149,20 @@ class TokenStore:
             raise ValueError(f"{path}: offsets.bin holds {len(self.offsets) - 1} documents "
                              f"ending at token {int(self.offsets[-1])}; manifest.json says "
                              f"{m['num_docs']} and {m['num_tokens']}: the store is damaged")
+        for entry in m["shards"]:  # a stat per file: a damaged store fails here, not mid-run
+            for what, itemsize in (("tokens", self.dtype.itemsize), ("weights", 1)):
+                if entry.get(what) is None:
+                    continue
+                want = entry["num_tokens"] * itemsize
+                try:
+                    got = os.path.getsize(os.path.join(path, entry[what]))
+                except OSError:
+                    got = None
+                if got != want:
+                    raise ValueError(f"{path}: {entry[what]} "
+                                     f"{'is missing' if got is None else f'holds {got} bytes'}; "
+                                     f"manifest.json says {entry['num_tokens']} tokens, "
+                                     f"{want} bytes: the store is damaged, prepare it again")
         self._starts = np.array([s["start"] for s in m["shards"]], np.int64)
         self._maps: dict[tuple[int, str], np.memmap] = {}
 
