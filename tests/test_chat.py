@@ -283,3 +283,21 @@ def test_template_errors_name_the_conversation(tmp_path, capsys, message, what):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and "c.jsonl:2: the chat template failed" in err, err
         assert len(err.splitlines()) == 1 and not (tmp_path / "s").exists()
+
+
+def test_generation_tag_and_syntax_errors(tmp_path):
+    """Templates written for transformers' assistant masks wrap answers in
+    {% generation %}...{% endgeneration %}: they render as without the tag. A template that
+    does not parse is a ValueError naming the directory, not a jinja2 traceback."""
+    tagged = CHATML.replace("{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                            "'<|im_end|>' + '\\n' }}",
+                            "{{ '<|im_start|>' + m['role'] + '\\n' }}{% generation %}"
+                            "{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}")
+    assert tagged != CHATML
+    for i in range(1, len(TRAP) + 1):
+        for gen in (False, True):
+            assert chat.ChatTemplate(tagged).render(TRAP[:i], gen) == \
+                chat.ChatTemplate(CHATML).render(TRAP[:i], gen)
+    directory = write_tokenizer_dir(tmp_path / "tok", "{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(ValueError, match=f"{directory}: the chat template does not parse"):
+        chat.ChatTemplate.from_dir(directory)

@@ -50,9 +50,11 @@ class ChatTemplate:
     Args:
       template: the jinja2 source.
       special: values for the template's variables such as ``bos_token`` and ``eos_token``.
+      where: names the template's origin in errors (its tokenizer directory).
     """
 
-    def __init__(self, template: str, special: dict | None = None):
+    def __init__(self, template: str, special: dict | None = None,
+                 where: str = "chat template"):
         import jinja2
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -60,8 +62,17 @@ class ChatTemplate:
         def raise_exception(message):
             raise ValueError(f"the chat template refused the conversation: {message}")
 
+        class Generation(jinja2.ext.Extension):
+            """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag)
+            renders its body: spans here come from rendering prefixes, not from the tag."""
+            tags = {"generation"}
+
+            def parse(self, parser):
+                next(parser.stream)
+                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+                                            extensions=[jinja2.ext.loopcontrols, Generation])
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
             x, ensure_ascii=False, indent=indent, sort_keys=kw.get("sort_keys", False))
         env.globals["raise_exception"] = raise_exception
@@ -69,7 +80,11 @@ class ChatTemplate:
         # (the store then depends on the day it was prepared; its template hash does not).
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self.source = template
-        self._template = env.from_string(template)
+        try:
+            self._template = env.from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{where}: the chat template does not parse (line {e.lineno}: "
+                             f"{e.message})") from None
         self.special = dict(special or {})
 
     @classmethod
@@ -93,7 +108,7 @@ class ChatTemplate:
                              f"directory whose tokenizer_config.json has a \"chat_template\"")
         special = {k: _special(config.get(k)) for k in
                    ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return cls(template, special)
+        return cls(template, special, where=path)
 
     @property
     def hash(self) -> str:
