@@ -3,6 +3,7 @@
     prepare SRC [SRC ...] --out DIR [--tokenizer PATH] [--chat] [--text-key text]
             [--messages-key messages] [--workers N] [--force]
     show DIR --seq-len S --row N [--json] [--seed 0] [--heldout-fraction 0.02]
+         [--overflow truncate|drop]
 
 Exit codes: 0 done (or nothing to do), 2 a bad input, with one ``error: ...`` paragraph.
 """
@@ -48,7 +49,8 @@ def _parser():
     sh.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
     sh.add_argument("--heldout-fraction", type=float, default=0.02,
                     help="the run's data.heldout_fraction (default 0.02)")
-    sh.add_argument("--overflow", default="truncate", choices=("truncate", "drop"))
+    sh.add_argument("--overflow", default="truncate", choices=("truncate", "drop"),
+                    help="the run's data.chat_overflow (default truncate)")
     return p
 
 
