@@ -181,7 +181,7 @@ def test_prepare_chat_counts_and_names_unsupervised(tmp_path):
                                           progress=False)
     assert built and manifest["kind"] == "chat" and manifest["num_docs"] == 2
     store, tok = TokenStore(str(out)), load_tokenizer(directory)
-    assert manifest["template_sha256"] == chat.ChatTemplate(CHATML).hash
+    assert manifest["template_sha256"] == chat.ChatTemplate.from_dir(directory).hash
     runs = supervised_runs(tok, store.doc(0), store.doc(0, weights=True))[0]
     assert runs == ["Say hi<|im_end|>", "hi<|im_end|>"]
     assert manifest["num_supervised"] == sum(int(store.doc(d, True).sum()) for d in range(2))
@@ -301,3 +301,23 @@ def test_generation_tag_and_syntax_errors(tmp_path):
     directory = write_tokenizer_dir(tmp_path / "tok", "{% for m in messages %}{{ m['content'] }")
     with pytest.raises(ValueError, match=f"{directory}: the chat template does not parse"):
         chat.ChatTemplate.from_dir(directory)
+
+
+def test_special_tokens_are_part_of_the_inputs(tmp_path):
+    """The template renders bos_token/eos_token from tokenizer_config.json: changing one
+    changes the text, so prepare must not answer "nothing to do" with the old store."""
+    directory = write_tokenizer_dir(tmp_path / "tok", chat.ChatTemplate(CHATML).source
+                                    .replace("{% for", "{{ bos_token }}{% for", 1))
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": TRAP}) + "\n")
+    args = ([str(tmp_path / "c.jsonl")], str(tmp_path / "s"), directory)
+    manifest, built = prepare_lib.prepare(*args, chat=True, progress=False)
+    assert built and manifest["num_docs"] == 1
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    cfg = json.loads(config.read_text())
+    config.write_text(json.dumps(cfg | {"bos_token": "<|endoftext|>"}))
+    with pytest.raises(ValueError, match="holds a token store of other inputs"):
+        prepare_lib.prepare(*args, chat=True, progress=False)
+    manifest2, built = prepare_lib.prepare(*args, chat=True, force=True, progress=False)
+    assert built and manifest2["template_sha256"] != manifest["template_sha256"]
+    first = TokenStore(str(tmp_path / "s")).doc(0)[0]
+    assert first == load_tokenizer(directory)._tok.token_to_id("<|endoftext|>")

@@ -112,7 +112,9 @@ class ChatTemplate:
 
     @property
     def hash(self) -> str:
-        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+        """Of the source and the special-token values it renders (bos_token, ...)."""
+        key = json.dumps([self.source, self.special], sort_keys=True)
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
         return self._template.render(messages=list(messages),
