@@ -187,12 +187,13 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         write failed (disk full); the checkpoints before the failure are intact.
       TrainingDiverged: the loss became NaN or infinite (the last checkpoint is left intact).
     """
-    cfg = resolve_init_from(cfg)
+    init_notes = []  # the RoPE settings that replace the init_from checkpoint's
+    cfg = resolve_init_from(cfg, init_notes)
     mesh = build_mesh(cfg)
     workdir = make_workdir(workdir)
     lock = _lock(workdir)
     try:
-        return _run(cfg, mesh, workdir, progress)
+        return _run(cfg, mesh, workdir, progress, init_notes)
     finally:
         lock.release()
 
@@ -210,10 +211,10 @@ def _lock(workdir: str) -> WorkdirLock:
     return lock
 
 
-def _run(cfg: Config, mesh, workdir: str, progress: bool) -> dict:
+def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> dict:
     """Everything after the lock: data, checkpoints, start state, config.yaml, the loop."""
     _log(f"resolved config:\n{to_yaml(cfg)}")
-    for note in chunk_notes(cfg):
+    for note in notes + chunk_notes(cfg):
         _log(f"note: {note}")
     train_rows, held_rows = _load_data(cfg)
     cfg = with_segment_bound(cfg, train_rows, held_rows)
