@@ -157,3 +157,18 @@ def test_bad_input_exits_2_with_a_message(run, tmp_path, capsys, case, args, wor
     for word in words:
         assert word.format(**fill) in err, err
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_evaluate_gives_the_same_numbers_on_the_run_and_its_export(run):
+    """python -m ulysses_jax.evaluate on the Hugging Face export (its tokenizer.json, the
+    stdlib held-out split) equals the evaluation of the run it came from."""
+    from ulysses_jax.evaluate import evaluate
+    run_dir, _, out = run
+    grid = dict(seq_len=256, mesh_seq=2, batches=1, lengths=[256], depths=[0.5], trials=1,
+                progress=False)
+    ours, exported = evaluate(run_dir, **grid), evaluate(out, **grid)
+    assert ours["loss_by_position"]["tokens"] == exported["loss_by_position"]["tokens"]
+    np.testing.assert_allclose(exported["loss_by_position"]["loss"],
+                               ours["loss_by_position"]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(exported["passkey"]["answer_loss"],
+                               ours["passkey"]["answer_loss"], rtol=1e-5)
