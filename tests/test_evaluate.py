@@ -24,11 +24,26 @@ GRID = dict(seq_len=256, batches=2, lengths=[128, 256], depths=[0.0, 0.5, 1.0], 
             progress=False)
 
 
+def small_corpus(path, n=16, chars=3000):
+    """n text files cut from stdlib modules: a corpus that loads and tokenizes in a moment
+    (the whole stdlib takes seconds per tokenizer and sequence length)."""
+    import glob
+    os.makedirs(path, exist_ok=True)
+    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:n]
+    for f in files:
+        with open(f, encoding="utf-8") as src, open(os.path.join(
+                path, os.path.basename(f)[:-3] + ".txt"), "w", encoding="utf-8") as dst:
+            dst.write(src.read(chars))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A tiny byte-level model trained 4 steps on 2 sequence devices, evaluated at 2 and 4."""
-    path = str(tmp_path_factory.mktemp("eval") / "run")
+    tmp = tmp_path_factory.mktemp("eval")
+    path = str(tmp / "run")
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        f"data.source={small_corpus(tmp / 'corpus')}", "data.heldout_fraction=0.25",
         "seq_len=64", "batch_size=2", "mesh.seq=2", "steps=4", "log_every=1", "eval_every=2",
         "eval_batches=2", "checkpoint_every=0", "model.d_model=32", "model.n_layers=1",
         "model.ffn_dim=64", "model.head_dim=8", "model.loss_chunk=16"])
@@ -54,7 +69,8 @@ def test_token_losses_and_predictions_equal_the_full_logits(run):
     of the one-device model's [B, S, V] logits."""
     tok = data_lib.ByteTokenizer()
     rows = [passkey_batch(tok, 200, 0.5, 12345, 256)]
-    _, held = data_lib.build_rows("stdlib", tok, 256, 0.02, 0)
+    source = load_config(os.path.join(run, "config.yaml")).data.source
+    _, held = data_lib.build_rows(source, tok, 256, 0.25, 0)
     rows.append({f: v[0] for f, v in next(data_lib.eval_batches(held, 1, 1)).items()})
     batch = {f: np.stack([r[f] for r in rows]) for f in rows[0]}
     mesh1 = make_mesh(seq=1, data=1, devices=jax.devices()[:1])

@@ -55,6 +55,19 @@ def write_hf_checkpoint(path, rope=ROPE):
     return path
 
 
+def small_corpus(path, n=16, chars=3000):
+    """n text files cut from stdlib modules: a corpus that loads and tokenizes in a moment
+    (the whole stdlib takes seconds per tokenizer and sequence length)."""
+    import glob
+    os.makedirs(path, exist_ok=True)
+    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:n]
+    for f in files:
+        with open(f, encoding="utf-8") as src, open(os.path.join(
+                path, os.path.basename(f)[:-3] + ".txt"), "w", encoding="utf-8") as dst:
+            dst.write(src.read(chars))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(run dir, the HF checkpoint it started from, its export with 2 KiB shards)."""
@@ -62,7 +75,8 @@ def run(tmp_path_factory):
     hf = write_hf_checkpoint(str(tmp / "hf"))
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
         "seq_len=64", "batch_size=2", "mesh.seq=2", "steps=3", "log_every=1", "eval_batches=0",
-        "checkpoint_every=2", "optimizer.warmup_steps=0", "optimizer.lr=0.01", f"init_from={hf}"])
+        "checkpoint_every=2", "optimizer.warmup_steps=0", "optimizer.lr=0.01", f"init_from={hf}",
+        f"data.source={small_corpus(tmp / 'corpus')}", "data.heldout_fraction=0.25"])
     train(cfg, str(tmp / "run"), progress=False)
     out = str(tmp / "out")
     assert export_main([str(tmp / "run"), "--out", out, "--max-shard-gb", str(2 / 2 ** 20),
@@ -161,11 +175,12 @@ def test_bad_input_exits_2_with_a_message(run, tmp_path, capsys, case, args, wor
 
 def test_evaluate_gives_the_same_numbers_on_the_run_and_its_export(run):
     """python -m ulysses_jax.evaluate on the Hugging Face export (its tokenizer.json, the
-    stdlib held-out split) equals the evaluation of the run it came from."""
+    run's corpus given as --data) equals the evaluation of the run it came from."""
     from ulysses_jax.evaluate import evaluate
     run_dir, _, out = run
+    source = load_config(os.path.join(run_dir, "config.yaml")).data.source
     grid = dict(seq_len=256, mesh_seq=2, batches=1, lengths=[256], depths=[0.5], trials=1,
-                progress=False)
+                progress=False, data=source, heldout_fraction=0.25)
     ours, exported = evaluate(run_dir, **grid), evaluate(out, **grid)
     assert ours["loss_by_position"]["tokens"] == exported["loss_by_position"]["tokens"]
     np.testing.assert_allclose(exported["loss_by_position"]["loss"],

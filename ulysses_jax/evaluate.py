@@ -1,8 +1,8 @@
 """Long-context evaluation, sequence-parallel: loss by token position and passkey retrieval.
 
     python -m ulysses_jax.evaluate RUN_DIR_or_HF_DIR [--seq-len S] [--mesh-seq P] [--out DIR]
-        [--step N] [--batches N] [--data SOURCE] [--lengths L ...] [--depths F ...]
-        [--trials N] [--seed N]
+        [--step N] [--batches N] [--batch-size B] [--data SOURCE] [--heldout-fraction F]
+        [--lengths L ...] [--depths F ...] [--trials N] [--seed N]
 
 The model runs on a ("data"=1, "seq"=P) mesh, each sequence of S tokens split over P devices
 as in training (Ulysses attention); nothing ever holds [B, S, V] logits: the loss and the
@@ -11,8 +11,9 @@ greedy prediction of every token come from chunks of each device's tokens (``tok
 (a) Held-out loss by position: the mean next-token loss of the tokens whose position in their
     document falls in each bucket [0, 1), [1, 2), [2, 4), ..., [S/2, S) (log-spaced), over
     ``--batches`` batches of held-out rows: the run's own (its data.source, tokenizer, seed
-    and held-out fraction at length S), or for a Hugging Face directory the held-out split of
-    ``--data`` (default the stdlib corpus) with its tokenizer.json.
+    and held-out fraction at length S), or for a Hugging Face directory the held-out split
+    (``--heldout-fraction``, default 0.02) of ``--data`` (default the stdlib corpus) with its
+    tokenizer.json.
 (b) Passkey retrieval: a random 5-digit number stated once at a depth (fraction of the
     filler before it) in filler text, the whole prompt of L tokens followed by the question
     and the number again as the answer. A prompt counts as retrieved when the model's greedy
@@ -180,7 +181,7 @@ class Loaded:
     default_seq_len: int | None
 
 
-def load(path: str, mesh, step: int | None = None, data: str | None = None) -> Loaded:
+def load(path: str, mesh, step: int | None = None) -> Loaded:
     """A run directory (config.yaml + checkpoints) or a Hugging Face directory, on ``mesh``."""
     import jax
     from flax import nnx
@@ -223,16 +224,21 @@ def load(path: str, mesh, step: int | None = None, data: str | None = None) -> L
     abstract = nnx.eval_shape(lambda: Decoder(model, mesh=mesh, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, params)
-    return Loaded(graphdef, nnx.to_pure_dict(state), model, tokenizer, data or source,
-                  fraction, seed, seq_len)
+    return Loaded(graphdef, nnx.to_pure_dict(state), model, tokenizer, source, fraction, seed,
+                  seq_len)
 
 
 def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
              step: int | None = None, batches: int = 4, batch_size: int = 1,
-             data: str | None = None, lengths: list[int] | None = None,
+             data: str | None = None, heldout_fraction: float | None = None,
+             lengths: list[int] | None = None,
              depths: list[float] | None = None, trials: int = 2, seed: int = 0,
              progress: bool = True, devices=None) -> dict:
-    """Runs (a) and (b) of the module docstring; returns the dict written to eval.json."""
+    """Runs (a) and (b) of the module docstring; returns the dict written to eval.json.
+
+    ``data`` / ``heldout_fraction`` replace the held-out source and fraction (default: the
+    run's; for a Hugging Face directory the stdlib corpus and 0.02); a fraction of 0 leaves
+    (a) without rows (its losses None)."""
     import jax
     from .mesh import make_mesh
     from .training import data as data_lib
@@ -241,7 +247,11 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
         raise EvalError(f"--mesh-seq must be between 1 and the {len(devices)} devices there "
                         f"are, got {mesh_seq}")
     mesh = make_mesh(seq=mesh_seq, data=1, devices=devices[:mesh_seq])
-    loaded = load(path, mesh, step, data)
+    loaded = load(path, mesh, step)
+    source = data or loaded.source
+    fraction = loaded.heldout_fraction if heldout_fraction is None else heldout_fraction
+    if not 0 <= fraction < 1:
+        raise EvalError(f"the held-out fraction must be in [0, 1), got {fraction}")
     seq_len = seq_len or loaded.default_seq_len
     if not seq_len:
         raise EvalError("--seq-len is needed for a Hugging Face directory")
@@ -271,10 +281,10 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
         return np.asarray(losses), np.asarray(preds)
 
     try:
-        _, held = data_lib.build_rows(loaded.source, loaded.tokenizer, seq_len,
-                                      loaded.heldout_fraction or 0.02, loaded.seed)
+        _, held = data_lib.build_rows(source, loaded.tokenizer, seq_len, fraction,
+                                      loaded.seed)
     except (OSError, ValueError) as e:
-        raise EvalError(f"held-out data {loaded.source!r}: {e}") from None
+        raise EvalError(f"held-out data {source!r}: {e}") from None
     cells = [(L, d) for L in lengths for d in depths for _ in range(trials)]
     cells = [(L, d, int(k)) for (L, d), k in zip(cells, keys[:len(cells)])]
     held_batches = list(data_lib.eval_batches(held, batch_size, batches)) if held else []
@@ -307,7 +317,7 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
         "loss_by_position": {
             "bounds": bounds, "tokens": counts.astype(int).tolist(),
             "loss": [float(s / c) if c else None for s, c in zip(sums, counts)],
-            "source": loaded.source, "batches": len(held_batches)},
+            "source": source, "heldout_fraction": fraction, "batches": len(held_batches)},
         "passkey": {
             "lengths": lengths, "depths": depths, "trials": trials,
             "accuracy": [[float(np.mean(hits[(L, d)])) for d in depths] for L in lengths],
@@ -364,6 +374,8 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, default=4, help="held-out batches (default 4)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per batch")
     p.add_argument("--data", help="held-out source (default: the run's; stdlib for HF dirs)")
+    p.add_argument("--heldout-fraction", type=float,
+                   help="documents held out (default: the run's; 0.02 for HF dirs)")
     p.add_argument("--lengths", type=int, nargs="+", help="passkey prompt lengths")
     p.add_argument("--depths", type=float, nargs="+", help="needle depths in [0, 1]")
     p.add_argument("--trials", type=int, default=2, help="passkeys per (length, depth)")
@@ -381,7 +393,8 @@ def main(argv=None) -> int:
     try:
         result = evaluate(args.path, seq_len=args.seq_len, mesh_seq=args.mesh_seq,
                           step=args.step, batches=args.batches, batch_size=args.batch_size,
-                          data=args.data, lengths=args.lengths, depths=args.depths,
+                          data=args.data, heldout_fraction=args.heldout_fraction,
+                          lengths=args.lengths, depths=args.depths,
                           trials=args.trials, seed=args.seed, progress=not args.no_progress)
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -199,7 +199,6 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
         json.dump(hf, f, indent=2, sort_keys=True)
     bar = _bar(len(sizes), progress)
     pending: dict[str, dict] = {f: {} for f in files}
-    written = 0
     for keys, x in read_params(run_dir, step):
         for name, w in hf_tensors(cfg.model, keys, x):
             file = file_of[name]
@@ -209,7 +208,6 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
                 # transformers reads this metadata key as "a torch-style state dict".
                 save_file(pending.pop(file), os.path.join(out_dir, file),
                           metadata={"format": "pt"})
-                written += 1
         del x
     bar.close()
     if pending:
