@@ -11,10 +11,12 @@ newest), and writes HF_DIR/config.json (``hf.config_to_hf``: the scaling as
 ``model.safetensors.index.json``) and the tokenizer files of the run (``data.tokenizer``'s
 directory, else ``init_from``).
 
-Memory: the parameters are read from the Orbax checkpoint straight into host numpy arrays,
-one parameter at a time (the optimizer state is never read, no accelerator is needed), and
-each shard is written as soon as it is complete. The host holds one stacked parameter (all
-layers of one weight, fp32: 7.5 GB for Llama-3-8B's MLP weights) plus one shard.
+Memory: the parameters are read from the Orbax checkpoint straight into host numpy arrays
+(the optimizer state is never read, no accelerator is needed), one layer of one parameter at
+a time where TensorStore can open the stored array (``open_param``: Orbax 0.12's layout),
+else one whole parameter at a time (an Orbax partial restore: all layers of one weight, fp32,
+7.5 GB for Llama-3-8B's MLP weights); each shard is written as soon as it is complete, so
+the host holds one layer (or parameter) plus one shard (``--max-shard-gb``).
 
 Exit codes: 0 written; 2 a bad input (no such run, no checkpoint, step not found, bad dtype,
 output directory not empty), with a one-line ``error: ...`` and no traceback.
@@ -97,12 +99,22 @@ def param_shapes(run_dir: str, step: int) -> dict[tuple, tuple[int, ...]]:
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree["params"])}
 
 
-def read_params(run_dir: str, step: int) -> Iterator[tuple[tuple, np.ndarray]]:
-    """Yields (path, float32 numpy array) of each parameter, one at a time (partial
-    restores: neither the optimizer state nor the other parameters are read)."""
+def read_params(run_dir: str, step: int, *, by_layer: bool = False) -> Iterator[tuple]:
+    """Yields (path, parameter) for each parameter, one at a time.
+
+    Args:
+      by_layer: yield a ``LayerReader`` (``x[i]`` reads layer i of a stacked parameter) where
+        the checkpoint's storage allows it, so that only one layer is in host memory;
+        otherwise, and for every parameter without it, a float32 numpy array read by an
+        Orbax partial restore (neither the optimizer state nor other parameters are read).
+    """
     import orbax.checkpoint as ocp
     with ocp.PyTreeCheckpointer() as c:
         for keys in param_shapes(run_dir, step):
+            reader = open_param(run_dir, step, keys) if by_layer else None
+            if reader is not None:
+                yield keys, reader
+                continue
             item, args = {}, {}
             node_i, node_a = item, args
             for k in ("params",) + keys[:-1]:
@@ -116,6 +128,42 @@ def read_params(run_dir: str, step: int) -> Iterator[tuple[tuple, np.ndarray]]:
             yield keys, np.asarray(out, np.float32)
 
 
+class LayerReader:
+    """A stored parameter read slice by slice: ``x[i]`` is layer i (float32 numpy),
+    ``np.asarray(x)`` all of it."""
+
+    def __init__(self, store):
+        self._store, self.shape = store, tuple(store.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, i) -> np.ndarray:
+        if isinstance(i, int) and not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return np.asarray(self._store[i].read().result(), np.float32)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self._store.read().result(), dtype or np.float32)
+
+
+def open_param(run_dir: str, step: int, keys: tuple) -> LayerReader | None:
+    """The parameter's array in the checkpoint opened with TensorStore (nothing read yet),
+    or None where that fails. Orbax (0.12) stores each array as a zarr array named by its
+    dotted path in the step's OCDBT database; another layout falls back to a restore."""
+    try:
+        import tensorstore as ts
+        store = ts.open({"driver": "zarr", "kvstore": {
+            "driver": "ocdbt", "base": f"file://{_state_dir(run_dir, step)}",
+            "path": ".".join(("params",) + keys)}}, open=True, read=True).result()
+    except Exception:  # noqa: BLE001 - any failure means "not this layout": use Orbax
+        return None
+    return LayerReader(store)
+
+
 def _state_dir(run_dir: str, step: int) -> str:
     return os.path.abspath(os.path.join(run_dir, "checkpoints", str(step), "state"))
 
@@ -126,10 +174,15 @@ def _keys(path) -> tuple:
 
 def hf_tensors(cfg, keys: tuple, x: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
     """The transformers tensors of one of our parameters (stacked: one per layer, and per
-    expert), as ``hf.to_hf_tensors`` forms them."""
+    expert), as ``hf.to_hf_tensors`` forms them.
+
+    Args:
+      x: a numpy array, or a ``LayerReader`` (each layer is then read when it is needed).
+    """
     from .hf import _hf_names, _to_hf
     names, n_in = _hf_names(keys, cfg)
     for name, layer in zip(names, x if keys[0] == "layers" else [x], strict=True):
+        layer = np.asarray(layer, np.float32)  # one layer read (a LayerReader reads it here)
         pairs = zip(name, layer, strict=True) if isinstance(name, list) else [(name, layer)]
         for n, w in pairs:
             yield n, np.ascontiguousarray(_to_hf(w, n_in))
@@ -199,7 +252,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
         json.dump(hf, f, indent=2, sort_keys=True)
     bar = _bar(len(sizes), progress)
     pending: dict[str, dict] = {f: {} for f in files}
-    for keys, x in read_params(run_dir, step):
+    for keys, x in read_params(run_dir, step, by_layer=True):
         for name, w in hf_tensors(cfg.model, keys, x):
             file = file_of[name]
             pending[file][name] = w.astype(np_dtype)
