@@ -205,7 +205,7 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
                 node = node.setdefault(int(k) if k.isdigit() else k, {})
             spec = leaf_spec(keys, x.shape, mesh, cfg.param_sharding)
             node[keys[-1]] = jax.device_put(x, NamedSharding(mesh, spec))
-        tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
+        tokenizer = _tokenizer(cfg.data.tokenizer)
         source, fraction, seed = cfg.data.source, cfg.data.heldout_fraction, cfg.seed
         seq_len = cfg.seq_len
     elif os.path.isfile(os.path.join(path, "config.json")):
@@ -216,7 +216,7 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
             model, params = load_params(path, mesh)
         except ValueError as e:
             raise EvalError(f"{path}: {e}") from None
-        tokenizer = data_lib.load_tokenizer(path)
+        tokenizer = _tokenizer(path)
         source, fraction, seed, seq_len = "stdlib", 0.02, 0, None
     else:
         raise EvalError(f"{path} is neither a training run (config.yaml) nor a Hugging Face "
@@ -226,6 +226,14 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
     nnx.replace_by_pure_dict(state, params)
     return Loaded(graphdef, nnx.to_pure_dict(state), model, tokenizer, source, fraction, seed,
                   seq_len)
+
+
+def _tokenizer(path: str | None):
+    from .training import data as data_lib
+    try:
+        return data_lib.load_tokenizer(path)
+    except (OSError, ValueError, ImportError) as e:
+        raise EvalError(f"tokenizer {path!r}: {e}") from None
 
 
 def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
@@ -243,6 +251,9 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
     from .mesh import make_mesh
     from .training import data as data_lib
     devices = list(devices or jax.devices())
+    if batches < 0 or batch_size < 1:
+        raise EvalError(f"--batches must be >= 0 and --batch-size >= 1, got {batches} and "
+                        f"{batch_size}")
     if mesh_seq < 1 or mesh_seq > len(devices):
         raise EvalError(f"--mesh-seq must be between 1 and the {len(devices)} devices there "
                         f"are, got {mesh_seq}")
