@@ -117,6 +117,10 @@ def test_dry_run_plans_a_preset_before_its_checkpoint_is_downloaded(tmp_path):
     plan = dry_run(cfg)
     assert plan["params"] > 0 and plan["collectives"]["all-to-all"] > 0
     assert any("has no config.json (not downloaded yet?)" in n for n in plan["notes"])
+    from ulysses_jax.config import ConfigError
+    with pytest.raises(ConfigError, match="has no config.json; download the checkpoint there"):
+        train(cfg, str(tmp_path / "run"), progress=False)  # training needs the checkpoint
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_context_presets_name_a_checkpoint_and_their_scaling():

@@ -67,7 +67,10 @@ def resolve_init_from(cfg: Config, notes: list[str] | None = None, *,
         raise ConfigError(f"init_from {cfg.init_from!r}: config.json is not valid JSON "
                           f"({e})") from None
     except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a value of a wrong type
-        raise ConfigError(f"init_from {cfg.init_from!r}: {e}") from None
+        hint = ("; download the checkpoint there first (e.g. huggingface-cli download ORG/NAME "
+                "--local-dir DIR), or point init_from at it" if not os.path.exists(
+                    os.path.join(cfg.init_from, "config.json")) else "")
+        raise ConfigError(f"init_from {cfg.init_from!r}: {e}{hint}") from None
     model, changed = rope_overrides(cfg.model, model)
     notes.extend(f"init_from: {line}" for line in changed)
     data = cfg.data
