@@ -78,7 +78,8 @@ def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
       analysis: loop bodies counted once, custom calls not at all, so not a FLOP count),
       ``collectives`` (op -> count in the compiled HLO) and the parts of XLA's estimate.
     """
-    cfg = resolve_init_from(cfg)
+    init_notes = []  # a checkpoint not downloaded yet is planned from the config's model
+    cfg = resolve_init_from(cfg, init_notes, missing_ok=True)
     t0 = time.time()
     mesh = build_mesh(cfg)
     platform = mesh.devices.flat[0].platform
@@ -120,7 +121,7 @@ def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
                 memory_model=f"CPU compile's live ranges, {', '.join(sorted(offloaded))} "
                              f"in host memory (XLA's own device peak: {xla_peak})")
         memory.clear_dump(dump)
-    notes = chunk_notes(cfg)
+    notes = init_notes + chunk_notes(cfg)
     if compiled_cfg is not cfg:
         notes.append("compiled with float16 as a stand-in for bfloat16 (same bytes; the CPU "
                      "compiler would keep bf16 intermediates as f32)")

@@ -15,7 +15,8 @@ import os
 from .checkpoint import Checkpointer, IncompatibleCheckpoint, NoCheckpointRestores
 from .run_dir import RunError
 from .train_step import init_state, state_layout
-from ..config import Config, ConfigError, ModelConfig, to_dict, validate
+from ..config import (Config, ConfigError, ModelConfig, RopeScalingConfig, to_dict,
+                      validate)
 
 # The run's own model options, kept when the model's shape comes from a checkpoint.
 RUNTIME_FIELDS = ("dtype", "remat", "attn_impl", "loss_chunk", "vocab_parallel", "mlp_chunk",
@@ -33,13 +34,31 @@ def _runtime_options(cfg: Config) -> dict:
     return {k: getattr(cfg.model, k) for k in RUNTIME_FIELDS} | {"max_seq_len": cfg.seq_len}
 
 
-def resolve_init_from(cfg: Config) -> Config:
+def resolve_init_from(cfg: Config, notes: list[str] | None = None, *,
+                      missing_ok: bool = False) -> Config:
     """With ``init_from``, the model's shape comes from the checkpoint's config.json (the
     run's model options in ``RUNTIME_FIELDS`` are kept) and its tokenizer.json is used unless
-    ``data.tokenizer`` names another."""
+    ``data.tokenizer`` names another.
+
+    A ``model.rope_scaling`` or ``model.rope_theta`` that the config sets (differs from the
+    ModelConfig default) replaces the checkpoint's: that is how a model's context is
+    extended (``rope_overrides``).
+
+    Args:
+      cfg: the run's config.
+      notes: lines for the startup log are appended here (the RoPE overrides, a missing
+        checkpoint under ``missing_ok``).
+      missing_ok: a dry run plans a preset before its checkpoint is downloaded: an
+        ``init_from`` directory without config.json then leaves the config's own model.
+    """
     if not cfg.init_from:
         return cfg
     from ..hf import config_from_hf, read_config  # lazy: only fine-tuning needs it
+    notes = [] if notes is None else notes
+    if missing_ok and not os.path.exists(os.path.join(cfg.init_from, "config.json")):
+        notes.append(f"init_from {cfg.init_from!r} has no config.json (not downloaded yet?): "
+                     f"planned with the config's own model section")
+        return cfg
     try:
         hf = read_config(cfg.init_from)
         if not isinstance(hf, dict):
@@ -49,7 +68,12 @@ def resolve_init_from(cfg: Config) -> Config:
         raise ConfigError(f"init_from {cfg.init_from!r}: config.json is not valid JSON "
                           f"({e})") from None
     except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a value of a wrong type
-        raise ConfigError(f"init_from {cfg.init_from!r}: {e}") from None
+        hint = ("; download the checkpoint there first (e.g. huggingface-cli download ORG/NAME "
+                "--local-dir DIR), or point init_from at it" if not os.path.exists(
+                    os.path.join(cfg.init_from, "config.json")) else "")
+        raise ConfigError(f"init_from {cfg.init_from!r}: {e}{hint}") from None
+    model, changed = rope_overrides(cfg.model, model)
+    notes.extend(f"init_from: {line}" for line in changed)
     data = cfg.data
     tokenizer_json = os.path.join(cfg.init_from, "tokenizer.json")
     if data.tokenizer is None and os.path.exists(tokenizer_json):
@@ -61,6 +85,31 @@ def resolve_init_from(cfg: Config) -> Config:
         raise ConfigError(f"init_from {cfg.init_from!r}: the model of its config.json: "
                           f"{e}") from None
     return cfg
+
+
+def rope_overrides(ours: ModelConfig, imported: ModelConfig) -> tuple[ModelConfig, list[str]]:
+    """``imported`` with the run's ``rope_scaling`` / ``rope_theta`` where the run sets them
+    (differs from the ModelConfig default), and one line per setting that changed the
+    checkpoint's. An unscaled checkpoint is extended by setting ``model.rope_scaling``; the
+    default itself (type default, theta 10,000) cannot override a checkpoint's."""
+    default = ModelConfig()
+    changes, lines = {}, []
+    for name in ("rope_theta", "rope_scaling"):
+        mine, theirs = getattr(ours, name), getattr(imported, name)
+        if mine != getattr(default, name) and mine != theirs:
+            changes[name] = mine
+            lines.append(f"model.{name} {_show(mine)} from the config replaces the "
+                         f"checkpoint's {_show(theirs)}")
+    return dataclasses.replace(imported, **changes), lines
+
+
+def _show(value) -> str:
+    """A theta as is; a scaling as its type and the fields that type reads."""
+    if not isinstance(value, RopeScalingConfig):
+        return repr(value)
+    from ..hf_variants import _ROPE_FIELDS
+    return "{" + ", ".join([f"type: {value.type}"] + [f"{k}: {getattr(value, k)}"
+                                                     for k in _ROPE_FIELDS[value.type]]) + "}"
 
 
 def initial_params(cfg: Config, mesh):

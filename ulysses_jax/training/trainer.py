@@ -171,15 +171,40 @@ def with_segment_bound(cfg: Config, train_rows, held_rows) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=bound))
 
 
-def _evaluate(eval_step, params, held_rows, cfg: Config, mesh) -> float | None:
+def _evaluate(eval_step, params, held_rows, cfg: Config, mesh,
+              position_step=None) -> tuple[float | None, dict | None]:
+    """Held-out loss over ``cfg.eval_batches`` batches, and (with ``position_step``,
+    ``evaluate.token_losses``) the loss by position in the document: log-spaced buckets
+    [0, 1), [1, 2), [2, 4), ... up to seq_len (``evaluate.bucket_bounds``), with token
+    counts (a bucket without tokens has loss None)."""
     if held_rows is None or cfg.eval_batches < 1:
-        return None
+        return None, None
+    from ..evaluate import bucket_bounds, bucket_sums
+    bounds = bucket_bounds(cfg.seq_len)
+    sums, counts = np.zeros(len(bounds) - 1), np.zeros(len(bounds) - 1)
     total, count = 0.0, 0.0
     for batch in data_lib.eval_batches(held_rows, cfg.batch_size, cfg.eval_batches):
-        loss, n = eval_step(params, data_lib.shard_batch(batch, mesh, order=token_order(cfg)))
+        sharded = data_lib.shard_batch(batch, mesh, order=token_order(cfg))
+        loss, n = eval_step(params, sharded)
         total += _scalar(loss) * _scalar(n)
         count += _scalar(n)
-    return total / count if count else None
+        if position_step is not None:
+            losses, _ = position_step(params, sharded)
+            s, c = bucket_sums(_host(losses), _host(sharded["positions"]),
+                               _host(sharded["loss_mask"]), bounds)
+            sums, counts = sums + s, counts + c
+    by_position = None if position_step is None else {
+        "bounds": bounds, "tokens": counts.astype(int).tolist(),
+        "loss": [float(a / b) if b else None for a, b in zip(sums, counts)]}
+    return (total / count if count else None), by_position
+
+
+def _host(x) -> np.ndarray:
+    """A global array on the host (all of it, also when it spans several processes)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 class _Preemption:
@@ -221,12 +246,13 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         write failed (disk full); the checkpoints before the failure are intact.
       TrainingDiverged: the loss became NaN or infinite (the last checkpoint is left intact).
     """
-    cfg = resolve_init_from(cfg)
+    init_notes = []  # the RoPE settings that replace the init_from checkpoint's
+    cfg = resolve_init_from(cfg, init_notes)
     mesh = build_mesh(cfg)
     workdir = make_workdir(workdir)
     lock = _lock(workdir)
     try:
-        return _run(cfg, mesh, workdir, progress)
+        return _run(cfg, mesh, workdir, progress, init_notes)
     finally:
         lock.release()
 
@@ -244,10 +270,10 @@ def _lock(workdir: str) -> WorkdirLock:
     return lock
 
 
-def _run(cfg: Config, mesh, workdir: str, progress: bool) -> dict:
+def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> dict:
     """Everything after the lock: data, checkpoints, start state, config.yaml, the loop."""
     _log(f"resolved config:\n{to_yaml(cfg)}")
-    for note in chunk_notes(cfg):
+    for note in notes + chunk_notes(cfg):
         _log(f"note: {note}")
     train_rows, held_rows = _load_data(cfg)
     cfg = with_segment_bound(cfg, train_rows, held_rows)
@@ -312,6 +338,8 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
     graphdef, state, shardings, tx = layout
     step_fn = make_train_step(cfg, mesh, graphdef, tx, shardings)
     eval_fn = make_eval_step(mesh, graphdef, shardings, cfg)
+    from ..evaluate import token_losses  # per-token losses: the loss by position at each eval
+    position_fn = token_losses(mesh, graphdef, cfg.model.loss_chunk)
     # Compile ahead of the loop: the loop runs this executable, timings exclude compilation,
     # and its cost analysis is per device (a lowered, unpartitioned program's is global).
     t0 = time.time()
@@ -364,8 +392,10 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                     record.update(_moe_metrics(metrics))
                     record.update(_memory_in_use(device))
                     if evaluate:
-                        record["eval_loss"] = _evaluate(eval_fn, state["params"], held_rows,
-                                                        cfg, mesh)
+                        record["eval_loss"], by_position = _evaluate(
+                            eval_fn, state["params"], held_rows, cfg, mesh, position_fn)
+                        if by_position is not None:
+                            record["heldout_loss_by_position"] = by_position
                         summary["eval_loss"] = record["eval_loss"]
                     log.append(record)  # before the step's checkpoint: see run_dir.py
                     bar.set_postfix(loss=f"{loss:.4f}",

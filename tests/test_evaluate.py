@@ -1,0 +1,138 @@
+"""python -m ulysses_jax.evaluate: the same loss by position and passkey results on 1 and 4
+sequence devices; per-token losses and greedy predictions equal those of the unsharded
+model's full logits; eval.json / eval.png; the trainer logs the loss by position at each
+eval; bad inputs exit 2 with a message."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import DEVICES
+from ulysses_jax import make_mesh
+from ulysses_jax.config import load_config
+from ulysses_jax.evaluate import evaluate, load, main, passkey_batch, token_losses
+from ulysses_jax.training import data as data_lib
+from ulysses_jax.training.trainer import train
+
+pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
+                                reason="trainer tests run on fake CPU devices")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRID = dict(seq_len=256, batches=2, lengths=[128, 256], depths=[0.0, 0.5, 1.0], trials=1,
+            progress=False)
+
+
+def small_corpus(path, n=16, chars=3000):
+    """n text files cut from stdlib modules: a corpus that loads and tokenizes in a moment
+    (the whole stdlib takes seconds per tokenizer and sequence length)."""
+    import glob
+    os.makedirs(path, exist_ok=True)
+    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:n]
+    for f in files:
+        with open(f, encoding="utf-8") as src, open(os.path.join(
+                path, os.path.basename(f)[:-3] + ".txt"), "w", encoding="utf-8") as dst:
+            dst.write(src.read(chars))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny byte-level model trained 4 steps on 2 sequence devices, evaluated at 2 and 4."""
+    tmp = tmp_path_factory.mktemp("eval")
+    path = str(tmp / "run")
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        f"data.source={small_corpus(tmp / 'corpus')}", "data.heldout_fraction=0.25",
+        "seq_len=64", "batch_size=2", "mesh.seq=2", "steps=4", "log_every=1", "eval_every=2",
+        "eval_batches=2", "checkpoint_every=0", "model.d_model=32", "model.n_layers=1",
+        "model.ffn_dim=64", "model.head_dim=8", "model.loss_chunk=16"])
+    train(cfg, path, progress=False)
+    return path
+
+
+def test_same_numbers_on_one_and_four_devices(run):
+    one = evaluate(run, mesh_seq=1, **GRID)
+    four = evaluate(run, mesh_seq=4, **GRID)
+    lp1, lp4 = one["loss_by_position"], four["loss_by_position"]
+    assert lp1["bounds"] == lp4["bounds"] == [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert lp1["tokens"] == lp4["tokens"] and min(lp1["tokens"]) > 0
+    np.testing.assert_allclose(lp4["loss"], lp1["loss"], rtol=1e-5)
+    assert one["passkey"]["accuracy"] == four["passkey"]["accuracy"]
+    assert np.array(one["passkey"]["accuracy"]).shape == (2, 3)
+    np.testing.assert_allclose(four["passkey"]["answer_loss"], one["passkey"]["answer_loss"],
+                               rtol=1e-5)
+
+
+def test_token_losses_and_predictions_equal_the_full_logits(run):
+    """On passkey rows and held-out rows: the 4-device chunked losses and argmax equal those
+    of the one-device model's [B, S, V] logits."""
+    tok = data_lib.ByteTokenizer()
+    rows = [passkey_batch(tok, 200, 0.5, 12345, 256)]
+    source = load_config(os.path.join(run, "config.yaml")).data.source
+    _, held = data_lib.build_rows(source, tok, 256, 0.25, 0)
+    rows.append({f: v[0] for f, v in next(data_lib.eval_batches(held, 1, 1)).items()})
+    batch = {f: np.stack([r[f] for r in rows]) for f in rows[0]}
+    mesh1 = make_mesh(seq=1, data=1, devices=jax.devices()[:1])
+    ref = load(run, mesh1)
+    logits = np.asarray(nnx.merge(ref.graphdef, ref.params)(
+        batch["tokens"], batch["positions"], batch["segment_ids"]), np.float64)  # [B, S, V]
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    want = lse - np.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+    mesh4 = make_mesh(seq=4, data=1, devices=jax.devices()[:4])
+    four = load(run, mesh4)
+    losses, preds = token_losses(mesh4, four.graphdef, 16)(
+        four.params, data_lib.shard_batch(batch, mesh4))
+    real = batch["segment_ids"] > 0
+    np.testing.assert_allclose(np.asarray(losses)[real], want[real], rtol=1e-5, atol=1e-5)
+    top2 = np.sort(logits, -1)[..., -2:]
+    clear = real & (top2[..., 1] - top2[..., 0] > 1e-4)  # no near-ties for argmax to break
+    assert clear.sum() > 0.9 * real.sum()
+    np.testing.assert_array_equal(np.asarray(preds)[clear], logits.argmax(-1)[clear])
+
+
+def test_cli_writes_json_and_png(run, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert main([run, "--seq-len", "256", "--mesh-seq", "4", "--out", out, "--batches", "1",
+                 "--lengths", "128", "256", "--depths", "0", "1", "--trials", "1",
+                 "--no-progress"]) == 0
+    with open(os.path.join(out, "eval.json")) as f:
+        result = json.load(f)
+    assert result["loss_by_position"]["bounds"][-1] == 256
+    assert len(result["loss_by_position"]["loss"]) == 9
+    assert result["passkey"]["lengths"] == [128, 256] and result["passkey"]["depths"] == [0, 1]
+    assert np.array(result["passkey"]["accuracy"]).shape == (2, 2)
+    with open(os.path.join(out, "eval.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "passkey accuracy" in capsys.readouterr().out
+
+
+def test_trainer_logs_the_loss_by_position_at_each_eval(run):
+    """Each eval record has the buckets, and their token-weighted mean is the eval loss."""
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        evals = [r for r in map(json.loads, f) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:
+        lp = r["heldout_loss_by_position"]
+        assert lp["bounds"] == [0, 1, 2, 4, 8, 16, 32, 64]
+        counts = np.array(lp["tokens"])
+        losses = np.array([v if v is not None else 0.0 for v in lp["loss"]])
+        assert counts.sum() > 0
+        np.testing.assert_allclose((losses * counts).sum() / counts.sum(), r["eval_loss"],
+                                   rtol=1e-5)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["{tmp}/nothing"], ["is neither a training run (config.yaml) nor a Hugging Face"]),
+    (["{run}", "--seq-len", "256", "--mesh-seq", "3"],
+     ["sequence length 256 is not divisible by --mesh-seq 3"]),
+    (["{run}", "--seq-len", "256", "--lengths", "20"], ["passkey lengths must be in ["]),
+    (["{run}", "--step", "9"], ["step 9 is not a checkpoint", "steps 4"]),
+    (["{run}", "--depths", "1.5"], ["depths are fractions in [0, 1], got [1.5]"]),
+])
+def test_bad_input_exits_2_with_a_message(run, tmp_path, capsys, args, words):
+    assert main([a.format(tmp=tmp_path, run=run) for a in args] + ["--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    for word in words:
+        assert word in err, err

@@ -1,0 +1,428 @@
+"""Long-context evaluation, sequence-parallel: loss by token position and passkey retrieval.
+
+    python -m ulysses_jax.evaluate RUN_DIR_or_HF_DIR [--seq-len S] [--mesh-seq P] [--out DIR]
+        [--step N] [--batches N] [--batch-size B] [--data SOURCE] [--heldout-fraction F]
+        [--lengths L ...] [--depths F ...] [--trials N] [--seed N]
+
+The model runs on a ("data"=1, "seq"=P) mesh, each sequence of S tokens split over P devices
+as in training (Ulysses attention); nothing ever holds [B, S, V] logits: the loss and the
+greedy prediction of every token come from chunks of each device's tokens (``token_losses``).
+
+(a) Held-out loss by position: the mean next-token loss of the tokens whose position in their
+    document falls in each bucket [0, 1), [1, 2), [2, 4), ..., [S/2, S) (log-spaced), over
+    ``--batches`` batches of held-out rows: the run's own (its data.source, tokenizer, seed
+    and held-out fraction at length S), or for a Hugging Face directory the held-out split
+    (``--heldout-fraction``, default 0.02) of ``--data`` (default the stdlib corpus) with its
+    tokenizer.json.
+(b) Passkey retrieval: a random 5-digit number stated once at a depth (fraction of the
+    filler before it) in filler text, the whole prompt of L tokens followed by the question
+    and the number again as the answer. A prompt counts as retrieved when the model's greedy
+    prediction of every answer token is right under teacher forcing (one forward pass, no
+    generation loop). Accuracy per (length, depth) over ``--trials`` numbers; the mean loss
+    of the answer tokens beside it.
+(c) ``DIR/eval.json`` and ``DIR/eval.png`` (the loss-by-position curve and the passkey
+    heatmap); DIR defaults to the run or model directory.
+
+Exit codes: 0 done; 2 a bad input (no model there, a length the mesh cannot split, ...) with
+a one-line ``error: ...`` and no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+          "again. ")
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is"
+ANSWER = " {key}."
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+class EvalError(ValueError):
+    """An input the evaluation cannot use; the message says which and why."""
+
+
+def bucket_bounds(seq_len: int) -> list[int]:
+    """[0, 1, 2, 4, ..., seq_len]: bucket i holds positions bounds[i] <= p < bounds[i + 1]."""
+    bounds, b = [0, 1], 2
+    while b < seq_len:
+        bounds.append(b)
+        b *= 2
+    return bounds + [seq_len]
+
+
+def bucket_sums(losses, positions, mask, bounds) -> tuple[np.ndarray, np.ndarray]:
+    """Summed loss and token count per position bucket (any array order: bucketing is by
+    the positions that travel with the tokens, so zigzag-ordered batches work as well).
+
+    Args:
+      losses, positions, mask: [B, S] (numpy or jax arrays); bounds: from ``bucket_bounds``.
+    Returns:
+      (sums, counts), float64 numpy [len(bounds) - 1].
+    """
+    positions = np.asarray(positions)
+    mask = np.asarray(mask, np.float64)
+    which = np.clip(np.searchsorted(np.asarray(bounds), positions, side="right") - 1,
+                    0, len(bounds) - 2)
+    n = len(bounds) - 1
+    sums = np.bincount(which.ravel(), (np.asarray(losses, np.float64) * mask).ravel(), n)
+    return sums, np.bincount(which.ravel(), mask.ravel(), n)
+
+
+def token_losses(mesh, graphdef, chunk: int = 1024):
+    """Jitted ``f(params, batch) -> (losses, predictions)``, both [B, S] sharded like the
+    batch: each token's next-token loss (fp32) and the model's greedy prediction (argmax,
+    int32), from [B, C, V] logits of chunks of C tokens per device.
+
+    Args:
+      mesh: the ("data", "seq") mesh; graphdef: the Decoder's ``nnx.graphdef``.
+      chunk: tokens per device per chunk.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from .mesh import act_spec
+    from .models.loss import largest_divisor_at_most
+
+    def body(h, w, t, cap):
+        # h: [B, S/P, D]; w: [D, V]; t: [B, S/P]
+        b, s, d = h.shape
+        c = largest_divisor_at_most(s, chunk)
+        as_chunks = lambda x: jnp.moveaxis(x.reshape(b, s // c, c, *x.shape[2:]), 1, 0)  # noqa
+
+        def one(args):
+            hc, tc = args                                                     # [B, C, D], [B, C]
+            logits = jnp.einsum("BCD,DV->BCV", hc, w.astype(hc.dtype),
+                                preferred_element_type=jnp.float32)           # [B, C, V]
+            if cap:
+                logits = cap * jnp.tanh(logits / cap)
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+            return lse - picked, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+        losses, preds = jax.lax.map(one, (as_chunks(h), as_chunks(t)))       # [S/P/C, B, C]
+        unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, s)  # noqa: E731
+        return unchunk(losses), unchunk(preds)
+
+    def run(params, batch):
+        model = nnx.merge(graphdef, params)
+        hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+        w = jax.lax.with_sharding_constraint(model.head_weight(), NamedSharding(mesh, P()))
+        cap = model.cfg.final_softcap
+        fn = jax.shard_map(lambda h, w, t: body(h, w, t, cap), mesh=mesh,
+                           in_specs=(act_spec(mesh, 1), P(), act_spec(mesh)),
+                           out_specs=(act_spec(mesh), act_spec(mesh)))
+        return fn(hidden, w, batch["targets"])
+
+    return jax.jit(run)
+
+
+def passkey_batch(tokenizer, length: int, depth: float, key: int, seq_len: int) -> dict:
+    """One passkey prompt of ``length`` tokens in a row of ``seq_len`` (the rest padding):
+    filler with the needle after ``depth`` of it, the question, the answer.
+
+    Returns:
+      The data.FIELDS of one row [S] (numpy); loss_mask marks the positions whose target is
+      an answer token.
+    """
+    needle = tokenizer.encode(NEEDLE.format(key=key))
+    question, answer = tokenizer.encode(QUESTION), tokenizer.encode(ANSWER.format(key=key))
+    room = length - len(needle) - len(question) - len(answer)
+    if room < 0:
+        raise EvalError(f"passkey length {length} is shorter than the needle, question and "
+                        f"answer ({length - room} tokens)")
+    filler = tokenizer.encode(FILLER)
+    filler = np.resize(filler, room)                                         # repeats, cut
+    before = int(round(depth * room))
+    ids = np.concatenate([filler[:before], needle, filler[before:], question, answer])
+    row = np.zeros(seq_len, np.int32)
+    row[:length] = ids
+    targets = np.zeros(seq_len, np.int32)
+    targets[:length - 1] = ids[1:]
+    mask = np.zeros(seq_len, np.float32)
+    mask[length - len(answer) - 1:length - 1] = 1.0     # predicting each answer token
+    positions = np.zeros(seq_len, np.int32)
+    positions[:length] = np.arange(length)
+    segments = (np.arange(seq_len) < length).astype(np.int32)                # 0 = padding
+    return {"tokens": row, "targets": targets, "loss_mask": mask, "segment_ids": segments,
+            "positions": positions}
+
+
+def prompt_overhead(tokenizer, key: int) -> int:
+    """Tokens of a passkey prompt that are not filler: needle, question and answer."""
+    return sum(len(tokenizer.encode(t.format(key=key))) for t in (NEEDLE, QUESTION, ANSWER))
+
+
+def default_lengths(seq_len: int, shortest: int) -> list[int]:
+    """seq_len / 8, / 4, / 2 and seq_len: those with at least as much filler as
+    ``shortest`` (the prompt's other tokens), else seq_len alone."""
+    return [n for n in (seq_len // 8, seq_len // 4, seq_len // 2, seq_len)
+            if n >= 2 * shortest] or [seq_len]
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A model on the mesh: its graphdef and params, its ModelConfig, tokenizer, and where
+    its held-out data come from."""
+    graphdef: object
+    params: dict
+    model: object
+    tokenizer: object
+    source: str
+    heldout_fraction: float
+    seed: int
+    default_seq_len: int | None
+
+
+def load(path: str, mesh, step: int | None = None) -> Loaded:
+    """A run directory (config.yaml + checkpoints) or a Hugging Face directory, on ``mesh``."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from .export import ExportError, pick_step, read_params, run_config
+    from .hf import load_params
+    from .models.decoder import Decoder
+    from .training import data as data_lib
+    from .training.train_step import leaf_spec
+    if os.path.isfile(os.path.join(path, "config.yaml")):
+        try:
+            cfg = run_config(path)
+            step = pick_step(path, step)
+        except ExportError as e:
+            raise EvalError(str(e)) from None
+        model = cfg.model
+        params = {}
+        for keys, x in read_params(path, step):  # one parameter at a time onto the mesh
+            node = params
+            for k in keys[:-1]:
+                node = node.setdefault(int(k) if k.isdigit() else k, {})
+            spec = leaf_spec(keys, x.shape, mesh, cfg.param_sharding)
+            node[keys[-1]] = jax.device_put(x, NamedSharding(mesh, spec))
+        tokenizer = _tokenizer(cfg.data.tokenizer)
+        source, fraction, seed = cfg.data.source, cfg.data.heldout_fraction, cfg.seed
+        seq_len = cfg.seq_len
+    elif os.path.isfile(os.path.join(path, "config.json")):
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise EvalError(f"{path} has no tokenizer.json (needed for held-out text and the "
+                            f"passkey prompts)")
+        try:
+            model, params = load_params(path, mesh)
+        except ValueError as e:
+            raise EvalError(f"{path}: {e}") from None
+        tokenizer = _tokenizer(path)
+        source, fraction, seed, seq_len = "stdlib", 0.02, 0, None
+    else:
+        raise EvalError(f"{path} is neither a training run (config.yaml) nor a Hugging Face "
+                        f"model directory (config.json)")
+    abstract = nnx.eval_shape(lambda: Decoder(model, mesh=mesh, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, params)
+    return Loaded(graphdef, nnx.to_pure_dict(state), model, tokenizer, source, fraction, seed,
+                  seq_len)
+
+
+def _tokenizer(path: str | None):
+    from .training import data as data_lib
+    try:
+        return data_lib.load_tokenizer(path)
+    except (OSError, ValueError, ImportError) as e:
+        raise EvalError(f"tokenizer {path!r}: {e}") from None
+
+
+def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
+             step: int | None = None, batches: int = 4, batch_size: int = 1,
+             data: str | None = None, heldout_fraction: float | None = None,
+             lengths: list[int] | None = None,
+             depths: list[float] | None = None, trials: int = 2, seed: int = 0,
+             progress: bool = True, devices=None) -> dict:
+    """Runs (a) and (b) of the module docstring; returns the dict written to eval.json.
+
+    ``data`` / ``heldout_fraction`` replace the held-out source and fraction (default: the
+    run's; for a Hugging Face directory the stdlib corpus and 0.02); a fraction of 0 leaves
+    (a) without rows (its losses None)."""
+    import jax
+    from .mesh import make_mesh
+    from .training import data as data_lib
+    devices = list(devices or jax.devices())
+    if batches < 0 or batch_size < 1:
+        raise EvalError(f"--batches must be >= 0 and --batch-size >= 1, got {batches} and "
+                        f"{batch_size}")
+    if mesh_seq < 1 or mesh_seq > len(devices):
+        raise EvalError(f"--mesh-seq must be between 1 and the {len(devices)} devices there "
+                        f"are, got {mesh_seq}")
+    mesh = make_mesh(seq=mesh_seq, data=1, devices=devices[:mesh_seq])
+    loaded = load(path, mesh, step)
+    source = data or loaded.source
+    fraction = loaded.heldout_fraction if heldout_fraction is None else heldout_fraction
+    if not 0 <= fraction < 1:
+        raise EvalError(f"the held-out fraction must be in [0, 1), got {fraction}")
+    seq_len = seq_len or loaded.default_seq_len
+    if not seq_len:
+        raise EvalError("--seq-len is needed for a Hugging Face directory")
+    if seq_len % mesh_seq:
+        raise EvalError(f"sequence length {seq_len} is not divisible by --mesh-seq {mesh_seq}")
+    depths = list(DEPTHS if depths is None else depths)
+    if any(not 0 <= d <= 1 for d in depths):
+        raise EvalError(f"depths are fractions in [0, 1], got {depths}")
+    if trials < 1:
+        raise EvalError(f"--trials must be positive, got {trials}")
+    # One key per prompt, drawn before the lengths are known (at most 4 by default).
+    keys = np.random.default_rng(seed).integers(
+        10000, 100000, (len(lengths) if lengths else 4) * len(depths) * trials)
+    overhead = max(prompt_overhead(loaded.tokenizer, int(k)) for k in keys)
+    lengths = lengths or default_lengths(seq_len, overhead)
+    if max(lengths) > seq_len or min(lengths) < overhead:
+        raise EvalError(f"passkey lengths must be in [{overhead}, {seq_len}]: at least the "
+                        f"{overhead} tokens of needle, question and answer, at most --seq-len; "
+                        f"got {lengths}")
+    if loaded.tokenizer.vocab_size > loaded.model.vocab_size:
+        raise EvalError(f"the tokenizer has {loaded.tokenizer.vocab_size} ids but the model's "
+                        f"vocabulary is {loaded.model.vocab_size}")
+    fn = token_losses(mesh, loaded.graphdef, loaded.model.loss_chunk)
+
+    def run(batch):
+        losses, preds = fn(loaded.params, data_lib.shard_batch(batch, mesh))
+        return np.asarray(losses), np.asarray(preds)
+
+    try:
+        _, held = data_lib.build_rows(source, loaded.tokenizer, seq_len, fraction,
+                                      loaded.seed)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"held-out data {source!r}: {e}") from None
+    cells = [(L, d) for L in lengths for d in depths for _ in range(trials)]
+    cells = [(L, d, int(k)) for (L, d), k in zip(cells, keys[:len(cells)])]
+    held_batches = list(data_lib.eval_batches(held, batch_size, batches)) if held else []
+    bar = _bar(len(held_batches) + -(-len(cells) // batch_size), progress)
+
+    bounds = bucket_bounds(seq_len)
+    sums, counts = np.zeros(len(bounds) - 1), np.zeros(len(bounds) - 1)
+    for batch in held_batches:
+        losses, _ = run(batch)
+        s, c = bucket_sums(losses, batch["positions"], batch["loss_mask"], bounds)
+        sums, counts = sums + s, counts + c
+        bar.update(1)
+
+    hits, answer_loss = {}, {}
+    for start in range(0, len(cells), batch_size):
+        group = cells[start:start + batch_size]
+        rows = [passkey_batch(loaded.tokenizer, L, d, key, seq_len) for L, d, key in group]
+        rows += [rows[-1]] * (batch_size - len(rows))                        # a full batch
+        batch = {f: np.stack([r[f] for r in rows]) for f in rows[0]}
+        losses, preds = run(batch)
+        for i, (L, d, _) in enumerate(group):
+            answer = batch["loss_mask"][i] > 0
+            hits.setdefault((L, d), []).append(bool(np.all(
+                preds[i][answer] == batch["targets"][i][answer])))
+            answer_loss.setdefault((L, d), []).append(float(losses[i][answer].mean()))
+        bar.update(1)
+    bar.close()
+    return {
+        "model": os.path.abspath(path), "seq_len": seq_len, "mesh_seq": mesh_seq,
+        "loss_by_position": {
+            "bounds": bounds, "tokens": counts.astype(int).tolist(),
+            "loss": [float(s / c) if c else None for s, c in zip(sums, counts)],
+            "source": source, "heldout_fraction": fraction, "batches": len(held_batches)},
+        "passkey": {
+            "lengths": lengths, "depths": depths, "trials": trials,
+            "accuracy": [[float(np.mean(hits[(L, d)])) for d in depths] for L in lengths],
+            "answer_loss": [[float(np.mean(answer_loss[(L, d)])) for d in depths]
+                            for L in lengths]},
+    }
+
+
+def plot(result: dict, path: str) -> None:
+    """eval.png: loss by position (log x) beside the passkey accuracy heatmap."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    lp = result["loss_by_position"]
+    pts = [((lo + hi) / 2, v) for lo, hi, v in zip(lp["bounds"], lp["bounds"][1:], lp["loss"])
+           if v is not None]
+    if pts:
+        left.plot(*zip(*pts), marker="o")
+    left.set(xscale="log", xlabel="position in document", ylabel="held-out loss",
+             title=f"loss by position (S={result['seq_len']})")
+    pk = result["passkey"]
+    image = right.imshow(np.array(pk["accuracy"]), vmin=0, vmax=1, cmap="viridis",
+                         aspect="auto", origin="lower")
+    right.set(xticks=range(len(pk["depths"])), xticklabels=[f"{d:g}" for d in pk["depths"]],
+              yticks=range(len(pk["lengths"])), yticklabels=pk["lengths"],
+              xlabel="needle depth", ylabel="prompt length (tokens)", title="passkey accuracy")
+    fig.colorbar(image, ax=right)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+class _NoBar:
+    def update(self, n): pass
+    def close(self): pass
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, desc="evaluate", unit="batch", dynamic_ncols=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m ulysses_jax.evaluate",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("path", help="a run's --workdir, or a Hugging Face model directory")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the run's)")
+    p.add_argument("--mesh-seq", type=int, default=1, help="devices per sequence (Ulysses)")
+    p.add_argument("--out", help="directory for eval.json and eval.png (default: PATH)")
+    p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
+    p.add_argument("--batches", type=int, default=4, help="held-out batches (default 4)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per batch")
+    p.add_argument("--data", help="held-out source (default: the run's; stdlib for HF dirs)")
+    p.add_argument("--heldout-fraction", type=float,
+                   help="documents held out (default: the run's; 0.02 for HF dirs)")
+    p.add_argument("--lengths", type=int, nargs="+", help="passkey prompt lengths")
+    p.add_argument("--depths", type=float, nargs="+", help="needle depths in [0, 1]")
+    p.add_argument("--trials", type=int, default=2, help="passkeys per (length, depth)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the passkeys")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import logging
+    args = parse_args(argv)
+    from .mesh import request_cpu_devices
+    request_cpu_devices(max(args.mesh_seq, 1))  # a CPU machine: as many devices as asked
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    try:
+        result = evaluate(args.path, seq_len=args.seq_len, mesh_seq=args.mesh_seq,
+                          step=args.step, batches=args.batches, batch_size=args.batch_size,
+                          data=args.data, heldout_fraction=args.heldout_fraction,
+                          lengths=args.lengths, depths=args.depths,
+                          trials=args.trials, seed=args.seed, progress=not args.no_progress)
+    except EvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or args.path
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "eval.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    plot(result, os.path.join(out, "eval.png"))
+    lp, pk = result["loss_by_position"], result["passkey"]
+    print(f"held-out loss by position (bucket start: loss): " + ", ".join(
+        f"{lo}: {v:.3f}" for lo, v in zip(lp["bounds"], lp["loss"]) if v is not None))
+    print(f"passkey accuracy, lengths {pk['lengths']} x depths {pk['depths']}: "
+          f"{pk['accuracy']}")
+    print(f"wrote {os.path.join(out, 'eval.json')} and {os.path.join(out, 'eval.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""Export a training run to a Hugging Face directory that transformers loads as is.
+
+    python -m ulysses_jax.export RUN_DIR --out HF_DIR [--step N] [--dtype float32|bfloat16]
+                                 [--max-shard-gb 5] [--arch llama|qwen3|...]
+
+Reads RUN_DIR/config.yaml (the run's resolved config: the model, with its RoPE scaling, as the
+run trained it) and the parameters of checkpoint RUN_DIR/checkpoints/<step> (default the
+newest), and writes HF_DIR/config.json (``hf.config_to_hf``: the scaling as
+``rope_parameters``), the weights as safetensors shards of at most ``--max-shard-gb`` each
+(``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with
+``model.safetensors.index.json``) and the tokenizer files of the run (``data.tokenizer``'s
+directory, else ``init_from``).
+
+Memory: the parameters are read from the Orbax checkpoint straight into host numpy arrays
+(the optimizer state is never read, no accelerator is needed), one layer of one parameter at
+a time where TensorStore can open the stored array (``open_param``: Orbax 0.12's layout),
+else one whole parameter at a time (an Orbax partial restore: all layers of one weight, fp32,
+7.5 GB for Llama-3-8B's MLP weights); each shard is written as soon as it is complete, so
+the host holds one layer (or parameter) plus one shard (``--max-shard-gb``).
+
+Exit codes: 0 written; 2 a bad input (no such run, no checkpoint, step not found, bad dtype,
+output directory not empty), with a one-line ``error: ...`` and no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+from typing import Iterator
+
+import numpy as np
+
+EXPORT_DTYPES = ("float32", "bfloat16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# config.json keys of the init_from checkpoint that name tokens; kept so that generation
+# stops where the original model stops.
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class ExportError(ValueError):
+    """A run directory, step or option that cannot be exported; the message says which."""
+
+
+def run_config(run_dir: str):
+    """The run's resolved Config from RUN_DIR/config.yaml.
+
+    Raises:
+      ExportError: no such directory, no config.yaml, or a config that no longer loads.
+    """
+    from .config import ConfigError, load_config
+    if not os.path.isdir(run_dir):
+        raise ExportError(f"run directory {run_dir} does not exist")
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        raise ExportError(f"{run_dir} is not a training run: it has no config.yaml "
+                          f"(train.py writes one at the start of a run)")
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        raise ExportError(f"{path}: {e}") from None
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The committed checkpoint steps of a run, oldest first (Orbax renames a step directory
+    to its number only once it is complete, so unfinished saves are not listed)."""
+    directory = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(d) for d in os.listdir(directory)
+                  if d.isdigit() and os.path.isdir(os.path.join(directory, d, "state")))
+
+
+def pick_step(run_dir: str, step: int | None) -> int:
+    """``step``, or the newest; ExportError naming the steps there are when it is absent."""
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        raise ExportError(f"{run_dir} has no checkpoint (no step directory in "
+                          f"{os.path.join(run_dir, 'checkpoints')})")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise ExportError(f"step {step} is not a checkpoint of {run_dir}; its checkpoints are "
+                          f"steps {', '.join(map(str, steps))}")
+    return step
+
+
+def param_shapes(run_dir: str, step: int) -> dict[tuple, tuple[int, ...]]:
+    """Parameter path (as in ``nnx.to_pure_dict``) -> shape, from the checkpoint's metadata."""
+    import jax
+    import orbax.checkpoint as ocp
+    with ocp.PyTreeCheckpointer() as c:
+        meta = c.metadata(_state_dir(run_dir, step))
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return {_keys(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree["params"])}
+
+
+def read_params(run_dir: str, step: int, *, by_layer: bool = False) -> Iterator[tuple]:
+    """Yields (path, parameter) for each parameter, one at a time.
+
+    Args:
+      by_layer: yield a ``LayerReader`` (``x[i]`` reads layer i of a stacked parameter) where
+        the checkpoint's storage allows it, so that only one layer is in host memory;
+        otherwise, and for every parameter without it, a float32 numpy array read by an
+        Orbax partial restore (neither the optimizer state nor other parameters are read).
+    """
+    import orbax.checkpoint as ocp
+    with ocp.PyTreeCheckpointer() as c:
+        for keys in param_shapes(run_dir, step):
+            reader = open_param(run_dir, step, keys) if by_layer else None
+            if reader is not None:
+                yield keys, reader
+                continue
+            item, args = {}, {}
+            node_i, node_a = item, args
+            for k in ("params",) + keys[:-1]:
+                node_i, node_a = node_i.setdefault(k, {}), node_a.setdefault(k, {})
+            node_i[keys[-1]] = 0
+            node_a[keys[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
+            out = c.restore(_state_dir(run_dir, step), args=ocp.args.PyTreeRestore(
+                item=item, restore_args=args, partial_restore=True))
+            for k in ("params",) + keys:
+                out = out[k]
+            yield keys, np.asarray(out, np.float32)
+
+
+class LayerReader:
+    """A stored parameter read slice by slice: ``x[i]`` is layer i (float32 numpy),
+    ``np.asarray(x)`` all of it."""
+
+    def __init__(self, store):
+        self._store, self.shape = store, tuple(store.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, i) -> np.ndarray:
+        if isinstance(i, int) and not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return np.asarray(self._store[i].read().result(), np.float32)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self._store.read().result(), dtype or np.float32)
+
+
+def open_param(run_dir: str, step: int, keys: tuple) -> LayerReader | None:
+    """The parameter's array in the checkpoint opened with TensorStore (nothing read yet),
+    or None where that fails. Orbax (0.12) stores each array as a zarr array named by its
+    dotted path in the step's OCDBT database; another layout falls back to a restore."""
+    try:
+        import tensorstore as ts
+        store = ts.open({"driver": "zarr", "kvstore": {
+            "driver": "ocdbt", "base": f"file://{_state_dir(run_dir, step)}",
+            "path": ".".join(("params",) + keys)}}, open=True, read=True).result()
+    except Exception:  # noqa: BLE001 - any failure means "not this layout": use Orbax
+        return None
+    return LayerReader(store)
+
+
+def _state_dir(run_dir: str, step: int) -> str:
+    return os.path.abspath(os.path.join(run_dir, "checkpoints", str(step), "state"))
+
+
+def _keys(path) -> tuple:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def hf_tensors(cfg, keys: tuple, x: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """The transformers tensors of one of our parameters (stacked: one per layer, and per
+    expert), as ``hf.to_hf_tensors`` forms them.
+
+    Args:
+      x: a numpy array, or a ``LayerReader`` (each layer is then read when it is needed).
+    """
+    from .hf import _hf_names, _to_hf
+    names, n_in = _hf_names(keys, cfg)
+    for name, layer in zip(names, x if keys[0] == "layers" else [x], strict=True):
+        layer = np.asarray(layer, np.float32)  # one layer read (a LayerReader reads it here)
+        pairs = zip(name, layer, strict=True) if isinstance(name, list) else [(name, layer)]
+        for n, w in pairs:
+            yield n, np.ascontiguousarray(_to_hf(w, n_in))
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Tensor names in order, cut into consecutive shards of at most ``max_bytes`` each (a
+    tensor larger than that is a shard of its own, as transformers does)."""
+    shards, current, used = [], [], 0
+    for name, size in sizes:
+        if current and used + size > max_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    return shards + [current] if current else shards
+
+
+def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
+               dtype: str = "float32", max_shard_gb: float = 5.0, arch: str | None = None,
+               progress: bool = True) -> dict:
+    """Writes a Hugging Face directory from a run's checkpoint (module docstring).
+
+    Returns:
+      A summary: ``step``, ``files`` (the safetensors files), ``tensors``, ``bytes``,
+      ``tokenizer_files`` (copied), ``rope_parameters``.
+    Raises:
+      ExportError: a bad run directory, step, dtype or output directory.
+    """
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    from .hf import config_to_hf, _hf_names, _flat, _hf_shape
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
+    if not max_shard_gb > 0:
+        raise ExportError(f"--max-shard-gb must be positive, got {max_shard_gb}")
+    cfg = run_config(run_dir)
+    step = pick_step(run_dir, step)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ExportError(f"--out {out_dir} is not an empty directory; pass a new or empty one "
+                          f"(an export never overwrites files)")
+    try:
+        hf = config_to_hf(cfg.model, arch, max_position_embeddings=cfg.seq_len)
+    except ValueError as e:
+        raise ExportError(f"the run's model cannot be written as a transformers config: "
+                          f"{e}") from None
+    hf.update(_token_ids(cfg.init_from), torch_dtype=dtype, dtype=dtype)
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    itemsize = np.dtype(np_dtype).itemsize
+
+    shapes = param_shapes(run_dir, step)
+    sizes = []  # (HF name, bytes) in the order the tensors are produced
+    for keys, shape in shapes.items():
+        names, n_in = _hf_names(keys, cfg.model)
+        inner = shape[1:] if keys[0] == "layers" else shape
+        if keys[0] == "layers" and names and isinstance(names[0], list):
+            inner = inner[1:]  # expert weights: [L, E, ...] -> one tensor per (layer, expert)
+        size = math.prod(_hf_shape(inner, n_in)) * itemsize
+        sizes += [(n, size) for n in _flat(names)]
+    shards = plan_shards(sizes, int(max_shard_gb * 2 ** 30))
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    file_of = {n: f for f, names in zip(files, shards) for n in names}
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+    bar = _bar(len(sizes), progress)
+    pending: dict[str, dict] = {f: {} for f in files}
+    for keys, x in read_params(run_dir, step, by_layer=True):
+        for name, w in hf_tensors(cfg.model, keys, x):
+            file = file_of[name]
+            pending[file][name] = w.astype(np_dtype)
+            bar.update(1)
+            if len(pending[file]) == len(shards[files.index(file)]):
+                # transformers reads this metadata key as "a torch-style state dict".
+                save_file(pending.pop(file), os.path.join(out_dir, file),
+                          metadata={"format": "pt"})
+        del x
+    bar.close()
+    if pending:
+        raise RuntimeError(f"shards {sorted(pending)} were planned but not filled")
+    total = sum(size for _, size in sizes)
+    if len(files) > 1:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": file_of}, f, indent=2,
+                      sort_keys=True)
+    copied = _copy_tokenizer(cfg, out_dir)
+    return {"step": step, "files": files, "tensors": len(sizes), "bytes": total,
+            "tokenizer_files": copied, "rope_parameters": hf.get("rope_parameters")}
+
+
+def _token_ids(init_from: str | None) -> dict:
+    """bos/eos/pad token ids of the init_from checkpoint's config.json, where present."""
+    path = os.path.join(init_from or "", "config.json")
+    if not init_from or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        hf = json.load(f)
+    return {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
+
+
+def _copy_tokenizer(cfg, out_dir: str) -> list[str]:
+    """Copies the run's tokenizer (``data.tokenizer``: a tokenizer.json or a directory with
+    one; init_from's when the run did not name one, as resume.resolve_init_from sets it), the
+    other TOKENIZER_FILES beside it (else init_from's) and init_from's
+    generation_config.json. Returns the names copied."""
+    tok = cfg.data.tokenizer
+    if tok and os.path.isdir(tok):
+        tok = os.path.join(tok, "tokenizer.json")
+    found = {"tokenizer.json": tok if tok and os.path.isfile(tok) else None}
+    dirs = [d for d in (os.path.dirname(tok) if tok else None, cfg.init_from) if d]
+    for name in TOKENIZER_FILES[1:]:
+        found[name] = next((os.path.join(d, name) for d in dirs
+                            if os.path.isfile(os.path.join(d, name))), None)
+    generation = os.path.join(cfg.init_from or "", "generation_config.json")
+    found["generation_config.json"] = generation if cfg.init_from and os.path.isfile(
+        generation) else None
+    for name, path in found.items():
+        if path:
+            shutil.copyfile(path, os.path.join(out_dir, name))
+    return [name for name, path in found.items() if path]
+
+
+class _NoBar:
+    def update(self, n): pass
+    def close(self): pass
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, desc="export", unit="tensor", dynamic_ncols=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m ulysses_jax.export",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", help="the run's --workdir (config.yaml, checkpoints/)")
+    p.add_argument("--out", required=True, help="new (or empty) Hugging Face directory")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument("--max-shard-gb", type=float, default=5.0,
+                   help="largest safetensors file, in GiB (default 5)")
+    p.add_argument("--arch", help="transformers model_type (default: the one that fits)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import logging
+    args = parse_args(argv)
+    # Orbax warns that a partial restore's item has no metadata file of its own; harmless.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    if args.dtype not in EXPORT_DTYPES:  # before anything slow is imported
+        print(f"error: --dtype must be one of {', '.join(EXPORT_DTYPES)}, got {args.dtype!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        summary = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype,
+                             max_shard_gb=args.max_shard_gb, arch=args.arch,
+                             progress=not args.no_progress)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tok = ", ".join(summary["tokenizer_files"]) or "none (a byte-level run has no tokenizer file)"
+    print(f"exported step {summary['step']} of {args.run_dir} to {args.out}: "
+          f"{summary['tensors']} tensors, {summary['bytes'] / 2 ** 30:.2f} GiB in "
+          f"{len(summary['files'])} file(s); RoPE {summary['rope_parameters']}; "
+          f"tokenizer files: {tok}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
