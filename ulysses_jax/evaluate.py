@@ -75,7 +75,7 @@ def bucket_sums(losses, positions, mask, bounds) -> tuple[np.ndarray, np.ndarray
     return sums, np.bincount(which.ravel(), mask.ravel(), n)
 
 
-def token_losses(mesh, graphdef, chunk: int = 1024):
+def token_losses(mesh, graphdef, chunk: int = 1024, prepare=None):
     """Jitted ``f(params, batch) -> (losses, predictions)``, both [B, S] sharded like the
     batch: each token's next-token loss (fp32) and the model's greedy prediction (argmax,
     int32), from [B, C, V] logits of chunks of C tokens per device.
@@ -83,6 +83,8 @@ def token_losses(mesh, graphdef, chunk: int = 1024):
     Args:
       mesh: the ("data", "seq") mesh; graphdef: the Decoder's ``nnx.graphdef``.
       chunk: tokens per device per chunk.
+      prepare: applied to the parameters inside the program (the trainer's
+        ``train_step.params_for_compute``: host-resident parameters with optimizer.offload).
     """
     import jax
     import jax.numpy as jnp
@@ -112,7 +114,7 @@ def token_losses(mesh, graphdef, chunk: int = 1024):
         return unchunk(losses), unchunk(preds)
 
     def run(params, batch):
-        model = nnx.merge(graphdef, params)
+        model = nnx.merge(graphdef, params if prepare is None else prepare(params))
         hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
         w = jax.lax.with_sharding_constraint(model.head_weight(), NamedSharding(mesh, P()))
         cap = model.cfg.final_softcap

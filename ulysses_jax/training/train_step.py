@@ -230,17 +230,23 @@ def _offloaded_params_for_compute(params, dtype, on_device):
     return jax.tree.map(lambda p, c, s: p if c else jax.device_put(p, s), copy, cast, on_device)
 
 
+def params_for_compute(cfg: Config | None, shardings) -> Callable:
+    """``f(params) -> params`` to apply inside a jitted program that reads the train state's
+    parameters outside the train step (evaluation): with ``optimizer.offload`` they live in
+    host memory and are prepared as the train step prepares them; otherwise the identity."""
+    if cfg is None or not cfg.optimizer.offload:
+        return lambda params: params
+    dtype, on_device = jnp.dtype(cfg.model.dtype), _device_shardings(shardings)
+    return lambda params: _offloaded_params_for_compute(params, dtype, on_device)
+
+
 def make_eval_step(mesh: Mesh, graphdef, shardings, cfg: Config | None = None) -> Callable:
-    """Jitted ``eval(params, batch) -> (mean loss, tokens)``. With ``cfg.optimizer.offload``
-    the parameters live in host memory and are prepared as the train step prepares them."""
-    offload = cfg is not None and cfg.optimizer.offload
-    dtype = None if cfg is None else jnp.dtype(cfg.model.dtype)
-    on_device = _device_shardings(shardings) if offload else None
+    """Jitted ``eval(params, batch) -> (mean loss, tokens)``; ``cfg`` for
+    ``params_for_compute`` (host-resident parameters with optimizer.offload)."""
+    prepare = params_for_compute(cfg, shardings)
 
     def evaluate(params, batch):
-        if offload:
-            params = _offloaded_params_for_compute(params, dtype, on_device)
-        return loss_fn(graphdef, params, batch, mesh)
+        return loss_fn(graphdef, prepare(params), batch, mesh)
 
     return jax.jit(evaluate, in_shardings=(shardings["params"], batch_shardings(mesh)))
 

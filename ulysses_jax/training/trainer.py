@@ -33,7 +33,8 @@ from .run_dir import MetricsLog, RunError, WorkdirLock, make_workdir, write_conf
 from ..config import Config, ConfigError, to_dict, to_yaml, validate
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
-from .train_step import batch_shardings, make_eval_step, make_train_step, param_count
+from .train_step import (batch_shardings, make_eval_step, make_train_step, param_count,
+                         params_for_compute)
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices report no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
@@ -339,7 +340,8 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
     step_fn = make_train_step(cfg, mesh, graphdef, tx, shardings)
     eval_fn = make_eval_step(mesh, graphdef, shardings, cfg)
     from ..evaluate import token_losses  # per-token losses: the loss by position at each eval
-    position_fn = token_losses(mesh, graphdef, cfg.model.loss_chunk)
+    position_fn = token_losses(mesh, graphdef, cfg.model.loss_chunk,
+                               prepare=params_for_compute(cfg, shardings))
     # Compile ahead of the loop: the loop runs this executable, timings exclude compilation,
     # and its cost analysis is per device (a lowered, unpartitioned program's is global).
     t0 = time.time()
