@@ -187,6 +187,9 @@ def test_angles_exact_from_the_threshold():
 MODELS = {
     "llama31": ("LlamaConfig", dict(rope_parameters=dict(LLAMA31, rope_theta=500000.0),
                                     tie_word_embeddings=True), True),
+    # Llama-3.2-1B's published RoPE (llama3, factor 32 from 8192), tied, older keys
+    "llama32": ("LlamaConfig", dict(rope_parameters=dict(LLAMA32, rope_theta=500000.0),
+                                    tie_word_embeddings=True), True),
     "qwen3_yarn": ("Qwen3Config", dict(rope_parameters=dict(QWEN3_YARN, rope_theta=1e6)), False),
     "qwen2_yarn": ("Qwen2Config", dict(rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
