@@ -125,7 +125,7 @@ def _core_args(seed, hk, hv, s=96):
             f(hk, 16, 4), f(hk, 16, 4), f(hv, 8, 4), 0.5 * f(hv), f(hv))
 
 
-@pytest.mark.parametrize("p,hk", [(2, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize("p,hk", [(2, 2), (4, 2)])
 def test_ulysses_deltanet_matches_one_device(p, hk):
     """The exchange is exact: outputs and all ten gradients equal the one-device core (P=4
     with 2 key heads copies each key head twice before the exchange)."""
@@ -404,10 +404,10 @@ def test_tiny_preset_trains_with_the_seq1_loss_curve(tmp_path):
     """train.py's tiny Qwen3-Next preset (shrunk; DeltaNet, attention and MoE layers,
     packed documents): the seq=4 loss curve equals seq=1's, and it learns."""
     from ulysses_jax.training.trainer import train
-    small = ["seq_len=128", "batch_size=2", "model.d_model=32", "model.head_dim=8",
+    small = ["seq_len=64", "batch_size=2", "model.d_model=32", "model.head_dim=8",
              "model.ffn_dim=64", "model.moe_ffn_dim=32", "model.moe_shared_ffn_dim=32",
              "model.linear_key_dim=8", "model.linear_value_dim=8", "model.loss_chunk=32",
-             "log_every=1", "steps=5", "checkpoint_every=0", "eval_batches=0",
+             "log_every=1", "steps=4", "checkpoint_every=0", "eval_batches=0",
              "optimizer.warmup_steps=2", "model.attn_impl=xla"]
     runs = {}
     for seq in (1, 4):
@@ -416,7 +416,7 @@ def test_tiny_preset_trains_with_the_seq1_loss_curve(tmp_path):
         train(cfg, str(tmp_path / str(seq)), progress=False)
         with open(tmp_path / str(seq) / "metrics.jsonl") as f:
             runs[seq] = [json.loads(line) for line in f]
-    assert [r["step"] for r in runs[1]] == [r["step"] for r in runs[4]] == list(range(1, 6))
+    assert [r["step"] for r in runs[1]] == [r["step"] for r in runs[4]] == list(range(1, 5))
     np.testing.assert_allclose([r["loss"] for r in runs[4]], [r["loss"] for r in runs[1]],
                                rtol=1e-4)
     assert runs[1][-1]["loss"] < runs[1][0]["loss"] - 0.05
