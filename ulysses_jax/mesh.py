@@ -39,7 +39,8 @@ def make_mesh(seq: int, data: int = -1, devices: Sequence[jax.Device] | None = N
     """Builds a ("data", "seq") mesh, or ("data", "ring", "seq") when ``ring > 1``.
 
     Args:
-      seq: devices per Ulysses group (the all-to-all degree U; must divide the heads).
+      seq: devices per Ulysses group (the all-to-all degree U; head counts it does not
+        divide are padded, attention/heads.py).
       data: data-parallel replicas; -1 uses all remaining devices.
       devices: devices to use (default: ``jax.devices()``).
       ring: ring-attention degree R; the sequence is split over R * seq devices.
