@@ -255,6 +255,10 @@ class Block(nnx.Module):
         with jax.named_scope("attention"):
             normed = self.attn_norm.over_chunks(x, self.mesh, self.chunk)             # [B, S, D]
             x = x + self.attn(normed, positions, segment_ids, kind)
+        return self.feed_forward(x, segment_ids)
+
+    def feed_forward(self, x, segment_ids):
+        """x + mlp(norm(x)), dense or MoE; returns (x resharded, router stats or None)."""
         stats = None
         with jax.named_scope("mlp"):
             if self.moe is None:

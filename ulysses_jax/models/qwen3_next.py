@@ -34,8 +34,7 @@ from jax.sharding import Mesh
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.linear import gated_deltanet
 from ..config import INT32_MAX, ModelConfig
-from ..mesh import act_spec, shard
-from .decoder import MLP, _gathered, norm
+from .decoder import MLP, Block, _gathered, norm
 from .rope import apply_rope
 from .moe import MoE
 from .norms import gated_rms_norm
@@ -132,9 +131,10 @@ class GatedDeltaNet(nnx.Module):
         return jnp.einsum("BSNV,NVD->BSD", o, _gathered(self.out_proj[...], dt, mesh))
 
 
-class Qwen3NextBlock(nnx.Module):
+class Qwen3NextBlock(Block):
     """x + mixer(norm(x)), then x + mlp(norm(x)); the mixer is Gated DeltaNet (``mixer`` "D")
-    or gated attention ("A"), the MLP dense or MoE (``sparse``). Returns (x, router stats)."""
+    or gated attention ("A"), the MLP dense or MoE (``sparse``, decoder.Block's
+    feed_forward). Returns (x, router stats)."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
                  layout: str = "natural", head_chunks: int = 1, sparse: bool = False,
@@ -158,16 +158,7 @@ class Qwen3NextBlock(nnx.Module):
                 x = x + self.linear_attn(normed, segment_ids)
             else:
                 x = x + self.attn(normed, positions, segment_ids)
-        stats = None
-        with jax.named_scope("mlp"):
-            if self.moe is None:
-                x = x + self.mlp(x, self.mlp_norm)
-            else:
-                valid = jnp.ones(x.shape[:2], jnp.float32) if segment_ids is None else \
-                    (segment_ids > 0).astype(jnp.float32)                   # [B, S]
-                y, stats = self.moe(self.mlp_norm(x), valid)
-                x = x + y
-        return (x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))), stats
+        return self.feed_forward(x, segment_ids)
 
 
 def mixer_matmul_params(cfg: ModelConfig, mixer: str) -> int:
