@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     import jax
     from ulysses_jax.config import load_config
     from ulysses_jax.hlo import collective_counts, collective_shapes
-    from ulysses_jax.models.moe import active_params_per_token
+    from ulysses_jax.training.flops import active_params_per_token
     from ulysses_jax.training.trainer import (_abstract_batch, build_mesh, compile_step,
                                               peak_bytes_per_device)
     from ulysses_jax.training.train_step import objective, state_layout

@@ -340,8 +340,8 @@ def test_active_params_count():
     attn = 8 * 4 * (2 * 2 + 2 * 1) + 2 * 4
     moe_layer = attn + 2 * 8 + 8 * 4 + 2 * 3 * 8 * 6
     dense_layer = attn + 2 * 8 + 3 * 8 * 12
-    assert moe.active_params_per_token(cfg) == moe_layer + dense_layer + 8 + 8 * 100
-    from ulysses_jax.training.flops import matmul_params_per_token
+    from ulysses_jax.training.flops import active_params_per_token, matmul_params_per_token
+    assert active_params_per_token(cfg) == moe_layer + dense_layer + 8 + 8 * 100
     matmuls = 2 * 8 * 4 * (2 * 2 + 2 * 1) + (8 * 4 + 2 * 3 * 8 * 6) + 3 * 8 * 12 + 8 * 100
     assert matmul_params_per_token(cfg) == matmuls  # MFU counts routed experts only
 

@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ..mesh import act_spec, num_devices
-from .moe import capacity, route, router_stats, swiglu
+from .routing import capacity, route, router_stats, swiglu
 
 
 def expert_spec(ndim: int, mesh: Mesh) -> P:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from ..config import ModelConfig
 from ..mesh import act_spec, shard
-from .decoder import MLP, Attention, norm
+from .layers import MLP, Attention, norm
 
 
 class GemmaBlock(nnx.Module):

@@ -23,14 +23,17 @@ every expert on every token (masked), the truth the tests compare it with.
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from ..config import ModelConfig
+from .expert_parallel import moe_experts
+from .layers import gathered as _gathered
+# The routing functions live in routing.py (expert_parallel.py uses them too); kept here
+# under their old names.
+from .routing import capacity, route, router_stats, swiglu  # noqa: F401
 
 _F32 = jnp.float32
 # Parameter names of the expert weights ([E, ...] leading expert axis) inside an MoE module.
@@ -50,54 +53,6 @@ def is_expert_param(keys: tuple) -> bool:
     return len(names) >= 2 and names[-2] == "moe" and names[-1] in EXPERT_PARAMS
 
 
-def capacity(tokens: int, factor: float, top_k: int, num_experts: int) -> int:
-    """Slots per (device, expert) for ``tokens`` tokens per device.
-
-    ``factor`` 0 (``model.moe_capacity_factor``) means no dropping: one expert can receive
-    every token of a device (a token picks an expert at most once), so ``tokens`` slots.
-    Otherwise ceil(factor x tokens x A / E), at least 1 and at most ``tokens``.
-    """
-    if factor <= 0:
-        return tokens
-    return max(1, min(tokens, math.ceil(factor * tokens * top_k / num_experts)))
-
-
-def route(x, w_router, top_k: int, norm_topk_prob: bool):
-    """Router probabilities and the top-k choices of every token.
-
-    Args:
-      x: [T, D] tokens in the compute dtype; w_router: [D, E] in the same dtype.
-    Returns:
-      (probs [T, E] fp32, top_w [T, A] fp32, top_i [T, A] int32).
-    """
-    logits = jnp.einsum("TD,DE->TE", x, w_router)                          # [T, E]
-    probs = jax.nn.softmax(logits.astype(_F32), axis=-1)
-    top_w, top_i = jax.lax.top_k(probs, top_k)                            # [T, A]
-    if norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    return probs, top_w, top_i.astype(jnp.int32)
-
-
-def router_stats(probs, top_i, valid, dropped=None) -> dict:
-    """This device's sums for the aux loss and the metrics (reduce them over devices).
-
-    Args:
-      probs: [T, E] fp32; top_i: [T, A] ints; valid: [T] fp32 (1 = a real token).
-      dropped: [] number of assignments this device dropped (None = 0).
-    Returns:
-      {"load": [E] assignments per expert, "prob": [E] summed probabilities, "tokens": [],
-       "dropped": []}, all fp32; load and dropped carry no gradient.
-    """
-    e = probs.shape[-1]
-    hits = jnp.zeros((e,), _F32).at[top_i.reshape(-1)].add(
-        jnp.repeat(valid, top_i.shape[-1]))                                 # [E]
-    return {"load": jax.lax.stop_gradient(hits),
-            "prob": jnp.einsum("TE,T->E", probs, valid),
-            "tokens": jnp.sum(valid),
-            "dropped": jnp.zeros((), _F32) if dropped is None
-            else jax.lax.stop_gradient(dropped.astype(_F32))}
-
-
 def aux_loss(stats: dict, num_experts: int) -> jax.Array:
     """E * sum_e f_e p_e from global sums pooled over layers (see the module docstring).
 
@@ -108,15 +63,6 @@ def aux_loss(stats: dict, num_experts: int) -> jax.Array:
     """
     tokens = jnp.maximum(stats["tokens"], 1.0)
     return num_experts * jnp.sum((stats["load"] / tokens) * (stats["prob"] / tokens))
-
-
-def swiglu(x, w_gate, w_up, w_down, spec: str = "TD,DF->TF"):
-    """SwiGLU MLP; ``spec`` is the first projection's einsum (the rest follow from it)."""
-    ins, out = spec.split("->")
-    x_spec, w_spec = ins.split(",")
-    h = jax.nn.silu(jnp.einsum(spec, x, w_gate)) * jnp.einsum(spec, x, w_up)
-    back_w = w_spec[:-2] + w_spec[-1] + w_spec[-2]                          # ..DF -> ..FD
-    return jnp.einsum(f"{out},{back_w}->{out[:-1]}{x_spec[-1]}", h, w_down)
 
 
 def reference_moe(x, w_router, w_gate, w_up, w_down, *, top_k: int, norm_topk_prob: bool,
@@ -148,20 +94,6 @@ def mlp_matmul_params(cfg: ModelConfig, i: int) -> int:
     return d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.moe_ffn_dim + shared
 
 
-def active_params_per_token(cfg: ModelConfig) -> int:
-    """Parameters a token passes through in one forward pass (MoE layers count only the
-    A routed experts, the router and the shared expert); the embedding lookup is excluded,
-    the output head and the norm scales included."""
-    from .qwen3_next import mixer_matmul_params  # qwen3_next builds on this module
-
-    d, h = cfg.d_model, cfg.head_dim
-    norms = 2 * h if cfg.qk_norm else 0
-    mixers = cfg.layer_mixers()
-    layers = sum(mixer_matmul_params(cfg, mixers[i]) + (norms if mixers[i] == "A" else 0)
-                 + 2 * d + mlp_matmul_params(cfg, i) for i in range(cfg.n_layers))
-    return layers + d + d * cfg.vocab_size
-
-
 class MoE(nnx.Module):
     """Sparse MoE MLP: ``moe(x [B, S, D], valid [B, S]) -> (y [B, S, D], stats)``.
 
@@ -190,9 +122,6 @@ class MoE(nnx.Module):
         self.cfg, self.mesh = cfg, mesh
 
     def __call__(self, x, valid):
-        from .decoder import _gathered  # decoder imports this module
-        from .expert_parallel import moe_experts
-
         dt, mesh, cfg = x.dtype, self.mesh, self.cfg
         experts = [w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down)]
         y, stats = moe_experts(x, valid, _gathered(self.router[...], dt, mesh), *experts,

@@ -34,7 +34,9 @@ from jax.sharding import Mesh
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.linear import gated_deltanet
 from ..config import INT32_MAX, ModelConfig
-from .decoder import MLP, Block, _gathered, norm
+from .layers import MLP, gathered as _gathered, norm
+from .families import family
+from .llama import Block
 from .rope import apply_rope
 from .moe import MoE
 from .norms import gated_rms_norm
@@ -168,7 +170,7 @@ def mixer_matmul_params(cfg: ModelConfig, mixer: str) -> int:
         hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
         dq, dv = cfg.linear_key_dim, cfg.linear_value_dim
         return d * (2 * hk * dq + 2 * hv * dv) + d * 2 * hv + hv * dv * d
-    gate = 2 if cfg.family == "qwen3_next" else 1  # q_proj also yields the output gate
+    gate = 2 if family(cfg.family).gated_attention else 1  # q_proj also yields the gate
     return d * cfg.n_heads * cfg.head_dim * (1 + gate) + 2 * d * cfg.n_kv_heads * cfg.head_dim
 
 

@@ -65,3 +65,15 @@ def train_step_flops(m: ModelConfig, batch_size: int, seq_len: int) -> float:
     """Model FLOPs of one optimizer step (all devices together)."""
     per_token = 6 * matmul_params_per_token(m) + attention_flops_per_token(m, seq_len)
     return float(per_token) * batch_size * seq_len
+
+
+def active_params_per_token(cfg: ModelConfig) -> int:
+    """Parameters a token passes through in one forward pass (MoE layers count only the
+    A routed experts, the router and the shared expert); the embedding lookup is excluded,
+    the output head and the norm scales included."""
+    d, h = cfg.d_model, cfg.head_dim
+    norms = 2 * h if cfg.qk_norm else 0
+    mixers = cfg.layer_mixers()
+    layers = sum(mixer_matmul_params(cfg, mixers[i]) + (norms if mixers[i] == "A" else 0)
+                 + 2 * d + mlp_matmul_params(cfg, i) for i in range(cfg.n_layers))
+    return layers + d + d * cfg.vocab_size

@@ -1,0 +1,45 @@
+"""The model families: the one place that says what differs between them.
+
+A family is its decoder block (one module per family: ``llama.py``, ``gemma.py``,
+``qwen3_next.py``) and the few traits the shared parts (``layers.py``) and the decoder read
+instead of asking ``cfg.family == ...``. This module imports nothing from the model
+package: the block class is named by "module:Class" and imported when a model is built, so
+the families can import the shared parts and the decoder can import this registry without
+an import circle. A new family is one new module and one line here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What the shared code needs to know about a family."""
+    block: str                      # "module:Class" under ulysses_jax.models
+    one_plus_norms: bool = False    # RMSNorm scales by (1 + w), w initialised at 0
+    activation: str = "silu"        # the MLP gate activation (layers.ACTIVATIONS)
+    embed_scale: bool = False       # embeddings multiplied by sqrt(d_model)
+    gated_attention: bool = False   # q_proj also yields a per-head output gate
+
+    def block_class(self):
+        """The family's decoder block class (imported now)."""
+        module, name = self.block.split(":")
+        return getattr(importlib.import_module(f"ulysses_jax.models.{module}"), name)
+
+
+FAMILIES = {
+    "llama": Family("llama:Block"),
+    "gemma": Family("gemma:GemmaBlock", one_plus_norms=True, activation="gelu_tanh",
+                    embed_scale=True),
+    "qwen3_next": Family("qwen3_next:Qwen3NextBlock", one_plus_norms=True,
+                         gated_attention=True),
+}
+
+
+def family(name: str) -> Family:
+    """The registered family ``name`` (config.validate has checked it is one of them)."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"model.family {name!r} is not one of {', '.join(FAMILIES)}") from None
