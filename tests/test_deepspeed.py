@@ -10,7 +10,7 @@ Skips only when the workers cannot import torch or deepspeed (requirements-basel
 """
 import pytest
 
-from ulysses_jax.compare import (TENSORS, Case, DeepSpeedUnavailable, DeepSpeedWorkers,
+from ulysses_jax.interop.compare import (TENSORS, Case, DeepSpeedUnavailable, DeepSpeedWorkers,
                                  compare_deepspeed, make_inputs)
 
 OUT_ABS, GRAD_REL = 1e-5, 1e-4

@@ -331,7 +331,7 @@ def test_import_does_not_need_torch(checkpoints):
 
 
 def test_compare_hf_cli(checkpoints, tmp_path, monkeypatch, capsys):
-    from ulysses_jax import compare
+    from ulysses_jax.interop import compare
     lines, passed = compare.compare_hf(checkpoints["qwen3_untied"], seqs=(1, 2), seq_len=S,
                                        batch=2, attn="sdpa", impl="xla")
     rows = [l.split() for l in lines if l.startswith(("transformers ", "ulysses_jax seq="))]

@@ -21,7 +21,7 @@ from test_hf import TOL, _hf_logits, _our_logits, _randomize, _rel
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
-from ulysses_jax.hf_variants import pattern_string
+from ulysses_jax.interop.hf_variants import pattern_string
 from ulysses_jax.models.decoder import Decoder
 
 torch = pytest.importorskip("torch", reason="torch is needed to build reference checkpoints")

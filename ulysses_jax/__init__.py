@@ -2,9 +2,11 @@
 
 Layers, each a folder: ``attention/`` (the exchange, the ring, the local kernels: everything
 that sees a whole sequence), ``models/`` (decoder families, vocabulary-parallel embedding and
-loss), ``training/`` (data, train step, checkpoints, the loop). Beside them: ``mesh`` and
-``config`` (shared by every layer), ``hf`` (Hugging Face import/export), and the command-line
-tools ``plan``, ``compare`` and ``plot``.
+loss), ``training/`` (data, train step, checkpoints, the loop), and apart from the core
+``interop/`` (Hugging Face import/export, the PyTorch-baseline harnesses; ``ulysses_jax.hf``
+and ``ulysses_jax.compare`` keep their old paths). Beside them: ``mesh`` and ``config``
+(shared by every layer), and the command-line tools ``plan``, ``plot``, ``evaluate`` and
+``export``.
 """
 from .attention import (heads_to_seq, hybrid_attention, inverse_zigzag_permutation,
                         local_attention, reference_attention, seq_to_heads, ulysses_attention,

@@ -189,7 +189,7 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
     from flax import nnx
     from jax.sharding import NamedSharding
     from .export import ExportError, pick_step, read_params, run_config
-    from .hf import load_params
+    from .interop.hf import load_params
     from .models.decoder import Decoder
     from .training import data as data_lib
     from .training.train_step import leaf_spec

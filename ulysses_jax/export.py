@@ -179,7 +179,7 @@ def hf_tensors(cfg, keys: tuple, x: np.ndarray) -> Iterator[tuple[str, np.ndarra
     Args:
       x: a numpy array, or a ``LayerReader`` (each layer is then read when it is needed).
     """
-    from .hf import _hf_names, _to_hf
+    from .interop.hf import _hf_names, _to_hf
     names, n_in = _hf_names(keys, cfg)
     for name, layer in zip(names, x if keys[0] == "layers" else [x], strict=True):
         layer = np.asarray(layer, np.float32)  # one layer read (a LayerReader reads it here)
@@ -214,7 +214,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     """
     import ml_dtypes
     from safetensors.numpy import save_file
-    from .hf import config_to_hf, _hf_names, _flat, _hf_shape
+    from .interop.hf import config_to_hf, _hf_names, _flat, _hf_shape
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if not max_shard_gb > 0:

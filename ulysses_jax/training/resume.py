@@ -53,7 +53,7 @@ def resolve_init_from(cfg: Config, notes: list[str] | None = None, *,
     """
     if not cfg.init_from:
         return cfg
-    from ..hf import config_from_hf, read_config  # lazy: only fine-tuning needs it
+    from ..interop.hf import config_from_hf, read_config  # lazy: only fine-tuning needs it
     notes = [] if notes is None else notes
     if missing_ok and not os.path.exists(os.path.join(cfg.init_from, "config.json")):
         notes.append(f"init_from {cfg.init_from!r} has no config.json (not downloaded yet?): "
@@ -107,7 +107,7 @@ def _show(value) -> str:
     """A theta as is; a scaling as its type and the fields that type reads."""
     if not isinstance(value, RopeScalingConfig):
         return repr(value)
-    from ..hf_variants import _ROPE_FIELDS
+    from ..interop.hf_variants import _ROPE_FIELDS
     return "{" + ", ".join([f"type: {value.type}"] + [f"{k}: {getattr(value, k)}"
                                                      for k in _ROPE_FIELDS[value.type]]) + "}"
 
@@ -117,7 +117,7 @@ def initial_params(cfg: Config, mesh):
     if not cfg.init_from:
         return None
     from safetensors import SafetensorError
-    from ..hf import load_params  # imported lazily: only fine-tuning needs it
+    from ..interop.hf import load_params  # imported lazily: only fine-tuning needs it
     try:
         return load_params(cfg.init_from, mesh, cfg.param_sharding, **_runtime_options(cfg))[1]
     except SafetensorError as e:

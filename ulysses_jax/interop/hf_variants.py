@@ -22,7 +22,7 @@ with a ValueError naming it.
 """
 from __future__ import annotations
 
-from .config import ROPE_TYPES, ModelConfig, RopeScalingConfig, rope_scaling_errors
+from ..config import ROPE_TYPES, ModelConfig, RopeScalingConfig, rope_scaling_errors
 
 GEMMA_ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _KIND = {"sliding_attention": "L", "full_attention": "G"}

@@ -17,7 +17,7 @@ yarn). Other scalings, biases and activations are refused with a ValueError nami
 """
 from __future__ import annotations
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .hf_variants import min_max_position_embeddings, rope_scaling_from_hf, rope_scaling_to_hf
 
 ARCH = "Qwen3NextForCausalLM"
