@@ -16,11 +16,13 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .models.families import FAMILIES as _FAMILY_REGISTRY, traits
+
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "offload")
 ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
-FAMILIES = ("llama", "gemma", "qwen3_next")
+FAMILIES = tuple(_FAMILY_REGISTRY)  # models/families.py (a leaf module: imports nothing)
 LAYER_KINDS = "LG"  # local (sliding window), global
 MIXERS = "DA"  # token mixers of qwen3_next layers: D Gated DeltaNet, A full attention
 MOMENT_DTYPES = ("float32", "bfloat16")
@@ -163,7 +165,7 @@ class ModelConfig:
 
     def layer_mixers(self) -> str:
         """One letter per layer: D (Gated DeltaNet, qwen3_next only) or A (attention)."""
-        if self.family != "qwen3_next":
+        if not traits(self.family).linear_attention:
             return "A" * self.n_layers
         pattern = self.mixer_pattern
         return (pattern * -(-self.n_layers // len(pattern)))[:self.n_layers]
@@ -417,15 +419,15 @@ def _variant_errors(m: ModelConfig) -> list[str]:
         errors.append(f"model.layer_pattern {m.layer_pattern!r} has local layers (L) but "
                       f"model.sliding_window is 0")
     errors += _qwen3_next_errors(m)
-    if m.family == "gemma" and m.num_experts:
-        errors.append(f"model.family=gemma has no mixture-of-experts layers (the MoE block is "
-                      f"Qwen3-MoE's); set model.num_experts=0, got {m.num_experts}")
+    if not traits(m.family).experts and m.num_experts:
+        errors.append(f"model.family={m.family} has no mixture-of-experts layers (the MoE block "
+                      f"is Qwen3-MoE's); set model.num_experts=0, got {m.num_experts}")
     return errors
 
 
 def _qwen3_next_errors(m: ModelConfig) -> list[str]:
-    """Rules of the Qwen3-Next keys (family qwen3_next only)."""
-    if m.family != "qwen3_next":
+    """Rules of the linear-attention (Qwen3-Next) keys, for families that have them."""
+    if not traits(m.family).linear_attention:
         return []
     errors = []
     bad = sorted(set(m.mixer_pattern) - set(MIXERS))
@@ -444,8 +446,8 @@ def _qwen3_next_errors(m: ModelConfig) -> list[str]:
         errors.append(f"model.partial_rotary_factor {m.partial_rotary_factor} must be in (0, 1] "
                       f"and rotate an even number of head dims (model.head_dim {m.head_dim} x "
                       f"{m.partial_rotary_factor} = {rotary})")
-    if m.sliding_window:
-        errors.append(f"model.family=qwen3_next has no sliding-window layers; set "
+    if m.sliding_window and not traits(m.family).sliding_windows:
+        errors.append(f"model.family={m.family} has no sliding-window layers; set "
                       f"model.sliding_window=0, got {m.sliding_window}")
     return errors
 

@@ -198,7 +198,7 @@ def _moe_note(m) -> str:
 def _mixer_note(m) -> str:
     """Qwen3-Next's token mixers for the header (DeltaNet layers need linear value heads
     divisible by each P; checked per P)."""
-    if m.family != "qwen3_next":
+    if "D" not in m.layer_mixers():
         return ""
     return (f" mixers={m.mixer_pattern} deltanet_heads={m.linear_key_heads}/"
             f"{m.linear_value_heads}x{m.linear_value_dim}")

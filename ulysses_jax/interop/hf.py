@@ -84,6 +84,17 @@ _EXPERTS = {("moe", "w_gate"): "mlp.experts.{e}.gate_proj.weight",
 _GLOBAL = {("embed",): ("model.embed_tokens.weight", 0),
            ("final_norm", "scale"): ("model.norm.weight", 0),
            ("lm_head",): ("lm_head.weight", 1)}
+def _qwen3_next_config_to_hf(cfg: ModelConfig, arch: str | None,
+                             max_position_embeddings: int | None) -> dict:
+    if arch not in (None, "qwen3_next"):
+        raise ValueError(f"arch {arch!r} does not fit a qwen3_next-family model; use "
+                         f"arch='qwen3_next'")
+    return hf_qwen3_next.config_to_hf(cfg, max_position_embeddings)
+
+
+# config.json writers of the families whose translation lives in a module of its own (the
+# llama family's is config_to_hf itself).
+_FAMILY_EXPORT = {"gemma": hf_variants.gemma_config_to_hf, "qwen3_next": _qwen3_next_config_to_hf}
 # Per-family block tensor maps (families not listed use _LAYER).
 _LAYER_TABLES = {"gemma": hf_variants.GEMMA_LAYER, "qwen3_next": hf_qwen3_next.LAYER}
 # Non-persistent RoPE buffers that old transformers versions saved; recomputed from the config.
@@ -203,13 +214,8 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
     Returns:
       A dict for config.json (both the transformers >= 5 and the older RoPE keys).
     """
-    if cfg.family == "gemma":
-        return hf_variants.gemma_config_to_hf(cfg, arch, max_position_embeddings)
-    if cfg.family == "qwen3_next":
-        if arch not in (None, "qwen3_next"):
-            raise ValueError(f"arch {arch!r} does not fit a qwen3_next-family model; use "
-                             f"arch='qwen3_next'")
-        return hf_qwen3_next.config_to_hf(cfg, max_position_embeddings)
+    if cfg.family in _FAMILY_EXPORT:  # the families with a module of their own here
+        return _FAMILY_EXPORT[cfg.family](cfg, arch, max_position_embeddings)
     if cfg.qk_norm and cfg.qkv_bias:
         raise ValueError("no supported arch has both q/k RMSNorm and q/k/v biases (Qwen3's "
                          "attention_bias also biases o_proj); qk_norm=True, qkv_bias=True")

@@ -21,6 +21,9 @@ class Family:
     activation: str = "silu"        # the MLP gate activation (layers.ACTIVATIONS)
     embed_scale: bool = False       # embeddings multiplied by sqrt(d_model)
     gated_attention: bool = False   # q_proj also yields a per-head output gate
+    linear_attention: bool = False  # layers may be Gated DeltaNet (model.mixer_pattern)
+    experts: bool = True            # MoE layers exist (model.num_experts)
+    sliding_windows: bool = True    # local layers exist (model.sliding_window)
 
     def block_class(self):
         """The family's decoder block class (imported now)."""
@@ -31,10 +34,16 @@ class Family:
 FAMILIES = {
     "llama": Family("llama:Block"),
     "gemma": Family("gemma:GemmaBlock", one_plus_norms=True, activation="gelu_tanh",
-                    embed_scale=True),
+                    embed_scale=True, experts=False),
     "qwen3_next": Family("qwen3_next:Qwen3NextBlock", one_plus_norms=True,
-                         gated_attention=True),
+                         gated_attention=True, linear_attention=True, sliding_windows=False),
 }
+
+
+def traits(name: str) -> Family:
+    """``family(name)``, or a plain Llama-like family for a name that is not registered (the
+    config's validation reports the name; its other rules still run)."""
+    return FAMILIES.get(name, FAMILIES["llama"])
 
 
 def family(name: str) -> Family:
