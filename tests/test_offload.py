@@ -134,15 +134,26 @@ def test_dry_run_puts_offloaded_bytes_in_the_host_column():
     assert off["memory_by_category"].get("layer checkpoints", 0) > 0, off["memory_by_category"]
 
 
-@pytest.mark.parametrize("over", [
-    ["optimizer.offload=true"],
-    ["model.remat=full", "model.offload_checkpoints=true"],
-])
-def test_trainer_evaluates_and_resumes_with_memory_options(tmp_path, over):
-    """The tiny preset (shrunk) through train(): train steps, held-out evaluation, a
-    checkpoint and a resume with each host-memory option give the plain run's numbers (the
-    held-out step once read the host-resident embedding directly and crashed)."""
+# Each memory option, and whether it keeps the plain run's numbers exactly (bf16 moments
+# store AdamW's moments rounded, so only their own straight run is the reference).
+MEMORY_OPTIONS = [
+    (["optimizer.offload=true"], True),
+    (["model.remat=full", "model.offload_checkpoints=true"], True),
+    (["model.remat=save_dots"], True),
+    (["model.remat=offload"], True),
+    (["optimizer.moment_dtype=bfloat16"], False),
+]
+
+
+@pytest.mark.parametrize("over,same_numbers", MEMORY_OPTIONS)
+def test_every_path_works_with_each_memory_option(tmp_path, over, same_numbers):
+    """The tiny preset (shrunk) with each memory option through every path of the trainer:
+    train steps, held-out evaluation, a checkpoint and a resume (equal to the straight run,
+    and to the plain run where the option keeps the numbers), the dry run and the export
+    (the held-out step once read the host-resident embedding directly and crashed)."""
+    from ulysses_jax import export
     from ulysses_jax.config import load_config
+    from ulysses_jax.training.dry_run import dry_run
     from ulysses_jax.training.trainer import train
     small = ["seq_len=64", "batch_size=2", "model.d_model=32", "model.head_dim=8",
              "model.ffn_dim=64", "model.loss_chunk=16", "log_every=1", "eval_every=2",
@@ -156,14 +167,17 @@ def test_trainer_evaluates_and_resumes_with_memory_options(tmp_path, over):
         with open(tmp_path / name / "metrics.jsonl") as f:
             return [json.loads(line) for line in f]
 
-    plain = run("plain", [], 3)
+    reference = run("reference", [] if same_numbers else over, 3)
     run("opt", over, 2)
     resumed = run("opt", over, 3)   # same workdir: resumes from step 2
     assert [r["step"] for r in resumed] == [1, 2, 3]
     for key in ("loss", "eval_loss"):
         got = [r.get(key) for r in resumed]
-        want = [r.get(key) for r in plain]
+        want = [r.get(key) for r in reference]
         assert any(w is not None for w in want) and [g is None for g in got] == [
             w is None for w in want], key
         np.testing.assert_allclose([g for g in got if g is not None],
                                    [w for w in want if w is not None], rtol=1e-5)
+    assert dry_run(load_config(preset, small + over))["peak_bytes_per_device"] > 0
+    assert export.main([str(tmp_path / "opt"), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").exists()
