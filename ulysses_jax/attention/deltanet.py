@@ -303,7 +303,7 @@ def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAU
         return jax.lax.scan(inner, carry, gxs)
 
     z0 = _like_varying(jnp.zeros((b, hk, r, q.shape[-1], dv), _F32), k)
-    _, o = jax.lax.scan(group, (z0, runs[:, 0]), xs)                          # [n/M, M, B, C, n, r, V]
+    _, o = jax.lax.scan(group, (z0, runs[:, 0]), xs)               # o: [n/M, M, B, C, n, r, V]
     return jnp.moveaxis(o, 2, 0).reshape(b, n * chunk, h, dv)[:, :s]
 
 

@@ -1,5 +1,7 @@
-"""Flax NNX decoder of the Llama 3 / Mistral / Qwen family with Ulysses sequence-parallel
-attention; the Gemma 2 / 3 block (``model.family=gemma``) is gemma.py, built from these parts.
+"""Flax NNX decoder with Ulysses sequence-parallel attention: embedding, the layer stack, the
+final norm and the head. Its blocks come from the family registry (``families.py``): the
+Llama 3 / Mistral / Qwen block (llama.py), Gemma 2 / 3 (gemma.py), Qwen3-Next (qwen3_next.py),
+each built from the shared parts in layers.py.
 
 Einsum letters: B batch, T query positions, S key positions (and the sequence in general),
 N query heads, K kv heads, G group (N // K), H head dim, D model dim, F ffn dim, V vocab,

@@ -1,18 +1,18 @@
 """The Gemma 2 / Gemma 3 decoder block (``model.family=gemma``).
 
-Letters as in decoder.py. What differs from the Llama block (decoder.Block), as transformers'
+Letters as in decoder.py. What differs from the Llama block (llama.Block), as transformers'
 Gemma2/Gemma3 modeling code defines it:
-  - RMSNorm scales by (1 + w), w stored and initialised at 0 (``decoder.norm``); q/k norms
-    too (Gemma 3's qk-norm, ``model.qk_norm``);
+  - RMSNorm scales by (1 + w), w stored and initialised at 0 (``layers.norm``, the
+    family's trait in families.py); q/k norms too (Gemma 3's qk-norm, ``model.qk_norm``);
   - four norms per block: the attention and the MLP outputs are normed again before their
     residual add (post_attention_layernorm, post_feedforward_layernorm);
-  - GeGLU MLP: tanh-approximated GELU of the gate (``decoder.MLP``);
+  - GeGLU MLP: tanh-approximated GELU of the gate (``layers.MLP``, families.py);
   - embeddings multiplied by sqrt(D) (``decoder.Decoder.hidden``);
   - softmax scale query_pre_attn_scalar ** -0.5 (``model.attn_scale``), attention logit
     softcap (Gemma 2, ``model.attn_softcap``), final logit softcap (Gemma 2,
     ``model.final_softcap``), local layers with a sliding window and their own RoPE base
     (Gemma 3, ``model.rope_local_theta``; ``model.layer_pattern``, e.g. LLLLLG).
-The attention itself is decoder.Attention: the exchange does not care which block it sits in.
+The attention itself is layers.Attention: the exchange does not care which block it sits in.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from .layers import MLP, Attention, norm
 class GemmaBlock(nnx.Module):
     """x + post_norm(attn(norm(x))), then x + post_norm(mlp(norm(x))); x: [B, S, D].
 
-    Calls return (x, None), as decoder.Block's do for a dense layer (Gemma has no MoE layers;
+    Calls return (x, None), as llama.Block's do for a dense layer (Gemma has no MoE layers;
     config.validate refuses them). With ``model.mlp_chunk`` the pre-norm, the GeGLU MLP and
     the post-norm all run inside the fused token-chunk loop (``MLP.__call__``): every step is
     token-local and the (1 + w) scales are plain fp32 [D] weights, so nothing needs the

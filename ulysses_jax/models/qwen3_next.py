@@ -4,9 +4,9 @@ Letters as in decoder.py, plus for the DeltaNet layers: Hk linear key heads, Hv 
 heads (Hv = r Hk), Q key head dim, V value head dim, W convolution width.
 
 As transformers' Qwen3-Next modeling code defines it:
-  - every norm scales by (1 + w), w stored and initialised at 0 (``decoder.norm``), final norm
-    and q/k norms included; the DeltaNet output norm is a plain RMSNorm (weight, init 1) times
-    SiLU of the gate z;
+  - every norm scales by (1 + w), w stored and initialised at 0 (``layers.norm``, the
+    family's trait in families.py), final norm and q/k norms included; the DeltaNet output
+    norm is a plain RMSNorm (weight, init 1) times SiLU of the gate z;
   - token mixer per layer (``ModelConfig.layer_mixers``: D Gated DeltaNet, A full attention;
     transformers' layer_types, by default three DeltaNet layers then one attention layer);
   - full attention: q_proj gives each head its query and an output gate ([D, N, 2H]); q/k
@@ -135,7 +135,7 @@ class GatedDeltaNet(nnx.Module):
 
 class Qwen3NextBlock(Block):
     """x + mixer(norm(x)), then x + mlp(norm(x)); the mixer is Gated DeltaNet (``mixer`` "D")
-    or gated attention ("A"), the MLP dense or MoE (``sparse``, decoder.Block's
+    or gated attention ("A"), the MLP dense or MoE (``sparse``, llama.Block's
     feed_forward). Returns (x, router stats)."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs,
