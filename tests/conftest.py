@@ -74,3 +74,16 @@ def cli_env(**extra) -> dict:
 
 def tolerance(dtype) -> float:
     return 1e-5 if jnp.dtype(dtype) == jnp.float32 else 1e-2
+
+
+def small_corpus(path, n=16, chars=3000):
+    """n text files cut from stdlib modules: a corpus that loads and tokenizes in a moment
+    (the whole stdlib takes seconds per tokenizer and sequence length)."""
+    import glob
+    os.makedirs(path, exist_ok=True)
+    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:n]
+    for f in files:
+        with open(f, encoding="utf-8") as src, open(os.path.join(
+                path, os.path.basename(f)[:-3] + ".txt"), "w", encoding="utf-8") as dst:
+            dst.write(src.read(chars))
+    return str(path)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import DEVICES
+from conftest import DEVICES, small_corpus
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.evaluate import evaluate, load, main, passkey_batch, token_losses
@@ -22,19 +22,6 @@ pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRID = dict(seq_len=256, batches=2, lengths=[128, 256], depths=[0.0, 0.5, 1.0], trials=1,
             progress=False)
-
-
-def small_corpus(path, n=16, chars=3000):
-    """n text files cut from stdlib modules: a corpus that loads and tokenizes in a moment
-    (the whole stdlib takes seconds per tokenizer and sequence length)."""
-    import glob
-    os.makedirs(path, exist_ok=True)
-    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:n]
-    for f in files:
-        with open(f, encoding="utf-8") as src, open(os.path.join(
-                path, os.path.basename(f)[:-3] + ".txt"), "w", encoding="utf-8") as dst:
-            dst.write(src.read(chars))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DEVICES
+from conftest import DEVICES, small_corpus
 
 torch = pytest.importorskip("torch", reason="torch is not installed (requirements-baseline.txt)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -53,19 +53,6 @@ def write_hf_checkpoint(path, rope=ROPE):
         eos_token_id=tok.token_to_id(EOS))
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
-
-
-def small_corpus(path, n=16, chars=3000):
-    """n text files cut from stdlib modules: a corpus that loads and tokenizes in a moment
-    (the whole stdlib takes seconds per tokenizer and sequence length)."""
-    import glob
-    os.makedirs(path, exist_ok=True)
-    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:n]
-    for f in files:
-        with open(f, encoding="utf-8") as src, open(os.path.join(
-                path, os.path.basename(f)[:-3] + ".txt"), "w", encoding="utf-8") as dst:
-            dst.write(src.read(chars))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

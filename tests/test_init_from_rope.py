@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import DEVICES
+from conftest import DEVICES, small_corpus
 from ulysses_jax.config import RopeScalingConfig, load_config
 from ulysses_jax.training.dry_run import dry_run
 from ulysses_jax.training.resume import resolve_init_from
@@ -24,19 +24,6 @@ SMALL = ["seq_len=64", "batch_size=2", "log_every=1", "eval_batches=0", "checkpo
          "optimizer.warmup_steps=0", "model.loss_chunk=16"]
 YARN = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
         "model.rope_scaling.original_max_position_embeddings=16"]
-
-
-def small_corpus(path, n=16, chars=3000):
-    """n text files cut from stdlib modules: a corpus that loads and tokenizes in a moment
-    (the whole stdlib takes seconds per tokenizer and sequence length)."""
-    import glob
-    os.makedirs(path, exist_ok=True)
-    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:n]
-    for f in files:
-        with open(f, encoding="utf-8") as src, open(os.path.join(
-                path, os.path.basename(f)[:-3] + ".txt"), "w", encoding="utf-8") as dst:
-            dst.write(src.read(chars))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

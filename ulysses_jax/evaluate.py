@@ -191,7 +191,6 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
     from .export import ExportError, pick_step, read_params, run_config
     from .interop.hf import load_params
     from .models.decoder import Decoder
-    from .training import data as data_lib
     from .training.train_step import leaf_spec
     if os.path.isfile(os.path.join(path, "config.yaml")):
         try:
@@ -364,16 +363,10 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-class _NoBar:
-    def update(self, n): pass
-    def close(self): pass
-
-
 def _bar(total: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-    return tqdm(total=total, desc="evaluate", unit="batch", dynamic_ncols=True)
+    from tqdm import tqdm  # disabled: update and close do nothing
+    return tqdm(total=total, desc="evaluate", unit="batch", dynamic_ncols=True,
+                disable=not enabled)
 
 
 def parse_args(argv=None):

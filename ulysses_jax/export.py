@@ -307,16 +307,10 @@ def _copy_tokenizer(cfg, out_dir: str) -> list[str]:
     return [name for name, path in found.items() if path]
 
 
-class _NoBar:
-    def update(self, n): pass
-    def close(self): pass
-
-
 def _bar(total: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-    return tqdm(total=total, desc="export", unit="tensor", dynamic_ncols=True)
+    from tqdm import tqdm  # disabled: update and close do nothing
+    return tqdm(total=total, desc="export", unit="tensor", dynamic_ncols=True,
+                disable=not enabled)
 
 
 def parse_args(argv=None):

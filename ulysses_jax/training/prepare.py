@@ -221,16 +221,10 @@ def _encoded(chunks, tokenizer: str | None, chat: bool, workers: int):
             yield pending.popleft().get()
 
 
-class _NoBar:
-    def update(self, n): pass
-    def close(self): pass
-
-
 def _bar(enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-    return tqdm(desc="prepare", unit="tok", unit_scale=True, dynamic_ncols=True)
+    from tqdm import tqdm  # disabled: update and close do nothing
+    return tqdm(desc="prepare", unit="tok", unit_scale=True, dynamic_ncols=True,
+                disable=not enabled)
 
 
 def describe(manifest: dict) -> str:

@@ -471,14 +471,7 @@ def _memory_in_use(device) -> dict:
     return out
 
 
-class _NoBar:
-    def update(self, n): pass
-    def set_postfix(self, **kw): pass
-    def close(self): pass
-
-
 def _progress(total: int, initial: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+    from tqdm import tqdm  # disabled: update, set_postfix and close do nothing
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                disable=not enabled)
