@@ -78,6 +78,26 @@ def _local_scaling() -> RopeScalingConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower of a multimodal family (Qwen2.5-VL, models/vision.py); its defaults are
+    Qwen2.5-VL-7B's. Images are cut into patch x patch pixels over temporal_patch frames; each
+    merge x merge block of patches becomes one token of the decoder."""
+    depth: int = 32
+    hidden_size: int = 1280
+    num_heads: int = 16
+    intermediate_size: int = 3420
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112          # pixels per side of an attention window
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)  # blocks attending whole frames
+    tokens_per_second: int = 2      # video: M-RoPE temporal positions per second
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder shape and runtime options (compute dtype, remat, kernels, chunking)."""
     vocab_size: int = 257
@@ -148,6 +168,15 @@ class ModelConfig:
     linear_value_dim: int = 128
     linear_conv: int = 4            # short convolution width
     partial_rotary_factor: float = 1.0
+    # Qwen2.5-VL (family qwen2_5_vl, models/vision.py): M-RoPE's frequency runs (temporal,
+    # height, width; they sum to head_dim / 2), the placeholder tokens whose embeddings the
+    # vision features replace, and the vision tower.
+    mrope_section: tuple[int, ...] = (16, 24, 24)
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
     def rope(self, kind: str) -> tuple[float, RopeScalingConfig]:
         """(RoPE base, scaling) of a layer of kind L (local) or G (global)."""
@@ -419,6 +448,7 @@ def _variant_errors(m: ModelConfig) -> list[str]:
         errors.append(f"model.layer_pattern {m.layer_pattern!r} has local layers (L) but "
                       f"model.sliding_window is 0")
     errors += _qwen3_next_errors(m)
+    errors += _vision_errors(m)
     if not traits(m.family).experts and m.num_experts:
         errors.append(f"model.family={m.family} has no mixture-of-experts layers (the MoE block "
                       f"is Qwen3-MoE's); set model.num_experts=0, got {m.num_experts}")
@@ -447,6 +477,37 @@ def _qwen3_next_errors(m: ModelConfig) -> list[str]:
                       f"and rotate an even number of head dims (model.head_dim {m.head_dim} x "
                       f"{m.partial_rotary_factor} = {rotary})")
     if m.sliding_window and not traits(m.family).sliding_windows:
+        errors.append(f"model.family={m.family} has no sliding-window layers; set "
+                      f"model.sliding_window=0, got {m.sliding_window}")
+    return errors
+
+
+def _vision_errors(m: ModelConfig) -> list[str]:
+    """Rules of the multimodal keys (M-RoPE, the vision tower), for families that have them."""
+    if not traits(m.family).vision:
+        return []
+    v, errors = m.vision, []
+    if sum(m.mrope_section) * 2 != m.head_dim or any(x < 0 for x in m.mrope_section):
+        errors.append(f"model.mrope_section {list(m.mrope_section)} must be non-negative and "
+                      f"sum to model.head_dim / 2 = {m.head_dim / 2:g}, got {sum(m.mrope_section)}")
+    for key in ("depth", "hidden_size", "num_heads", "intermediate_size", "in_channels",
+                "patch_size", "temporal_patch_size", "spatial_merge_size", "window_size"):
+        if getattr(v, key) < 1:
+            errors.append(f"model.vision.{key} must be positive, got {getattr(v, key)}")
+    if errors:
+        return errors
+    if v.hidden_size % v.num_heads or (v.hidden_size // v.num_heads) % 4:
+        errors.append(f"model.vision.hidden_size {v.hidden_size} / num_heads {v.num_heads} must "
+                      f"be a head dim divisible by 4 (2-D RoPE rotates a quarter per axis)")
+    unit = v.spatial_merge_size * v.patch_size
+    if v.window_size % unit:
+        errors.append(f"model.vision.window_size {v.window_size} must be a multiple of "
+                      f"spatial_merge_size x patch_size = {unit} pixels")
+    bad = [i for i in v.fullatt_block_indexes if not 0 <= i < v.depth]
+    if bad:
+        errors.append(f"model.vision.fullatt_block_indexes {bad} are not blocks of a tower of "
+                      f"depth {v.depth}")
+    if m.sliding_window:
         errors.append(f"model.family={m.family} has no sliding-window layers; set "
                       f"model.sliding_window=0, got {m.sliding_window}")
     return errors

@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from . import hf_qwen3_next, hf_variants
+from . import hf_qwen2_5_vl, hf_qwen3_next, hf_variants
 from ..config import DTYPES, PARAM_SHARDING, ModelConfig
 from ..mesh import make_mesh
 from ..models.decoder import Decoder, stacked_layer_indices
@@ -53,13 +53,15 @@ from ..models.decoder import Decoder, stacked_layer_indices
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": hf_qwen3_next.ARCH,
+         "qwen2_5_vl": hf_qwen2_5_vl.ARCH,
          **hf_variants.GEMMA_ARCHS}
 
 # Our parameter path -> (HF tensor name, number of leading "in" dims of our array).
 # An HF Linear weight W [out, in] maps to ours as W.T.reshape(our shape): q_proj [N*H, D]
 # -> wq [D, N, H] (1 "in" dim), o_proj [D, N*H] -> wo [N, H, D] (2 "in" dims). 0 = copy as is;
-# _FLAT = a bias, HF [N*H] <-> ours [N, H] by a reshape.
-_FLAT = -1
+# _FLAT = a bias, HF [N*H] <-> ours [N, H] by a reshape; _CONV = a convolution weight
+# HF [out, *in] <-> ours [*in, out] (the out axis moved).
+_FLAT, _CONV = hf_qwen2_5_vl.FLAT, hf_qwen2_5_vl.CONV
 _LAYER = {
     ("attn_norm", "scale"): ("input_layernorm.weight", 0),
     ("attn", "wq"): ("self_attn.q_proj.weight", 1),
@@ -94,7 +96,10 @@ def _qwen3_next_config_to_hf(cfg: ModelConfig, arch: str | None,
 
 # config.json writers of the families whose translation lives in a module of its own (the
 # llama family's is config_to_hf itself).
-_FAMILY_EXPORT = {"gemma": hf_variants.gemma_config_to_hf, "qwen3_next": _qwen3_next_config_to_hf}
+_FAMILY_EXPORT = {"gemma": hf_variants.gemma_config_to_hf, "qwen3_next": _qwen3_next_config_to_hf,
+                  "qwen2_5_vl": hf_qwen2_5_vl.config_to_hf}
+# Families whose checkpoints come in more than one key layout: a name of any -> ours.
+_KEY_LAYOUTS = {"qwen2_5_vl": hf_qwen2_5_vl.canonical_name}
 # Per-family block tensor maps (families not listed use _LAYER).
 _LAYER_TABLES = {"gemma": hf_variants.GEMMA_LAYER, "qwen3_next": hf_qwen3_next.LAYER}
 # Non-persistent RoPE buffers that old transformers versions saved; recomputed from the config.
@@ -146,6 +151,8 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
         return hf_variants.gemma_config_from_hf(hf, dtype=_dtype_name(dtype), **overrides)
     if mt == "qwen3_next":
         return hf_qwen3_next.config_from_hf(hf, dtype=_dtype_name(dtype), **overrides)
+    if mt == "qwen2_5_vl":
+        return hf_qwen2_5_vl.config_from_hf(hf, dtype=_dtype_name(dtype), **overrides)
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} (only silu is implemented)")
@@ -277,6 +284,8 @@ def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
     """HF shape of one (unstacked) parameter of ours: [out, in] for Linear weights."""
     if n_in == _FLAT:
         return (math.prod(shape),)
+    if n_in == _CONV:
+        return (shape[-1], *shape[:-1])
     return shape if n_in == 0 else (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
 
 
@@ -284,6 +293,8 @@ def _from_hf(x: np.ndarray, shape: tuple[int, ...], n_in: int) -> np.ndarray:
     """One HF tensor in our layout ``shape``: [out, in] -> [in, out] -> head-split."""
     if n_in == 0:
         return x
+    if n_in == _CONV:
+        return np.moveaxis(x, 0, -1)
     return x.reshape(shape) if n_in == _FLAT else x.T.reshape(shape)
 
 
@@ -291,12 +302,16 @@ def _to_hf(x: np.ndarray, n_in: int) -> np.ndarray:
     """One (unstacked) parameter of ours in HF layout; the inverse of ``_from_hf``."""
     if n_in == 0:
         return x
+    if n_in == _CONV:
+        return np.moveaxis(x, -1, 0)
     return x.reshape(-1) if n_in == _FLAT else x.reshape(math.prod(x.shape[:n_in]), -1).T
 
 
 def _hf_names(keys: tuple, cfg: ModelConfig) -> tuple[list, int]:
     """HF tensor names of our parameter path and their n_in: one name per stacked layer (in
     stack order), or for expert weights one list of E names per layer."""
+    if keys[0] == "visual":
+        return hf_qwen2_5_vl.vision_names(keys, cfg)
     if keys[0] != "layers":
         name, n_in = _GLOBAL[keys]
         return [name], n_in
@@ -357,6 +372,10 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
     paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)]
     wanted = {n for keys in paths for n in _flat(_hf_names(keys, cfg)[0])}
     files = _tensor_index(path)
+    # our name -> the name in the files (a family with several key layouts reads any)
+    canonical = _KEY_LAYOUTS.get(cfg.family, lambda name: name)
+    stored = {canonical(k): k for k in files}
+    files = {canonical(k): f for k, f in files.items()}
     # Checked before reading anything: a tensor we would drop changes the model's function.
     unused = sorted(k for k in set(files) - wanted if not k.endswith(_IGNORED_SUFFIXES)
                     and not k.startswith(_IGNORED_PREFIXES)
@@ -376,7 +395,7 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
             file = files[name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(file, framework="np"))
-            x = handles[file].get_tensor(name)
+            x = handles[file].get_tensor(stored[name])
             if tuple(x.shape) != shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}, expected {shape}")
             return x.astype(np.float32)
@@ -388,7 +407,7 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
 
         def load(keys: tuple[str, ...], leaf) -> jax.Array:
             names, n_in = _hf_names(keys, cfg)
-            stacked = keys[0] == "layers"
+            stacked = keys[0] == "layers" or keys[:2] == ("visual", "blocks")
             shape = leaf.shape[1:] if stacked else leaf.shape
             # One layer at a time into our layout, then stack.
             arrays = [one(n, shape, n_in) for n in names]
@@ -438,7 +457,8 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     def put(keys: tuple[str, ...], x):
         names, n_in = _hf_names(keys, cfg)
         x = np.asarray(jax.device_get(x), np.float32)
-        for name, layer in zip(names, x if keys[0] == "layers" else [x], strict=True):
+        stacked = keys[0] == "layers" or keys[:2] == ("visual", "blocks")
+        for name, layer in zip(names, x if stacked else [x], strict=True):
             pairs = zip(name, layer, strict=True) if isinstance(name, list) else [(name, layer)]
             for n, w in pairs:
                 out[n] = np.ascontiguousarray(_to_hf(w, n_in))

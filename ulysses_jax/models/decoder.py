@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
@@ -43,6 +44,8 @@ from . import vocab
 from .families import family
 from .layers import gathered as _gathered, norm
 from .moe import STAT_KEYS, is_moe_layer
+from .multimodal import prepare
+from .vision import VisionTower, merge_features
 
 _LAYER_INPUT = "layer_input"
 _REMAT_POLICIES = {
@@ -142,6 +145,9 @@ class Decoder(nnx.Module):
         self.final_norm = norm(cfg, cfg.d_model)
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(
             nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.d_model, cfg.vocab_size)))
+        # Multimodal families (Qwen2.5-VL): the vision tower whose features replace the
+        # placeholder tokens' embeddings (vision.py).
+        self.visual = VisionTower(cfg, mesh, rngs=rngs) if family(cfg.family).vision else None
 
     @property
     def dtype(self):
@@ -156,18 +162,20 @@ class Decoder(nnx.Module):
         """The output projection [D, V] in float32 (the transposed embedding when tied)."""
         return self.embed[...].T if self.lm_head is None else self.lm_head[...]
 
-    def hidden(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+    def hidden(self, tokens, positions=None, segment_ids=None, vision=None) -> jax.Array:
         """Final-normed hidden states [B, S, D] in the compute dtype (``hidden_and_stats``
         without the router statistics)."""
-        return self.hidden_and_stats(tokens, positions, segment_ids)[0]
+        return self.hidden_and_stats(tokens, positions, segment_ids, vision)[0]
 
-    def hidden_and_stats(self, tokens, positions=None, segment_ids=None):
+    def hidden_and_stats(self, tokens, positions=None, segment_ids=None, vision=None):
         """Final-normed hidden states [B, S, D] in the compute dtype, and router statistics.
 
         Args:
           tokens: [B, S] int32.
-          positions: [B, S] ints (default 0..S-1 in every row).
+          positions: [B, S] ints (default 0..S-1 in every row); [B, S, 3] M-RoPE positions
+            for a multimodal family (``multimodal.rope_index``).
           segment_ids: [B, S] ints for packed documents (0 = padding), or None.
+          vision: a multimodal family's images and videos (``multimodal.prepare``), or None.
         Returns:
           (hidden, stats): stats is None for a dense model, else ``moe.router_stats`` summed
           over all devices and MoE layers (the inputs of ``moe.aux_loss``).
@@ -184,6 +192,12 @@ class Decoder(nnx.Module):
                 x = shard(x, self.mesh, act_spec(self.mesh, 1))
             if family(self.cfg.family).embed_scale:  # x sqrt(D), the factor in the compute dtype
                 x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)
+        if vision is not None:
+            if self.visual is None:
+                raise ValueError(f"model.family={self.cfg.family} has no vision tower; images "
+                                 f"and videos need a multimodal family (qwen2_5_vl)")
+            with jax.named_scope("vision"):
+                x = merge_features(x, self.visual(vision), vision["feature_index"], self.mesh)
         with jax.named_scope("layers"):
             x, stats = self._run_layers(x, positions, segment_ids)
         return self.final_norm(x), stats
@@ -245,8 +259,20 @@ class Decoder(nnx.Module):
                     totals = summed if totals is None else jax.tree.map(jnp.add, totals, summed)
         return x, totals
 
-    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
-        h = self.hidden(tokens, positions, segment_ids)
+    def __call__(self, tokens, positions=None, segment_ids=None, vision=None,
+                 **images) -> jax.Array:
+        """fp32 logits [B, S, V]. A multimodal family also takes transformers' image inputs
+        as keywords (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``,
+        ``video_grid_thw``, ``second_per_grid_ts``), turned into M-RoPE positions and
+        ``vision`` on the host (``multimodal.prepare``: the tokens must be concrete, not
+        traced; under jit pass ``positions`` and ``vision`` instead)."""
+        if images:
+            if isinstance(tokens, jax.core.Tracer):
+                raise ValueError("image inputs are prepared on the host from the tokens; under "
+                                 "jit pass positions and vision from multimodal.prepare")
+            positions, vision = prepare(np.asarray(tokens), self.cfg, segment_ids=(
+                None if segment_ids is None else np.asarray(segment_ids)), **images)
+        h = self.hidden(tokens, positions, segment_ids, vision)
         w = _gathered(self.head_weight(), self.dtype, self.mesh)
         logits = jnp.einsum("BSD,DV->BSV", h, w, preferred_element_type=jnp.float32)
         cap = self.cfg.final_softcap

@@ -1,7 +1,7 @@
 """The model families: the one place that says what differs between them.
 
 A family is its decoder block (one module per family: ``llama.py``, ``gemma.py``,
-``qwen3_next.py``) and the few traits the shared parts (``layers.py``) and the decoder read
+``qwen3_next.py``; Qwen2.5-VL adds ``vision.py`` to the llama block) and the few traits the shared parts (``layers.py``) and the decoder read
 instead of asking ``cfg.family == ...``. This module imports nothing from the model
 package: the block class is named by "module:Class" and imported when a model is built, so
 the families can import the shared parts and the decoder can import this registry without
@@ -24,6 +24,7 @@ class Family:
     linear_attention: bool = False  # layers may be Gated DeltaNet (model.mixer_pattern)
     experts: bool = True            # MoE layers exist (model.num_experts)
     sliding_windows: bool = True    # local layers exist (model.sliding_window)
+    vision: bool = False            # a vision tower and M-RoPE (model.vision, mrope_section)
 
     def block_class(self):
         """The family's decoder block class (imported now)."""
@@ -37,6 +38,8 @@ FAMILIES = {
                     embed_scale=True, experts=False),
     "qwen3_next": Family("qwen3_next:Qwen3NextBlock", one_plus_norms=True,
                          gated_attention=True, linear_attention=True, sliding_windows=False),
+    # Qwen2.5-VL: the Qwen2 text block, a vision tower (vision.py) and M-RoPE.
+    "qwen2_5_vl": Family("llama:Block", experts=False, sliding_windows=False, vision=True),
 }
 
 

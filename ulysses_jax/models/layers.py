@@ -121,8 +121,9 @@ class Attention(nnx.Module):
             theta, scaling = cfg.rope(kind)
             # INT32_MAX: transformers' fp32 angles at every position (no exact branch at all)
             exact_from = None if cfg.rope_exact_from >= INT32_MAX else cfg.rope_exact_from
-            q = apply_rope(q, positions, theta, scaling, exact_from=exact_from)      # [B, S, N, H]
-            k = apply_rope(k, positions, theta, scaling, exact_from=exact_from)      # [B, S, K, H]
+            rope = partial(apply_rope, positions=positions, theta=theta, scaling=scaling,
+                           exact_from=exact_from, sections=cfg.mrope_section)
+            q, k = rope(q), rope(k)                                   # [B, S, N, H], [B, S, K, H]
             return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
                                      impl=cfg.attn_impl, head_chunks=self.head_chunks,
                                      layout=self.layout,

@@ -188,17 +188,62 @@ def angles(positions: jax.Array, freqs: np.ndarray,
     return jnp.where((positions >= exact_from)[..., None], exact, rounded)
 
 
+def rotate(x: jax.Array, a: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Rotates x by angles ``a``, half-split convention: dims (i, i + R/2) turn by a_i.
+
+    Args:
+      x: [B, S, N, R] (any float dtype); a: [B, S, R/2] float32 angles.
+      scale: cos and sin are multiplied by it (``attention_factor``).
+    Returns:
+      [B, S, N, R] in x's dtype, computed in float32.
+    """
+    r = x.shape[-1]
+    cos = jnp.concatenate([jnp.cos(a)] * 2, axis=-1)[:, :, None, :] * jnp.float32(scale)
+    sin = jnp.concatenate([jnp.sin(a)] * 2, axis=-1)[:, :, None, :] * jnp.float32(scale)
+    x32 = x.astype(jnp.float32)                                                       # [B, S, N, R]
+    x1, x2 = x32[..., : r // 2], x32[..., r // 2:]
+    return (x32 * cos + jnp.concatenate([-x2, x1], axis=-1) * sin).astype(x.dtype)
+
+
+def sectioned_angles(positions: jax.Array, freqs: np.ndarray, sections: tuple[int, ...],
+                     exact_from: int | None = ROPE_EXACT_FROM) -> jax.Array:
+    """Angles where each run of frequencies reads its own position component (M-RoPE).
+
+    Args:
+      positions: [B, S, C] ints, C components (Qwen2.5-VL: temporal, height, width).
+      freqs: [R/2] inverse frequencies.
+      sections: frequencies per run, summing to R/2; run i reads component i % C (as
+        transformers' ``mrope_section``).
+    Returns:
+      [B, S, R/2] float32.
+    """
+    if sum(sections) != len(freqs):
+        raise ValueError(f"M-RoPE sections {tuple(sections)} must sum to the {len(freqs)} "
+                         f"frequencies (half the rotary dim), got {sum(sections)}")
+    bounds = np.cumsum((0, *sections))
+    c = positions.shape[-1]
+    return jnp.concatenate([angles(positions[..., i % c], freqs[lo:hi], exact_from)
+                            for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))],
+                           axis=-1)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0,
                scaling: RopeScalingConfig | None = None, rotary_dim: int | None = None,
-               exact_from: int | None = ROPE_EXACT_FROM) -> jax.Array:
+               exact_from: int | None = ROPE_EXACT_FROM,
+               sections: tuple[int, ...] = ()) -> jax.Array:
     """Rotary embedding, half-split convention (Llama / Qwen / Gemma in transformers).
 
     Args:
-      x: [B, S, N, H] (any float dtype); positions: [B, S] ints.
+      x: [B, S, N, H] (any float dtype).
+      positions: [B, S] ints; or [B, S, C] with ``sections`` (M-RoPE, Qwen2.5-VL: each run
+        of frequencies reads one component; a text token has equal components, which gives
+        plain RoPE).
       theta: the RoPE base; scaling: its scaling (None = unscaled).
       rotary_dim: rotate only x[..., :rotary_dim] (even), pass the rest through unchanged
         (partial RoPE, e.g. Qwen3-Next); None = all H dims.
       exact_from: see ``angles`` (``model.rope_exact_from``).
+      sections: M-RoPE frequency runs (``model.mrope_section``); used with [B, S, C]
+        positions only.
     Returns:
       [B, S, N, H] in x's dtype.
     """
@@ -206,11 +251,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0,
     r = h if rotary_dim is None else rotary_dim
     if r % 2 or not 0 < r <= h:
         raise ValueError(f"rotary_dim must be even and in (0, head dim {h}], got {r}")
-    a = angles(positions, inv_freq(r, theta, scaling), exact_from)                # [B, S, R/2]
-    scale = jnp.float32(attention_factor(scaling))
-    cos = jnp.concatenate([jnp.cos(a)] * 2, axis=-1)[:, :, None, :] * scale           # [B, S, 1, R]
-    sin = jnp.concatenate([jnp.sin(a)] * 2, axis=-1)[:, :, None, :] * scale
-    x32 = x[..., :r].astype(jnp.float32)                                              # [B, S, N, R]
-    x1, x2 = x32[..., : r // 2], x32[..., r // 2:]
-    rotated = (x32 * cos + jnp.concatenate([-x2, x1], axis=-1) * sin).astype(x.dtype)
+    freqs = inv_freq(r, theta, scaling)
+    if positions.ndim == 3:
+        if not sections:
+            raise ValueError(f"positions of shape {tuple(positions.shape)} have a component "
+                             f"axis, which needs M-RoPE sections (model.mrope_section)")
+        a = sectioned_angles(positions, freqs, sections, exact_from)                # [B, S, R/2]
+    else:
+        a = angles(positions, freqs, exact_from)                                      # [B, S, R/2]
+    rotated = rotate(x[..., :r], a, attention_factor(scaling))
     return rotated if r == h else jnp.concatenate([rotated, x[..., r:]], axis=-1)

@@ -145,7 +145,7 @@ def objective(graphdef, params, batch, mesh: Mesh):
     """
     model = nnx.merge(graphdef, params)
     hidden, stats = model.hidden_and_stats(batch["tokens"], batch["positions"],
-                                           batch["segment_ids"])
+                                           batch["segment_ids"], batch.get("vision"))
     args = (batch["targets"], batch["loss_mask"])
     with jax.named_scope("loss"):
         if model.vocab_parallel:

@@ -1,0 +1,371 @@
+"""Qwen2.5-VL (``model.family=qwen2_5_vl``) against transformers' own model.
+
+Host-side inputs: the tower's window order, segments and 2-D RoPE positions equal
+transformers' ``vision_utils`` functions, and the M-RoPE positions its ``get_rope_index``, for
+images, multi-frame videos (with second_per_grid_ts) and non-square grids.
+
+Model: a tiny random ``Qwen2_5_VLForConditionalGeneration`` (3 vision blocks, one of them
+full attention; 2 decoder layers) written by transformers, imported on 1, 2 and 4 devices:
+logits and loss for a row whose image straddles the shard boundaries and whose two-frame
+video straddles another, beside a row with no image (relative 1e-4); images in one shard only
+(every other shard runs the same program without one); packed documents with images equal
+each document alone; gradients of the vision weights; both key layouts on disk; export round
+trip; refusals.
+"""
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from conftest import need_devices
+from ulysses_jax import make_mesh
+from ulysses_jax.config import ConfigError, load_config
+from ulysses_jax.hf import config_from_hf, from_pretrained, save_pretrained, to_hf_tensors
+from ulysses_jax.models import multimodal
+from ulysses_jax.training.train_step import objective
+
+torch = pytest.importorskip("torch", reason="torch is needed to build reference checkpoints")
+transformers = pytest.importorskip("transformers", reason="transformers is needed as reference")
+from transformers import vision_utils  # noqa: E402
+
+V, S, B = 300, 64, 2
+IMG, VID, VSTART, VEND = 290, 291, 292, 293
+K = 3 * 2 * 14 * 14  # values of one flattened patch
+TOL = 1e-4
+HF_CONFIG = dict(
+    text_config=dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                     max_position_embeddings=4096,
+                     rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                      "rope_theta": 10000.0}),
+    # window_size 56 = 2 x 2 units per window, so the grids below hold several windows
+    vision_config=dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=48,
+                       out_hidden_size=64, window_size=56, fullatt_block_indexes=[1],
+                       tokens_per_second=2),
+    image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART,
+    vision_end_token_id=VEND)
+
+
+def _randomize(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            p.copy_(0.3 * noise if p.ndim == 1 else 0.08 * noise)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(
+        transformers.Qwen2_5_VLConfig(**HF_CONFIG))
+    _randomize(model, 0)
+    path = str(tmp_path_factory.mktemp("qwen2_5_vl"))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    return _hf_load(checkpoint)
+
+
+def _hf_load(path):
+    return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+
+def _media(rng, grids):
+    grids = np.asarray(grids, np.int64).reshape(-1, 3)
+    return rng.standard_normal((int(grids.prod(-1).sum()), K)).astype(np.float32), grids
+
+
+def _place(row, at, token, n):
+    """Puts <vision_start>, n placeholders, <vision_end> into ``row`` from ``at``."""
+    row[at] = VSTART
+    row[at + 1:at + 1 + n] = token
+    row[at + 1 + n] = VEND
+
+
+def _text(rng, b=B, s=S):
+    return rng.integers(0, 280, (b, s)).astype(np.int32)
+
+
+def _straddling_inputs(seed=0):
+    """Row 0: an image of 4 x 6 units (6 windows) over tokens 13..36, across the boundaries at
+    16 and 32 (P = 2 and 4), then a two-frame video of 2 x 2 x 2 units across 48; row 1: text
+    only."""
+    rng = np.random.default_rng(seed)
+    tokens = _text(rng)
+    _place(tokens[0], 12, IMG, 24)
+    _place(tokens[0], 42, VID, 8)
+    pix, grid = _media(rng, [[1, 8, 12]])
+    vpix, vgrid = _media(rng, [[2, 4, 4]])
+    return tokens, dict(pixel_values=pix, image_grid_thw=grid, pixel_values_videos=vpix,
+                        video_grid_thw=vgrid, second_per_grid_ts=np.array([0.75]))
+
+
+def _hf_forward(model, tokens, images, labels=True):
+    mm = np.where(tokens == IMG, 1, np.where(tokens == VID, 2, 0))
+    t = torch.from_numpy(tokens).long()
+    kw = {k: torch.from_numpy(np.asarray(v)) for k, v in images.items() if v is not None}
+    return model(input_ids=t, labels=t if labels else None,
+                 mm_token_type_ids=torch.from_numpy(mm), **kw)
+
+
+def _batch(model, tokens, images, segment_ids=None):
+    b, s = tokens.shape
+    positions, vision = multimodal.prepare(tokens, model.cfg, segment_ids=segment_ids, **images)
+    return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
+            "loss_mask": np.concatenate([np.ones((b, s - 1)), np.zeros((b, 1))], 1),
+            "segment_ids": np.ones((b, s), np.int32) if segment_ids is None else segment_ids,
+            "positions": positions, "vision": vision}
+
+
+def _ours(model, tokens, images, mesh, segment_ids=None):
+    """Our logits and objective; targets pre-shifted, the last position unscored."""
+    batch = _batch(model, tokens, images, segment_ids)
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(params, batch):
+        obj, _ = objective(graphdef, params, batch, mesh)
+        logits = nnx.merge(graphdef, params)(batch["tokens"], batch["positions"],
+                                             batch["segment_ids"], batch["vision"])
+        return logits, obj
+
+    return [np.asarray(x) for x in run(params, batch)]
+
+
+# ----------------------------------------------------------------- host-side inputs
+
+@pytest.mark.parametrize("grids", [[[1, 8, 12]], [[2, 4, 4], [1, 6, 10]], [[3, 10, 6]],
+                                   [[1, 4, 4]]])
+def test_vision_layout_matches_transformers(grids):
+    cfg = config_from_hf({"model_type": "qwen2_5_vl", **HF_CONFIG})
+    v = cfg.vision
+    g = torch.tensor(grids)
+    ours = multimodal.vision_layout(np.array(grids), v)
+    window_index, cu_windows = vision_utils.get_vision_window_index(
+        g, v.spatial_merge_size, v.window_size, v.patch_size)
+    cu_frames = vision_utils.get_vision_cu_seqlens(g)
+    hw = vision_utils.get_vision_position_ids(g, v.spatial_merge_size).numpy()
+    m2 = v.spatial_merge_size ** 2
+    order = (window_index.numpy()[:, None] * m2 + np.arange(m2)).reshape(-1)
+    np.testing.assert_array_equal(ours["order"], order)
+    np.testing.assert_array_equal(ours["rope_hw"], hw[order])
+    np.testing.assert_array_equal(ours["unit_order"], torch.argsort(window_index).numpy())
+    for name, cu in (("window_segments", cu_windows), ("frame_segments", cu_frames)):
+        sizes = np.diff(cu.numpy())
+        np.testing.assert_array_equal(ours[name], np.repeat(np.arange(1, len(sizes) + 1), sizes))
+    # windows of 2 x 2 units: t x ceil(rows / 4) x ceil(columns / 4) per image (4 patches)
+    assert ours["window_segments"].max() == sum(t * -(-h // 4) * -(-w // 4) for t, h, w in grids)
+
+
+def test_rope_index_matches_transformers(hf_model):
+    tokens, images = _straddling_inputs(1)
+    images["second_per_grid_ts"] = np.array([1.3])  # non-integer interval, floored
+    ours = multimodal.rope_index(tokens, hf_model_config(), images["image_grid_thw"],
+                                 images["video_grid_thw"], images["second_per_grid_ts"])
+    mm = np.where(tokens == IMG, 1, np.where(tokens == VID, 2, 0))
+    want, _ = hf_model.model.get_rope_index(
+        torch.from_numpy(tokens).long(), torch.from_numpy(mm),
+        torch.from_numpy(images["image_grid_thw"]), torch.from_numpy(images["video_grid_thw"]),
+        torch.tensor([1.3]))
+    np.testing.assert_array_equal(ours, want.numpy().transpose(1, 2, 0))
+    assert ours[0, 43:51, 0].max() > ours[0, 43, 0] > 0  # the video's frames move in time
+    np.testing.assert_array_equal(ours[1], np.arange(S)[:, None].repeat(3, 1))
+
+
+def hf_model_config():
+    return config_from_hf({"model_type": "qwen2_5_vl", **HF_CONFIG})
+
+
+# ----------------------------------------------------------------------------- the model
+
+def test_checkpoint_is_what_it_claims(checkpoint):
+    cfg = config_from_hf(json.load(open(os.path.join(checkpoint, "config.json"))))
+    assert cfg.family == "qwen2_5_vl" and cfg.qkv_bias and cfg.mrope_section == (2, 3, 3)
+    v = cfg.vision
+    assert (v.depth, v.hidden_size, v.num_heads, v.window_size) == (3, 32, 2, 56)
+    assert v.fullatt_block_indexes == (1,) and (cfg.image_token_id, cfg.video_token_id) == (
+        IMG, VID)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_import_matches_transformers(checkpoint, hf_model, p):
+    tokens, images = _straddling_inputs(p)
+    with torch.no_grad():
+        out = _hf_forward(hf_model, tokens, images)
+    mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+    model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    logits, loss = _ours(model, tokens, images, mesh)
+    assert logits.shape == (B, S, V)
+    assert _rel(logits, out.logits.numpy()) <= TOL, _rel(logits, out.logits.numpy())
+    np.testing.assert_allclose(loss, float(out.loss), rtol=TOL)
+    # the keyword call (transformers' inputs, prepared on the host) is the same function
+    direct = np.asarray(model(jnp.asarray(tokens), **images))
+    np.testing.assert_allclose(direct, logits, rtol=0, atol=1e-5)
+    if p == 1:  # the images matter: text-only positions and embeddings give other logits
+        with torch.no_grad():
+            blind = hf_model(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
+        assert _rel(blind[0], out.logits.numpy()[0]) > 100 * TOL
+
+
+def test_a_shard_without_images_runs_the_same_program(checkpoint, hf_model):
+    """On 4 devices only the last quarter of each row holds an image: the other shards run
+    the same collectives with nothing to place, and every logit matches."""
+    rng = np.random.default_rng(5)
+    tokens = _text(rng)
+    _place(tokens[0], 50, IMG, 6)
+    _place(tokens[1], 52, IMG, 4)
+    pix, grid = _media(rng, [[1, 4, 6], [1, 4, 4]])
+    images = dict(pixel_values=pix, image_grid_thw=grid)
+    with torch.no_grad():
+        want = _hf_forward(hf_model, tokens, images).logits.numpy()
+    mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
+    model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    logits, _ = _ours(model, tokens, images, mesh)
+    assert _rel(logits, want) <= TOL
+
+
+def test_packed_documents_with_images_equal_each_document_alone(checkpoint, hf_model):
+    """Two documents in one row, each with an image: positions restart per document (M-RoPE
+    from the document's own start), attention stops at the boundary, and the features go to
+    their own document's placeholders."""
+    rng = np.random.default_rng(9)
+    cut = 28
+    tokens = _text(rng, b=1)
+    _place(tokens[0], 4, IMG, 6)            # first document: an image of 2 x 3 units
+    _place(tokens[0], cut + 10, IMG, 8)     # second: 2 x 4 units, across 32 and 48 (P = 4)
+    pix1, g1 = _media(rng, [[1, 4, 6]])
+    pix2, g2 = _media(rng, [[1, 4, 8]])
+    seg = np.where(np.arange(S) < cut, 1, 2).astype(np.int32)[None]
+    images = dict(pixel_values=np.concatenate([pix1, pix2]),
+                  image_grid_thw=np.concatenate([g1, g2]))
+    mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
+    model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    logits, _ = _ours(model, tokens, images, mesh, segment_ids=seg)
+    with torch.no_grad():
+        first = _hf_forward(hf_model, tokens[:, :cut], dict(pixel_values=pix1, image_grid_thw=g1),
+                            labels=False).logits.numpy()
+        second = _hf_forward(hf_model, tokens[:, cut:], dict(pixel_values=pix2, image_grid_thw=g2),
+                             labels=False).logits.numpy()
+    assert _rel(logits[:, :cut], first) <= TOL
+    assert _rel(logits[:, cut:], second) <= TOL
+
+
+def test_vision_gradients_match_transformers(checkpoint):
+    """d loss / d every weight (vision tower included) on 2 devices against torch's."""
+    tokens, images = _straddling_inputs(3)
+    hf = _hf_load(checkpoint)
+    loss = _hf_forward(hf, tokens, images).loss
+    loss.backward()
+    want = {n: p.grad.numpy() for n, p in hf.named_parameters()}
+    mesh = make_mesh(seq=2, data=1, devices=need_devices(2))
+    model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    batch = _batch(model, tokens, images)
+    graphdef, params = nnx.split(model)
+    grads = jax.jit(jax.grad(lambda p: objective(graphdef, p, batch, mesh)[0]))(params)
+    ours = to_hf_tensors(model.cfg, nnx.to_pure_dict(grads))
+    vision = [n for n in ours if n.startswith("visual.")]
+    assert len(vision) == 2 + 3 * 12 + 4  # patch embed, merger norm, 12 per block, merger
+    for name, g in ours.items():
+        w = want[_hf_param_name(name)]
+        assert np.max(np.abs(g - w)) <= TOL * max(np.max(np.abs(w)), 1e-3), name
+
+
+def _hf_param_name(name):
+    """transformers 5's in-memory parameter name of a published-layout tensor name."""
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model."):
+        return "model.language_model." + name[len("model."):]
+    return name
+
+
+def test_both_key_layouts_load_the_same_model(checkpoint, tmp_path):
+    """The published layout (visual.*, model.*) and transformers 5's own (model.visual.*,
+    model.language_model.*) give the same parameters."""
+    tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
+    assert any(k.startswith("visual.") for k in tensors)
+    renamed = {_hf_param_name(k): v for k, v in tensors.items()}
+    assert any(k.startswith("model.language_model.layers.") for k in renamed)
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with open(tmp_path / "config.json", "w") as f:
+        f.write(open(os.path.join(checkpoint, "config.json")).read())
+    mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
+    a = nnx.to_pure_dict(nnx.state(from_pretrained(checkpoint, mesh=mesh), nnx.Param))
+    b = nnx.to_pure_dict(nnx.state(from_pretrained(str(tmp_path), mesh=mesh), nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_export_round_trip(checkpoint, hf_model, tmp_path):
+    mesh = make_mesh(seq=2, data=1, devices=need_devices(2))
+    model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    save_pretrained(model, str(tmp_path))
+    written = json.load(open(tmp_path / "config.json"))
+    assert written["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert written["vision_config"]["fullatt_block_indexes"] == [1]
+    assert written["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    tokens, images = _straddling_inputs(4)
+    with torch.no_grad():
+        want = _hf_forward(hf_model, tokens, images).logits.numpy()
+        again = _hf_forward(_hf_load(str(tmp_path)), tokens, images).logits.numpy()
+    assert _rel(again, want) <= 1e-6
+    reloaded = from_pretrained(str(tmp_path), mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    assert dataclasses.replace(reloaded.cfg) == model.cfg
+
+
+def test_bad_inputs_name_the_numbers(checkpoint):
+    mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
+    model = from_pretrained(checkpoint, mesh=mesh)
+    tokens, images = _straddling_inputs(0)
+    short = dict(images, image_grid_thw=np.array([[1, 8, 8]]),
+                 pixel_values=images["pixel_values"][:64])
+    with pytest.raises(ValueError, match="24 image placeholders.*give 16 features"):
+        model(jnp.asarray(tokens), **short)
+    with pytest.raises(ValueError, match=r"pixel_values must be \[patches, 1176\]"):
+        model(jnp.asarray(tokens), **dict(images, pixel_values=images["pixel_values"][:5]))
+    with pytest.raises(ValueError, match="divisible by model.vision.spatial_merge_size 2"):
+        multimodal.vision_layout(np.array([[1, 5, 4]]), model.cfg.vision)
+
+
+@pytest.mark.parametrize("over,match", [
+    (["model.mrope_section=[2,3,2]"], "mrope_section .* sum to model.head_dim / 2 = 8"),
+    (["model.vision.window_size=50"], "window_size 50 must be a multiple"),
+    (["model.vision.fullatt_block_indexes=[5]"], r"fullatt_block_indexes \[5\]"),
+    (["model.vision.num_heads=3"], "head dim divisible by 4"),
+])
+def test_bad_vision_configs_are_refused(over, match):
+    base = ["model.family=qwen2_5_vl", "model.qkv_bias=true", "model.d_model=64",
+            "model.n_heads=4", "model.head_dim=16", "model.vision.depth=3",
+            "model.vision.hidden_size=32", "model.vision.num_heads=2",
+            "model.vision.window_size=56", "model.vision.fullatt_block_indexes=[1]",
+            "model.mrope_section=[2,3,3]"]
+    load_config(None, base)  # the base is valid
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, base + over)
+
+
+def test_unsupported_checkpoints_are_refused():
+    hf = {"model_type": "qwen2_5_vl", **HF_CONFIG}
+    with pytest.raises(ValueError, match="out_hidden_size 48 differs from hidden_size 64"):
+        config_from_hf({**hf, "vision_config": {**HF_CONFIG["vision_config"],
+                                                "out_hidden_size": 48}})
+    with pytest.raises(ValueError, match="use_sliding_window=true"):
+        config_from_hf({**hf, "text_config": {**HF_CONFIG["text_config"],
+                                              "use_sliding_window": True}})
+    with pytest.raises(ValueError, match="mrope_section"):
+        config_from_hf({**hf, "text_config": {**HF_CONFIG["text_config"], "rope_parameters": {
+            "rope_type": "default", "mrope_section": [4, 3, 3], "rope_theta": 1e4}}})
