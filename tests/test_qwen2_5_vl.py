@@ -125,7 +125,8 @@ def _hf_forward(model, tokens, images, labels=True):
 
 def _batch(model, tokens, images, segment_ids=None):
     b, s = tokens.shape
-    positions, vision = multimodal.prepare(tokens, model.cfg, segment_ids=segment_ids, **images)
+    positions, vision = multimodal.prepare(tokens, model.cfg, segment_ids=segment_ids,
+                                           shards=model.visual.shards(), **images)
     return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
             "loss_mask": np.concatenate([np.ones((b, s - 1)), np.zeros((b, 1))], 1),
             "segment_ids": np.ones((b, s), np.int32) if segment_ids is None else segment_ids,
@@ -187,6 +188,37 @@ def test_rope_index_matches_transformers(hf_model):
     np.testing.assert_array_equal(ours[1], np.arange(S)[:, None].repeat(3, 1))
 
 
+def test_frames_are_dealt_whole_to_balanced_groups():
+    """shards=4: every frame's patches sit inside one group, in window order; the groups'
+    loads are as even as whole frames allow; padding is its own segment; unit_order still
+    lists the units in their original order first."""
+    v = hf_model_config().vision
+    grids = np.array([[3, 4, 8], [1, 8, 12], [1, 4, 4]])   # frames of 32, 32, 32, 96, 16 patches
+    one = multimodal.vision_layout(grids, v)
+    four = multimodal.vision_layout(grids, v, shards=4)
+    cap = len(four["order"]) // 4
+    assert cap == 96  # the 96-patch image alone; the other frames share the other groups
+    groups = four["order"].reshape(4, cap)
+    frames = four["frame_segments"].reshape(4, cap)
+    for f in np.unique(four["frame_segments"]):
+        if f != multimodal.PAD_SEGMENT:
+            assert len({g for g in range(4) if (frames[g] == f).any()}) == 1
+    # largest first, each to the least-filled group: 96 | 32 + 16 | 32 | 32
+    assert sorted((g >= 0).sum() for g in groups) == [32, 32, 48, 96]
+    real = four["order"] >= 0
+    assert sorted(four["order"][real]) == sorted(one["order"])
+    # each frame's patches keep the window order of the one-group layout
+    for f in range(1, 6):
+        np.testing.assert_array_equal(four["order"][four["frame_segments"] == f],
+                                      one["order"][one["frame_segments"] == f])
+    u = len(one["unit_order"])
+    slot_first_patch = four["order"][::4][four["unit_order"][:u]]
+    np.testing.assert_array_equal(slot_first_patch, np.arange(u) * 4)
+    assert (four["window_segments"][~real] == multimodal.PAD_SEGMENT).all()
+    with pytest.raises(ValueError, match="fullest group needs 96"):
+        multimodal.vision_layout(grids, v, shards=4, capacity=64)
+
+
 def hf_model_config():
     return config_from_hf({"model_type": "qwen2_5_vl", **HF_CONFIG})
 
@@ -220,6 +252,54 @@ def test_import_matches_transformers(checkpoint, hf_model, p):
         with torch.no_grad():
             blind = hf_model(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
         assert _rel(blind[0], out.logits.numpy()[0]) > 100 * TOL
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_split_and_replicated_towers_agree(checkpoint, split):
+    """The tower split by frames over 4 devices (padded groups) and replicated on every
+    device give the one-device logits and gradients; so does a batch padded to a larger
+    patch budget, and a budget with no image at all gives the text-only logits."""
+    tokens, images = _straddling_inputs(6)
+    one = make_mesh(seq=1, data=1, devices=need_devices(1))
+    ref_model = from_pretrained(checkpoint, mesh=one, dtype=jnp.float32)
+    mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
+    model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    model.cfg = dataclasses.replace(model.cfg, vision=dataclasses.replace(
+        model.cfg.vision, split=split))
+    model.visual.cfg = model.cfg
+    assert model.visual.shards() == (4 if split else 1)
+
+    def run(m, msh, capacity=None, imgs=images):
+        positions, vision = multimodal.prepare(tokens, m.cfg, shards=m.visual.shards(),
+                                               capacity=capacity, **imgs)
+        b, s_ = tokens.shape
+        batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
+                 "loss_mask": np.ones((b, s_)), "segment_ids": np.ones((b, s_), np.int32),
+                 "positions": positions, "vision": vision}
+        graphdef, params = nnx.split(m)
+        loss, grads = jax.jit(jax.value_and_grad(
+            lambda p: objective(graphdef, p, batch, msh)[0]))(params)
+        logits = jax.jit(lambda p: nnx.merge(graphdef, p)(
+            batch["tokens"], batch["positions"], batch["segment_ids"], batch["vision"]))(params)
+        return np.asarray(logits), float(loss), nnx.to_pure_dict(grads)
+
+    want, want_loss, want_grads = run(ref_model, one)
+    for capacity in (None, 256):
+        got, loss, grads = run(model, mesh, capacity)
+        assert _rel(got, want) <= 1e-5
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                jax.tree.leaves(want_grads)):
+            g, w = np.asarray(g), np.asarray(w)
+            assert np.max(np.abs(g - w)) <= 1e-4 * max(np.max(np.abs(w)), 1e-3), path
+    # a budget of padding only: the placeholders are text here, so no feature is placed
+    text = _text(np.random.default_rng(6))
+    positions, vision = multimodal.prepare(text, model.cfg, shards=model.visual.shards(),
+                                           capacity=64)
+    assert vision["pixels"].shape[0] == 64 * model.visual.shards()
+    logits = np.asarray(model(jnp.asarray(text), positions, None, vision))
+    np.testing.assert_allclose(logits, np.asarray(ref_model(jnp.asarray(text))), rtol=0,
+                               atol=1e-5)
 
 
 def test_a_shard_without_images_runs_the_same_program(checkpoint, hf_model):

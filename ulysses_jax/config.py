@@ -95,6 +95,9 @@ class VisionConfig:
     tokens_per_second: int = 2      # video: M-RoPE temporal positions per second
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    # Each device embeds its share of the batch's frames (then the features are gathered),
+    # instead of every device embedding all of them (benchmarks/vision_memory.py).
+    split: bool = True
 
 
 @dataclass(frozen=True)

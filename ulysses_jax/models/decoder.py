@@ -270,8 +270,12 @@ class Decoder(nnx.Module):
             if isinstance(tokens, jax.core.Tracer):
                 raise ValueError("image inputs are prepared on the host from the tokens; under "
                                  "jit pass positions and vision from multimodal.prepare")
+            if self.visual is None:
+                raise ValueError(f"model.family={self.cfg.family} has no vision tower; images "
+                                 f"and videos need a multimodal family (qwen2_5_vl)")
             positions, vision = prepare(np.asarray(tokens), self.cfg, segment_ids=(
-                None if segment_ids is None else np.asarray(segment_ids)), **images)
+                None if segment_ids is None else np.asarray(segment_ids)),
+                shards=self.visual.shards(), **images)
         h = self.hidden(tokens, positions, segment_ids, vision)
         w = _gathered(self.head_weight(), self.dtype, self.mesh)
         logits = jnp.einsum("BSD,DV->BSV", h, w, preferred_element_type=jnp.float32)

@@ -30,61 +30,116 @@ def units(grid_thw, merge: int) -> np.ndarray:
     return g.prod(-1) // merge ** 2
 
 
-def vision_layout(grid_thw, v: VisionConfig) -> dict[str, np.ndarray]:
-    """The patch order and attention segments of the tower over the images of ``grid_thw``.
+PAD_SEGMENT = 2 ** 30  # segment id of padding slots: after every real one, alone together
 
-    Args:
-      grid_thw: [n, 3] (frames / temporal_patch_size, patch rows, patch columns) per image or
-        video, as the processor returns them; their patches are concatenated in this order.
-    Returns:
-      ``order`` [N]: the patch each window-order slot holds (transformers'
-      ``get_vision_window_index``, a unit's merge^2 patches kept together);
-      ``rope_hw`` [N, 2]: that patch's row and column (``get_vision_position_ids``);
-      ``window_segments`` / ``frame_segments`` [N]: the window / frame of each slot, numbered
-      from 1 in order (``cu_window_seqlens`` / ``cu_seqlens``);
-      ``unit_order`` [U]: the window-order unit of each unit in original order.
-    """
-    g = _grids(grid_thw)
+
+def _frames(g: np.ndarray, v: VisionConfig) -> list[tuple[np.ndarray, list[int]]]:
+    """Per frame of every image / video, in order: (its patches in window order, as indices
+    into the concatenated patches; the patch count of each of its windows)."""
     m = v.spatial_merge_size
-    bad = [tuple(x) for x in g if x[1] % m or x[2] % m or min(x) < 1]
-    if bad:
-        raise ValueError(f"grid_thw rows {bad[:4]} must be positive with patch rows and columns "
-                         f"divisible by model.vision.spatial_merge_size {m}")
     per_window = v.window_size // m // v.patch_size      # units per window side
-    unit_order, rope_hw, window_sizes, frame_sizes = [], [], [], []
-    first = 0
+    frames, first = [], 0
     for t, h, w in g.tolist():
         uh, uw = h // m, w // m
-        # units of each frame, window by window (row-major windows, row-major units inside)
-        idx = np.arange(t * uh * uw).reshape(t, uh, uw)
         nh, nw = -(-uh // per_window), -(-uw // per_window)
-        padded = np.full((t, nh * per_window, nw * per_window), -1)
-        padded[:, :uh, :uw] = idx
-        windows = padded.reshape(t, nh, per_window, nw, per_window).transpose(0, 1, 3, 2, 4)
-        windows = windows.reshape(t, nh * nw, per_window * per_window)
-        for frame in windows:
-            for win in frame:
-                kept = win[win >= 0]
-                if len(kept):
-                    unit_order.append(kept + first)
-                    window_sizes.append(len(kept) * m * m)
-        frame_sizes += [h * w] * t
-        # (row, column) of each patch, units block-major as the processor orders patches
+        padded = np.full((nh * per_window, nw * per_window), -1)
+        padded[:uh, :uw] = np.arange(uh * uw).reshape(uh, uw)
+        windows = padded.reshape(nh, per_window, nw, per_window).transpose(0, 2, 1, 3)
+        windows = [win[win >= 0] for win in windows.reshape(nh * nw, -1)]
+        windows = [win for win in windows if len(win)]
+        units = np.concatenate(windows)                   # window order, row-major inside
+        for f in range(t):
+            unit_ids = first + f * uh * uw + units
+            patches = (unit_ids[:, None] * m * m + np.arange(m * m)).reshape(-1)
+            frames.append((patches, [len(win) * m * m for win in windows]))
+        first += t * uh * uw
+    return frames
+
+
+def _rope_hw(g: np.ndarray, m: int) -> np.ndarray:
+    """[N, 2] (row, column) of every patch in the processor's order (a unit's m x m patches
+    together, units row-major), frames repeating the image's."""
+    out = [np.zeros((0, 2), np.int64)]
+    for t, h, w in g.tolist():
         rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        block = (uh, m, uw, m)
+        block = (h // m, m, w // m, m)
         hw = np.stack([rows.reshape(block).transpose(0, 2, 1, 3).reshape(-1),
                        cols.reshape(block).transpose(0, 2, 1, 3).reshape(-1)], -1)
-        rope_hw.append(np.tile(hw, (t, 1)))
-        first += t * uh * uw
-    window_index = (np.concatenate(unit_order) if unit_order else np.zeros(0, np.int64))
-    order = (window_index[:, None] * m * m + np.arange(m * m)).reshape(-1)
-    hw = np.concatenate(rope_hw) if rope_hw else np.zeros((0, 2), np.int64)
-    return {"order": order.astype(np.int32), "rope_hw": hw[order].astype(np.int32),
-            "window_segments": np.repeat(np.arange(1, len(window_sizes) + 1),
-                                         window_sizes).astype(np.int32),
-            "frame_segments": np.repeat(np.arange(1, len(frame_sizes) + 1),
-                                        frame_sizes).astype(np.int32),
-            "unit_order": np.argsort(window_index, kind="stable").astype(np.int32)}
+        out.append(np.tile(hw, (t, 1)))
+    return np.concatenate(out)
+
+
+def vision_layout(grid_thw, v: VisionConfig, shards: int = 1,
+                  capacity: int | None = None) -> dict[str, np.ndarray]:
+    """Where each patch goes in the tower, and its attention segments and 2-D positions.
+
+    Frames (an image, or one temporal patch of a video) are the tower's independent pieces:
+    every attention stays inside one. They are dealt to ``shards`` groups of ``capacity``
+    slots (largest first, each to the least-filled group; ``VisionTower`` runs one group per
+    device when split), and inside a frame the patches take transformers' window order
+    (``get_vision_window_index``: the units of each window of window_size pixels together,
+    a unit's merge^2 patches adjacent). Unused slots are padding, alone in their own segment.
+
+    Args:
+      grid_thw: [n, 3] (temporal patches, patch rows, patch columns) per image or video, as
+        the processor returns them; their patches are concatenated in this order.
+      shards: groups; capacity: slots per group (a multiple of merge^2); None = the fullest
+        group's patches.
+    Returns:
+      ``order`` [G*C]: the patch each slot holds (-1: padding), for the host to place the
+      pixel rows; ``rope_hw`` [G*C, 2]: its patch's row and column
+      (``get_vision_position_ids``); ``window_segments`` / ``frame_segments`` [G*C]: its window /
+      frame, numbered from 1 in slot order (``cu_window_seqlens`` / ``cu_seqlens``),
+      PAD_SEGMENT for padding; ``unit_order`` [G*C / merge^2]: the slot unit of each unit, the
+      images' and videos' U units in order first, then the padding units.
+    Raises:
+      ValueError: bad grids, or frames that do not fit the groups (names the numbers).
+    """
+    g = _grids(grid_thw)
+    m2 = v.spatial_merge_size ** 2
+    bad = [tuple(x) for x in g if x[1] % v.spatial_merge_size or x[2] % v.spatial_merge_size
+           or min(x) < 1]
+    if bad:
+        raise ValueError(f"grid_thw rows {bad[:4]} must be positive with patch rows and columns "
+                         f"divisible by model.vision.spatial_merge_size {v.spatial_merge_size}")
+    frames = _frames(g, v)
+    load, members = [0] * shards, [[] for _ in range(shards)]
+    for f in sorted(range(len(frames)), key=lambda f: (-len(frames[f][0]), f)):
+        target = min(range(shards), key=lambda i: (load[i], i))
+        load[target] += len(frames[f][0])
+        members[target].append(f)
+    fullest = max(load)
+    capacity = -(-fullest // m2) * m2 if capacity is None else capacity
+    if capacity % m2 or fullest > capacity:
+        sizes = sorted((len(p) for p, _ in frames), reverse=True)[:4]
+        raise ValueError(f"the images' {sum(load)} patches (largest frames {sizes}) do not fit "
+                         f"{shards} group(s) of {capacity} slots (a multiple of "
+                         f"{m2}): the fullest group needs {fullest}; raise the vision patch "
+                         f"budget or use fewer or smaller images")
+    order = np.full(shards * capacity, -1, np.int64)
+    windows = np.full(shards * capacity, PAD_SEGMENT, np.int64)
+    frame_ids = np.full(shards * capacity, PAD_SEGMENT, np.int64)
+    next_window = 1
+    for s, fs in enumerate(members):
+        at = s * capacity
+        for f in sorted(fs):
+            patches, sizes = frames[f]
+            order[at:at + len(patches)] = patches
+            frame_ids[at:at + len(patches)] = f + 1
+            windows[at:at + len(patches)] = np.repeat(
+                np.arange(next_window, next_window + len(sizes)), sizes)
+            next_window += len(sizes)
+            at += len(patches)
+    hw = _rope_hw(g, v.spatial_merge_size)
+    real = order >= 0
+    rope_hw = np.zeros((len(order), 2), np.int64)
+    rope_hw[real] = hw[order[real]]
+    slot_units = order[::m2]                       # the first patch of each slot unit
+    unit_order = np.argsort(np.where(slot_units >= 0, slot_units, np.inf), kind="stable")
+    return {"order": order, "rope_hw": rope_hw.astype(np.int32),
+            "window_segments": windows.astype(np.int32),
+            "frame_segments": frame_ids.astype(np.int32),
+            "unit_order": unit_order.astype(np.int32)}
 
 
 def _documents(segment_ids, b: int, s: int) -> list[list[tuple[int, int]]]:
@@ -193,7 +248,8 @@ def feature_index(tokens, cfg: ModelConfig, image_units: int, video_units: int) 
 
 def prepare(tokens, cfg: ModelConfig, *, pixel_values=None, image_grid_thw=None,
             pixel_values_videos=None, video_grid_thw=None, second_per_grid_ts=None,
-            segment_ids=None) -> tuple[np.ndarray, dict | None]:
+            segment_ids=None, shards: int = 1,
+            capacity: int | None = None) -> tuple[np.ndarray, dict | None]:
     """Everything a Qwen2.5-VL forward needs besides the tokens, from transformers' inputs.
 
     Args:
@@ -202,10 +258,12 @@ def prepare(tokens, cfg: ModelConfig, *, pixel_values=None, image_grid_thw=None,
         with their ``image_grid_thw`` / ``video_grid_thw`` [n, 3] (the processor's outputs).
       second_per_grid_ts: [videos] seconds per temporal patch (default 1).
       segment_ids: [B, S] packed documents (0 = padding), or None.
+      shards, capacity: the tower's groups and slots per group (``vision_layout``;
+        ``VisionTower.shards()``).
     Returns:
       (positions [B, S, 3] int32, vision): vision is None without images or videos, else the
-      dict ``Decoder`` takes: ``vision_layout``'s arrays, ``pixels`` [N, K] float32 and
-      ``feature_index`` [B, S].
+      dict ``Decoder`` takes: ``vision_layout``'s device arrays, ``pixels`` [G*C, K] float32
+      (the patches in slot order, zeros in padding) and ``feature_index`` [B, S].
     """
     v = cfg.vision
     k = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
@@ -228,7 +286,11 @@ def prepare(tokens, cfg: ModelConfig, *, pixel_values=None, image_grid_thw=None,
     index = feature_index(tokens, cfg, image_units, video_units)
     positions = rope_index(tokens, cfg, image_grid_thw, video_grid_thw, second_per_grid_ts,
                            segment_ids)
-    if not pieces:
+    if not pieces and capacity is None:
         return positions, None
-    layout = vision_layout(np.concatenate(grids), v)
-    return positions, {**layout, "pixels": np.concatenate(pieces), "feature_index": index}
+    layout = vision_layout(np.concatenate(grids) if grids else None, v, shards, capacity)
+    order = layout.pop("order")
+    pixels = np.zeros((len(order), k), np.float32)
+    if pieces:
+        pixels[order >= 0] = np.concatenate(pieces)[order[order >= 0]]
+    return positions, {**layout, "pixels": pixels, "feature_index": index}

@@ -25,31 +25,34 @@ an image.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from ..attention.chunked import chunked_attention
 from ..config import ModelConfig
 from ..mesh import act_spec, shard
 from .layers import RMSNorm, gathered
+from .norms import rms_norm
 from .rope import angles, rotate
 
 _BLOCK = 256  # query / key block of the tower's chunked attention (windows are 64 patches)
 
 
-def _linear(x, w, b, mesh):
+def _linear(x, w, b):
     """x @ w + b in x's dtype: x [..., I]; w [I, O]; b [O]."""
     dt = x.dtype
-    return jnp.einsum("...I,IO->...O", x, gathered(w, dt, mesh)) + gathered(b, dt, mesh)
+    return jnp.einsum("...I,IO->...O", x, w.astype(dt)) + b.astype(dt)
 
 
 class VisionBlock(nnx.Module):
-    """x + attn(norm1(x)), then + mlp(norm2(x)); attention within segments, 2-D RoPE."""
+    """The parameters of one block (its function is ``_block``)."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh | None, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         v = cfg.vision
         d, n, f = v.hidden_size, v.num_heads, v.intermediate_size
         h = d // n
@@ -67,25 +70,59 @@ class VisionBlock(nnx.Module):
         self.b_up = zeros(f)
         self.w_down = nnx.Param(init(rngs.params(), (f, d)))
         self.b_down = zeros(d)
-        self.mesh = mesh
 
-    def __call__(self, x, rope_angles, segment_ids):
-        """x [N, Dv]; rope_angles [N, Hv/2] float32; segment_ids [N] ints -> [N, Dv]."""
-        dt, mesh = x.dtype, self.mesh
-        h = self.norm1(x)
-        qkv = jnp.einsum("ND,DCMH->NCMH", h, gathered(self.wqkv[...], dt, mesh)) + \
-            gathered(self.bqkv[...], dt, mesh)                                       # [N, 3, Nv, Hv]
-        q, k, v = (qkv[None, :, i] for i in range(3))                                # [1, N, Nv, Hv]
-        q, k = rotate(q, rope_angles[None]), rotate(k, rope_angles[None])
-        block = min(_BLOCK, x.shape[0])
-        o = chunked_attention(q, k, v, causal=False, segment_ids=segment_ids[None],
-                              block_q=block, block_k=block)[0]                        # [N, Nv, Hv]
-        x = x + jnp.einsum("NMH,MHD->ND", o, gathered(self.wo[...], dt, mesh)) + \
-            gathered(self.bo[...], dt, mesh)
-        h = self.norm2(x)
-        gate = _linear(h, self.w_gate[...], self.b_gate[...], mesh)                 # [N, Fv]
-        up = _linear(h, self.w_up[...], self.b_up[...], mesh)
-        return x + _linear(jax.nn.silu(gate) * up, self.w_down[...], self.b_down[...], mesh)
+
+def _block(p: dict, x, rope_angles, segment_ids, eps: float):
+    """x + attn(norm1(x)), then + mlp(norm2(x)): attention within segments, 2-D RoPE.
+
+    Args:
+      p: one block's parameters (``VisionBlock``'s pure dict, float32).
+      x: [N, Dv]; rope_angles [N, Hv/2] float32; segment_ids [N] ints.
+    """
+    dt = x.dtype
+    h = rms_norm(x, p["norm1"]["scale"], eps)
+    qkv = jnp.einsum("ND,DCMH->NCMH", h, p["wqkv"].astype(dt)) + p["bqkv"].astype(dt)
+    q, k, v = (qkv[None, :, i] for i in range(3))                                    # [1, N, Nv, Hv]
+    q, k = rotate(q, rope_angles[None]), rotate(k, rope_angles[None])
+    block = min(_BLOCK, x.shape[0])
+    o = chunked_attention(q, k, v, causal=False, segment_ids=segment_ids[None],
+                          block_q=block, block_k=block)[0]                            # [N, Nv, Hv]
+    x = x + jnp.einsum("NMH,MHD->ND", o, p["wo"].astype(dt)) + p["bo"].astype(dt)
+    h = rms_norm(x, p["norm2"]["scale"], eps)
+    gate, up = _linear(h, p["w_gate"], p["b_gate"]), _linear(h, p["w_up"], p["b_up"])
+    return x + _linear(jax.nn.silu(gate) * up, p["w_down"], p["b_down"])           # [N, Dv]
+
+
+def _tower(p: dict, pixels, rope_hw, window_segments, frame_segments, *, cfg: ModelConfig,
+           inv: np.ndarray):
+    """The tower over patches already in window order (one shard's, or all): [N, K] ->
+    merged units [N / M^2, D] in the same order."""
+    v, dt = cfg.vision, jnp.dtype(cfg.dtype)
+    m2 = v.spatial_merge_size ** 2
+    x = jnp.einsum("NK,KD->ND", pixels.astype(dt),
+                   p["patch_embed"].astype(dt).reshape(-1, v.hidden_size))          # [N, Dv]
+    rope_angles = jnp.concatenate([angles(rope_hw[None, :, 0], inv, None),
+                                   angles(rope_hw[None, :, 1], inv, None)], axis=-1)[0]
+    full = np.zeros(v.depth, bool)
+    full[list(v.fullatt_block_indexes)] = True
+
+    def body(x, xs):
+        block, is_full = xs
+        seg = jnp.where(is_full, frame_segments, window_segments)
+        return _block(block, x, rope_angles, seg, v.norm_eps), None
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, (p["blocks"], jnp.asarray(full)))
+    x = rms_norm(x, p["merge_norm"]["scale"], v.norm_eps).reshape(-1, m2 * v.hidden_size)
+    x = jax.nn.gelu(_linear(x, p["merge_w1"], p["merge_b1"]), approximate=False)
+    return _linear(x, p["merge_w2"], p["merge_b2"])                                  # [U, D]
+
+
+def split_axes(mesh: Mesh | None) -> tuple[str, ...]:
+    """The mesh axes the tower's frames are split over (``model.vision.split``): all of them
+    (each device embeds 1 / devices of the batch's frames), () on no mesh."""
+    return () if mesh is None else tuple(mesh.axis_names)
 
 
 class VisionTower(nnx.Module):
@@ -98,7 +135,7 @@ class VisionTower(nnx.Module):
         # transformers' Conv3d weight [Dv, C, Tp, P, P] with its out axis last
         self.patch_embed = nnx.Param(init(rngs.params(), (
             v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size, d)))
-        self.blocks = nnx.vmap(lambda key: VisionBlock(cfg, mesh, rngs=nnx.Rngs(key)))(
+        self.blocks = nnx.vmap(lambda key: VisionBlock(cfg, rngs=nnx.Rngs(key)))(
             jax.random.split(rngs.params(), v.depth))                                  # [depth, ...]
         self.merge_norm = RMSNorm(d, v.norm_eps)
         self.merge_w1 = nnx.Param(init(rngs.params(), (m2 * d, m2 * d)))
@@ -115,44 +152,36 @@ class VisionTower(nnx.Module):
         exponent = np.arange(0, half, 2).astype(np.float32) / np.float32(half)
         return np.float32(1.0) / np.float32(np.float64(v.rope_theta) ** exponent.astype(np.float64))
 
-    def __call__(self, layout: dict) -> jax.Array:
-        """The merged features of all images / frames in their original order.
+    def shards(self) -> int:
+        """Groups the frames are laid out in (``multimodal.vision_layout``): the devices when
+        the tower is split over them, else 1."""
+        if not self.cfg.vision.split or self.mesh is None:
+            return 1
+        return int(np.prod([self.mesh.shape[a] for a in split_axes(self.mesh)]))
+
+    def __call__(self, vision: dict) -> jax.Array:
+        """The merged features of all images / frames, in their original order first.
 
         Args:
-          layout: ``multimodal.vision_layout``'s arrays, as jax arrays: ``pixels`` [N, K],
-            ``order`` [N] (patch index of each window-order slot), ``rope_hw`` [N, 2] (row,
-            column of each slot's patch), ``window_segments`` and ``frame_segments`` [N],
-            ``unit_order`` [U] (window-order slot of each unit).
+          vision: ``multimodal.prepare``'s arrays: ``pixels`` [G*C, K], ``rope_hw`` [G*C, 2],
+            ``window_segments`` and ``frame_segments`` [G*C] (slots in window order, G groups
+            of C, ``shards()``), ``unit_order`` [G*C / M^2].
         Returns:
-          [U, D] in the compute dtype.
+          [G*C / M^2, D] in the compute dtype: row u < U is unit u of the images then videos.
         """
         cfg, mesh = self.cfg, self.mesh
-        v, dt = cfg.vision, jnp.dtype(cfg.dtype)
-        m2 = v.spatial_merge_size ** 2
-        x = jnp.einsum("NK,KD->ND", layout["pixels"].astype(dt),
-                       gathered(self.patch_embed[...], dt, mesh).reshape(-1, v.hidden_size))
-        x = jnp.take(x, layout["order"], axis=0)                                     # [N, Dv]
-        inv = self.inv_freq()
-        hw = layout["rope_hw"]
-        rope_angles = jnp.concatenate([angles(hw[None, :, 0], inv, None),
-                                       angles(hw[None, :, 1], inv, None)], axis=-1)[0]  # [N, Hv/2]
-        full = np.zeros(v.depth, bool)
-        full[list(v.fullatt_block_indexes)] = True
-        graphdef, state = nnx.split(self.blocks)
-
-        def body(x, xs):
-            state, is_full = xs
-            seg = jnp.where(is_full, layout["frame_segments"], layout["window_segments"])
-            return nnx.merge(graphdef, state)(x, rope_angles, seg), None
-
-        if cfg.remat != "none":
-            body = jax.checkpoint(body, prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, (state, jnp.asarray(full)))
-        x = self.merge_norm(x).reshape(-1, m2 * v.hidden_size)                       # [U, M^2 Dv]
-        x = jax.nn.gelu(_linear(x, self.merge_w1[...], self.merge_b1[...], mesh),
-                        approximate=False)
-        x = _linear(x, self.merge_w2[...], self.merge_b2[...], mesh)                 # [U, D]
-        return jnp.take(x, layout["unit_order"], axis=0)
+        params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
+        if mesh is not None:  # replicated at the point of use (all-gathered under ZeRO-3)
+            params = jax.tree.map(lambda w: gathered(w, jnp.float32, mesh), params)
+        tower = partial(_tower, cfg=cfg, inv=self.inv_freq())
+        args = (vision["pixels"], vision["rope_hw"], vision["window_segments"],
+                vision["frame_segments"])
+        if self.shards() > 1:
+            spec = P(split_axes(mesh))
+            tower = jax.shard_map(tower, mesh=mesh, in_specs=(P(),) + (spec,) * 4,
+                                  out_specs=spec)
+        units = tower(params, *args)                                                 # [G*C/M^2, D]
+        return jnp.take(units, vision["unit_order"], axis=0)
 
 
 def merge_features(x: jax.Array, features: jax.Array, feature_index: jax.Array,
