@@ -230,6 +230,9 @@ class DataConfig:
     heldout_fraction: float = 0.02
     chat_overflow: str = "truncate"  # chat store: a conversation longer than seq_len is
     #                                  "truncate"d to its first seq_len tokens or "drop"ped
+    # Multimodal models: image patch slots per device (per group of the vision tower); 0 =
+    # enough for any batch (training/vision_batches.py).
+    vision_patches: int = 0
 
 
 @dataclass(frozen=True)
@@ -429,6 +432,12 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                       f"{cfg.optimizer.schedule_steps}")
     if not 0.0 <= cfg.data.heldout_fraction < 1.0:
         errors.append(f"data.heldout_fraction must be in [0, 1), got {cfg.data.heldout_fraction}")
+    if cfg.data.vision_patches < 0:
+        errors.append(f"data.vision_patches must be 0 (enough for any batch) or positive, got "
+                      f"{cfg.data.vision_patches}")
+    if traits(m.family).vision and mesh.ring > 1:
+        errors.append(f"model.family={m.family} needs mesh.ring 1 (its batches are not laid "
+                      f"out in the ring's zigzag order), got {mesh.ring}")
     if cfg.data.chat_overflow not in ("truncate", "drop"):
         errors.append(f"data.chat_overflow must be 'truncate' or 'drop', got "
                       f"{cfg.data.chat_overflow!r}")

@@ -115,7 +115,8 @@ def token_losses(mesh, graphdef, chunk: int = 1024, prepare=None):
 
     def run(params, batch):
         model = nnx.merge(graphdef, params if prepare is None else prepare(params))
-        hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+        hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"],
+                              batch.get("vision"))
         w = jax.lax.with_sharding_constraint(model.head_weight(), NamedSharding(mesh, P()))
         cap = model.cfg.final_softcap
         fn = jax.shard_map(lambda h, w, t: body(h, w, t, cap), mesh=mesh,

@@ -204,8 +204,8 @@ def usage(buffers: list[Buffer], exclude=lambda b: False,
 
 # Categories, from the name stack (the model's named scopes) and the state path of arguments.
 CATEGORIES = ("parameters", "optimizer state", "batch", "layer checkpoints", "attention",
-              "mlp", "loss / vocabulary", "embedding", "layer gradients", "gradients",
-              "optimizer update", "other")
+              "mlp", "loss / vocabulary", "embedding", "vision tower", "layer gradients",
+              "gradients", "optimizer update", "other")
 
 
 def categorize(b: Buffer, n_layers: int) -> str:
@@ -219,6 +219,8 @@ def categorize(b: Buffer, n_layers: int) -> str:
         return "batch"
     if "optimizer" in n:
         return "optimizer update"
+    if "/vision/" in n or n.endswith("/vision"):
+        return "vision tower"        # the multimodal families' tower (models/vision.py)
     backward = "transpose(" in n
     dims = _ARRAY.findall(b.shape)
     lead = int(dims[0][1].split(",")[0]) if dims and dims[0][1] else 0

@@ -19,6 +19,11 @@ Per token, forward + backward = 3 x forward, a multiply-add = 2 FLOPs:
     output gate (D·N·2H); a Gated DeltaNet layer counts its projections (in_proj_qkvz,
     in_proj_ba, out_proj) as matmul weights and, in place of attention, the chunked delta
     rule's matmuls (``qwen3_next.deltanet_flops_per_token``: linear in S).
+  - the vision tower (``model.family=qwen2_5_vl``), over every patch slot of the batch (the
+    padding slots are computed too; ``vision_flops``): its weights (patch embedding, the
+    blocks, the merger per merge^2 patches) and bidirectional attention over a window's
+    patches, or at the full-attention blocks over a frame of ``frame_patches`` (an estimate:
+    frames differ).
 Recomputation (remat) is not counted (that would be hardware FLOPs, HFU), nor the tiles the
 packed-document kernels skip: ``mfu`` counts every causal pair of the row, so packed rows do
 less work than it counts (their "useful" attention is sum(l²)/S² of it).
@@ -61,10 +66,25 @@ def attention_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True)
     return (m.n_layers - local) * per_layer + local * windowed
 
 
-def train_step_flops(m: ModelConfig, batch_size: int, seq_len: int) -> float:
-    """Model FLOPs of one optimizer step (all devices together)."""
+def vision_flops(m: ModelConfig, patches: int, frame_patches: int) -> float:
+    """Forward + backward FLOPs of the vision tower over ``patches`` patches."""
+    v = m.vision
+    d, f, m2 = v.hidden_size, v.intermediate_size, v.spatial_merge_size ** 2
+    k = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    weights = k * d + v.depth * (4 * d * d + 3 * d * f) + (m2 * d * m2 * d + m2 * d * m.d_model) / m2
+    window = (v.window_size // v.patch_size) ** 2
+    full = len(v.fullatt_block_indexes)
+    pairs = (v.depth - full) * window + full * frame_patches  # keys per query, all blocks
+    return float(6 * weights + 12 * d * pairs) * patches
+
+
+def train_step_flops(m: ModelConfig, batch_size: int, seq_len: int,
+                     vision_patches: int = 0, frame_patches: int = 0) -> float:
+    """Model FLOPs of one optimizer step (all devices together); ``vision_patches``: the
+    vision tower's patch slots (a multimodal family), ``frame_patches`` a frame's."""
     per_token = 6 * matmul_params_per_token(m) + attention_flops_per_token(m, seq_len)
-    return float(per_token) * batch_size * seq_len
+    tower = vision_flops(m, vision_patches, frame_patches) if vision_patches else 0.0
+    return float(per_token) * batch_size * seq_len + tower
 
 
 def active_params_per_token(cfg: ModelConfig) -> int:

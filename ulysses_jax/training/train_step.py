@@ -23,9 +23,11 @@ from ..models import vocab
 from ..config import Config
 from .data import FIELDS
 from .optimizer import compute_copy_mask, make_optimizer, make_schedule
+from .vision_batches import vision_shardings
 from ..models.loss import chunked_cross_entropy
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
+from ..models.families import family
 from ..models.expert_parallel import expert_spec
 from ..models.moe import aux_loss, is_expert_param
 
@@ -116,9 +118,14 @@ def init_state(cfg: Config, mesh: Mesh, params: dict | None = None):
     return graphdef, state, shardings, tx
 
 
-def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
-    """One layout for every batch field (data.FIELDS): P("data", seq axes)."""
-    return {k: NamedSharding(mesh, act_spec(mesh)) for k in FIELDS}
+def batch_shardings(mesh: Mesh, cfg: Config | None = None) -> dict:
+    """One layout for every batch field (data.FIELDS): P("data", seq axes); for a multimodal
+    family (``cfg``) also M-RoPE positions [B, S, 3] and the ``vision`` arrays
+    (``vision_batches.vision_shardings``)."""
+    out = {k: NamedSharding(mesh, act_spec(mesh)) for k in FIELDS}
+    if cfg is not None and family(cfg.model.family).vision:
+        out.update(vision_shardings(mesh, cfg.model.vision.split))
+    return out
 
 
 def loss_fn(graphdef, params, batch, mesh: Mesh):
@@ -213,7 +220,7 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **extra}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
-    return jax.jit(step, in_shardings=(shardings, batch_shardings(mesh)),
+    return jax.jit(step, in_shardings=(shardings, batch_shardings(mesh, cfg)),
                    out_shardings=(shardings, None), donate_argnums=0)
 
 
@@ -248,7 +255,7 @@ def make_eval_step(mesh: Mesh, graphdef, shardings, cfg: Config | None = None) -
     def evaluate(params, batch):
         return loss_fn(graphdef, prepare(params), batch, mesh)
 
-    return jax.jit(evaluate, in_shardings=(shardings["params"], batch_shardings(mesh)))
+    return jax.jit(evaluate, in_shardings=(shardings["params"], batch_shardings(mesh, cfg)))
 
 
 def param_count(params: Any) -> int:

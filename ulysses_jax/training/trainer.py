@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from . import data as data_lib
+from . import data as data_lib, vision_batches
 from .checkpoint import Checkpointer, SaveFailed
 from .flops import train_step_flops
 from .packing import store_rows
@@ -31,6 +31,7 @@ from .tb_log import TensorBoardLog, Tee
 from .resume import resolve_init_from, start_state
 from .run_dir import MetricsLog, RunError, WorkdirLock, make_workdir, write_config
 from ..config import Config, ConfigError, to_dict, to_yaml, validate
+from ..models.families import family
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
 from .train_step import (batch_shardings, make_eval_step, make_train_step, param_count,
@@ -90,8 +91,11 @@ def token_order(cfg: Config) -> np.ndarray | None:
 
 def _abstract_batch(cfg: Config, mesh):
     shape = (cfg.batch_size, cfg.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
-                                    sharding=s) for k, s in batch_shardings(mesh).items()}
+    out = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
+                                   sharding=s) for k, s in batch_shardings(mesh).items()}
+    if family(cfg.model.family).vision:  # M-RoPE positions and the vision arrays
+        out.update(vision_batches.abstract_vision(cfg, mesh))
+    return out
 
 
 def chunk_notes(cfg: Config) -> list[str]:
@@ -111,7 +115,12 @@ def chunk_notes(cfg: Config) -> list[str]:
 def model_flops_per_device(cfg: Config) -> float:
     """Model FLOPs of one step on each device (``flops.train_step_flops`` / devices)."""
     devices = cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq
-    return train_step_flops(cfg.model, cfg.batch_size, cfg.seq_len) / devices
+    tower = {}
+    if family(cfg.model.family).vision:
+        tower = dict(vision_patches=vision_batches.vision_groups(cfg)
+                     * vision_batches.vision_slots(cfg),
+                     frame_patches=vision_batches.DEFAULT_FRAME_PATCHES)
+    return train_step_flops(cfg.model, cfg.batch_size, cfg.seq_len, **tower) / devices
 
 
 def _load_data(cfg: Config):
@@ -153,9 +162,23 @@ def _load_store(cfg: Config):
                               f"store {cfg.data.source!r} was prepared with "
                               f"({manifest['tokenizer']['path'] or 'bytes'}); unset "
                               f"data.tokenizer or prepare the store again")
+    if family(cfg.model.family).vision:
+        vision_batches.check_store(cfg, manifest)
+    elif manifest.get("media"):
+        raise ConfigError(f"data.source {cfg.data.source!r} holds images or videos, which "
+                          f"need a multimodal model (model.family=qwen2_5_vl); "
+                          f"model.family is {cfg.model.family}")
     for note in notes:
         _log(f"data: {note}")
     return train_rows, held_rows
+
+
+def _pixel_options(rows) -> dict:
+    """The image preprocessing a store's media were prepared with (its manifest), {} for
+    data without media."""
+    store = getattr(rows, "store", None)
+    media = (store.manifest.get("media") or {}) if store is not None else {}
+    return vision_batches.pixel_options(media)
 
 
 def with_segment_bound(cfg: Config, train_rows, held_rows) -> Config:
@@ -184,15 +207,23 @@ def _evaluate(eval_step, params, held_rows, cfg: Config, mesh,
     bounds = bucket_bounds(cfg.seq_len)
     sums, counts = np.zeros(len(bounds) - 1), np.zeros(len(bounds) - 1)
     total, count = 0.0, 0.0
-    for batch in data_lib.eval_batches(held_rows, cfg.batch_size, cfg.eval_batches):
-        sharded = data_lib.shard_batch(batch, mesh, order=token_order(cfg))
+    if family(cfg.model.family).vision:
+        batches = vision_batches.media_eval_batches(held_rows, cfg, _pixel_options(held_rows),
+                                                    mesh)
+    else:
+        batches = (data_lib.shard_batch(batch, mesh, order=token_order(cfg))
+                   for batch in data_lib.eval_batches(held_rows, cfg.batch_size,
+                                                      cfg.eval_batches))
+    for sharded in batches:
         loss, n = eval_step(params, sharded)
         total += _scalar(loss) * _scalar(n)
         count += _scalar(n)
         if position_step is not None:
             losses, _ = position_step(params, sharded)
-            s, c = bucket_sums(_host(losses), _host(sharded["positions"]),
-                               _host(sharded["loss_mask"]), bounds)
+            positions = _host(sharded["positions"])
+            if positions.ndim == 3:  # M-RoPE: the loss by token index in the document
+                positions = vision_batches.token_index(_host(sharded["segment_ids"]))
+            s, c = bucket_sums(_host(losses), positions, _host(sharded["loss_mask"]), bounds)
             sums, counts = sums + s, counts + c
     by_position = None if position_step is None else {
         "bounds": bounds, "tokens": counts.astype(int).tolist(),
@@ -278,7 +309,11 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
         _log(f"note: {note}")
     train_rows, held_rows = _load_data(cfg)
     cfg = with_segment_bound(cfg, train_rows, held_rows)
-    batches = data_lib.BatchIterator(train_rows, cfg.batch_size, cfg.seed)
+    if family(cfg.model.family).vision:
+        batches = vision_batches.MediaBatchIterator(train_rows, cfg.batch_size, cfg,
+                                                    _pixel_options(train_rows))
+    else:
+        batches = data_lib.BatchIterator(train_rows, cfg.batch_size, cfg.seed)
     _log(f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"
          f"{'' if held_rows is None else f', {held_rows.num_rows} held-out rows'}; "
          f"mesh data={cfg.mesh.data} x ring={cfg.mesh.ring} x seq={cfg.mesh.seq} on "

@@ -1,0 +1,190 @@
+"""Batches of multimodal chat data for a Qwen2.5-VL model (``model.family=qwen2_5_vl``).
+
+A batch of a store with images or videos (``store.TokenStore.media``) holds, besides the
+token fields of ``data.FIELDS``, the M-RoPE ``positions`` [B, S, 3] (replacing the [B, S]
+ones) and ``vision``: the batch's patches in the tower's slot order and the arrays that
+place them (``models.multimodal.prepare``), all computed on the host for whole rows before
+any sharding. Shapes are static: the tower has G groups (one per device when
+``model.vision.split``, else 1) of C patch slots each (``vision_slots``), whatever the
+batch holds; a batch without any image is all padding slots.
+
+C. Placeholders are tokens, and an image of n units has 4n patches, so a batch never holds
+more than 4 x B x S patches. Frames are dealt whole, largest first, to the least-filled
+group, which leaves no group fuller than total / G + the largest frame. So the default
+C = ceil(4 B S / G) + DEFAULT_FRAME_PATCHES (the largest frame the processor makes at its
+default max_pixels) fits every batch of a store whose frames are no larger; the trainer
+checks the store's largest frame against it (``check_store``). ``data.vision_patches``
+sets C by hand (fewer slots: less tower memory and compute, but a batch that does not fit
+stops the run with a message naming the numbers).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ..config import Config, ConfigError
+from ..mesh import act_spec
+from ..models import multimodal
+from ..models.vision import split_axes
+from . import images
+from .data import FIELDS, BatchIterator, eval_batches
+
+# Patches of the largest frame at the processor's default max_pixels (28 x 28 x 1280 pixels).
+DEFAULT_FRAME_PATCHES = images.IMAGE_MAX_PIXELS // 14 ** 2
+VISION_FIELDS = ("pixels", "rope_hw", "window_segments", "frame_segments", "unit_order",
+                 "feature_index")
+
+
+def vision_groups(cfg: Config) -> int:
+    """G: the tower's groups (``VisionTower.shards``): every device when split, else 1."""
+    devices = cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq
+    return devices if cfg.model.vision.split else 1
+
+
+def vision_slots(cfg: Config) -> int:
+    """C: patch slots per group (``data.vision_patches``, or the default of the module
+    docstring), a multiple of spatial_merge_size^2."""
+    m2 = cfg.model.vision.spatial_merge_size ** 2
+    if cfg.data.vision_patches:
+        return -(-cfg.data.vision_patches // m2) * m2
+    worst = math.ceil(4 * cfg.batch_size * cfg.seq_len / vision_groups(cfg))
+    return -(-(worst + DEFAULT_FRAME_PATCHES) // m2) * m2
+
+
+def check_store(cfg: Config, manifest: dict) -> None:
+    """ConfigError when the store's largest frame could make a batch overflow the slots."""
+    media = manifest.get("media") or {}
+    largest = int(media.get("max_frame_patches", 0))
+    if cfg.data.vision_patches:
+        if largest > vision_slots(cfg):
+            raise ConfigError(f"data.vision_patches {cfg.data.vision_patches}: the store's "
+                              f"largest frame has {largest} patches, more than a group holds")
+        return
+    if largest > DEFAULT_FRAME_PATCHES:
+        need = vision_slots(cfg) - DEFAULT_FRAME_PATCHES + largest
+        raise ConfigError(f"the store's largest frame has {largest} patches, more than the "
+                          f"{DEFAULT_FRAME_PATCHES} the default patch slots leave room for; "
+                          f"set data.vision_patches >= {need}")
+    for key, want in (("image_token_id", cfg.model.image_token_id),
+                      ("video_token_id", cfg.model.video_token_id)):
+        if key in media and media[key] != want:
+            raise ConfigError(f"the store's {key} is {media[key]} but model.{key} is {want}")
+
+
+def vision_shardings(mesh: Mesh, split: bool) -> dict:
+    """Shardings of ``positions`` [B, S, 3] and of each ``vision`` array."""
+    groups = P(split_axes(mesh)) if split else P()
+    act = NamedSharding(mesh, act_spec(mesh))
+    return {"positions": NamedSharding(mesh, act_spec(mesh, 1)),
+            "vision": {"pixels": NamedSharding(mesh, groups),
+                       "rope_hw": NamedSharding(mesh, groups),
+                       "window_segments": NamedSharding(mesh, groups),
+                       "frame_segments": NamedSharding(mesh, groups),
+                       "unit_order": NamedSharding(mesh, P()),
+                       "feature_index": act}}
+
+
+def abstract_vision(cfg: Config, mesh: Mesh) -> dict:
+    """``positions`` and ``vision`` as ShapeDtypeStructs (compile without data)."""
+    v, (b, s) = cfg.model.vision, (cfg.batch_size, cfg.seq_len)
+    n = vision_groups(cfg) * vision_slots(cfg)
+    k = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    shapes = {"positions": ((b, s, 3), np.int32),
+              "vision": {"pixels": ((n, k), np.float32), "rope_hw": ((n, 2), np.int32),
+                         "window_segments": ((n,), np.int32),
+                         "frame_segments": ((n,), np.int32),
+                         "unit_order": ((n // v.spatial_merge_size ** 2,), np.int32),
+                         "feature_index": ((b, s), np.int32)}}
+    shardings = vision_shardings(mesh, v.split)
+    return jax.tree.map(lambda sd, sh: jax.ShapeDtypeStruct(sd[0], sd[1], sharding=sh),
+                        shapes, shardings, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def pixel_options(media: dict) -> dict:
+    """``images.load_item``'s preprocessing keywords from a store manifest's "media"."""
+    keys = ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels")
+    return {k: media[k] for k in keys if k in media}
+
+
+def token_index(segment_ids: np.ndarray) -> np.ndarray:
+    """[B, S] each token's index in its document (runs of equal segment id)."""
+    seg = np.asarray(segment_ids)
+    out = np.zeros(seg.shape, np.int64)
+    for r, row in enumerate(seg):
+        start = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+        lengths = np.diff(np.r_[start, len(row)])
+        out[r] = np.arange(len(row)) - np.repeat(start, lengths)
+    return out
+
+
+def host_batch(batch: dict, media: list[list[dict]], cfg: Config, pixel_options: dict) -> dict:
+    """A numpy batch of FIELDS [B, S] and each row's media -> the batch with M-RoPE
+    ``positions`` and ``vision`` (numpy), images loaded and preprocessed here."""
+    pieces = {"image": ([], []), "video": ([], [])}
+    seconds = []
+    for row in media:
+        for item in row:
+            pixels, grid = images.load_item(item, **pixel_options)
+            pieces[item["kind"]][0].append(pixels)
+            pieces[item["kind"]][1].append(np.asarray(grid).reshape(1, 3))
+            if item["kind"] == "video":
+                seconds.append(item.get("second_per_grid_ts") or 1.0)
+    inputs = {}
+    for kind, (px, grid) in pieces.items():
+        if px:
+            name = "pixel_values" if kind == "image" else "pixel_values_videos"
+            inputs[name] = np.concatenate(px)
+            inputs[f"{kind}_grid_thw"] = np.concatenate(grid)
+    positions, vision = multimodal.prepare(
+        batch["tokens"], cfg.model, segment_ids=batch["segment_ids"],
+        second_per_grid_ts=np.asarray(seconds) if seconds else None,
+        shards=vision_groups(cfg), capacity=vision_slots(cfg), **inputs)
+    return {**batch, "positions": positions, "vision": vision}
+
+
+def to_global(batch: dict, mesh: Mesh, split: bool) -> dict:
+    """Global jax.Arrays of a host batch (every process holds all of it)."""
+    shardings = {**{f: NamedSharding(mesh, act_spec(mesh)) for f in FIELDS},
+                 **vision_shardings(mesh, split)}
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
+        batch, {k: shardings[k] for k in batch})
+
+
+def _row_media(rows, index: int, epoch: int = 0, seed: int = 0) -> list[dict]:
+    """The media of a row, in token order; none for rows of text-only data."""
+    if not hasattr(rows, "row_media"):
+        return []
+    return rows.row_media(index, epoch, seed)
+
+
+class MediaBatchIterator(BatchIterator):
+    """``BatchIterator`` over a store with media: the same rows, position and state, with
+    each batch's images loaded and laid out for the tower (``host_batch``)."""
+
+    def __init__(self, rows, batch_size: int, cfg: Config, pixel_options: dict):
+        super().__init__(rows, batch_size, cfg.seed)
+        self.cfg, self.pixel_options = cfg, pixel_options
+
+    def next_global(self, mesh: Mesh, order: np.ndarray | None = None) -> dict:
+        if order is not None:
+            raise ValueError("multimodal batches need mesh.ring 1 (no zigzag order)")
+        rows = range(self.next_row, self.next_row + self.batch_size)
+        n = self.rows.num_rows
+        batch = self.rows.rows(rows, self.seed)
+        media = [_row_media(self.rows, g % n, g // n, self.seed) for g in rows]
+        self.next_row += self.batch_size
+        return to_global(host_batch(batch, media, self.cfg, self.pixel_options), mesh,
+                         self.cfg.model.vision.split)
+
+
+def media_eval_batches(rows, cfg: Config, pixel_options: dict, mesh: Mesh):
+    """``data.eval_batches`` with media: global batches of the held-out rows in order."""
+    for b, batch in enumerate(eval_batches(rows, cfg.batch_size, cfg.eval_batches)):
+        ids = range(b * cfg.batch_size, (b + 1) * cfg.batch_size)
+        media = [_row_media(rows, i) if i < rows.num_rows else [] for i in ids]
+        yield to_global(host_batch(batch, media, cfg, pixel_options), mesh,
+                        cfg.model.vision.split)
