@@ -32,6 +32,7 @@ _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)"
                     r" ([\w\-]+)\(")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_VISION = re.compile(r"(^|[/(])vision([/)]|$)")  # the decoder's "vision" named scope
 _COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
 
 
@@ -219,7 +220,7 @@ def categorize(b: Buffer, n_layers: int) -> str:
         return "batch"
     if "optimizer" in n:
         return "optimizer update"
-    if "/vision/" in n or n.endswith("/vision"):
+    if _VISION.search(n):
         return "vision tower"        # the multimodal families' tower (models/vision.py)
     backward = "transpose(" in n
     dims = _ARRAY.findall(b.shape)

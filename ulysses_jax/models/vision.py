@@ -171,8 +171,12 @@ class VisionTower(nnx.Module):
         """
         cfg, mesh = self.cfg, self.mesh
         params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
-        if mesh is not None:  # replicated at the point of use (all-gathered under ZeRO-3)
-            params = jax.tree.map(lambda w: gathered(w, jnp.float32, mesh), params)
+        # Replicated at the point of use (all-gathered under ZeRO-3), in the compute dtype;
+        # the norm scales stay float32 as rms_norm takes them.
+        dt = jnp.dtype(cfg.dtype)
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, w: gathered(w, jnp.float32 if "scale" in str(path) else dt, mesh)
+            if mesh is not None else w, params)
         tower = partial(_tower, cfg=cfg, inv=self.inv_freq())
         args = (vision["pixels"], vision["rope_hw"], vision["window_segments"],
                 vision["frame_segments"])
