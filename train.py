@@ -79,18 +79,6 @@ def _quiet_library_logs() -> dict:
     return old
 
 
-def _without_closed_loop_noise(previous):
-    """An unraisable-exception hook that drops "Event loop is closed": when one read or write
-    of a checkpoint fails, Orbax closes its event loop while TensorStore still completes the
-    others, and each of their callbacks then fails that way. The failure itself is reported
-    once, as a clean message."""
-    def hook(unraisable):
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-            previous(unraisable)
-    return hook
-
-
 # XLA flags for GPU runs: the latency-hiding scheduler orders independent work so that
 # collectives (the Ulysses all-to-alls, ZeRO-3 weight gathers) run asynchronously under
 # compute. Only added when a CUDA plugin is installed; XLA_FLAGS set by the user win.
@@ -120,14 +108,12 @@ def main(argv=None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    old_levels, old_hook = _quiet_library_logs(), sys.unraisablehook
-    sys.unraisablehook = _without_closed_loop_noise(old_hook)
+    old_levels = _quiet_library_logs()
     try:
         return _main(args)
     finally:
         for name, level in old_levels.items():
             logging.getLogger(name).setLevel(level)
-        sys.unraisablehook = old_hook
 
 
 def _main(args) -> int:
@@ -191,7 +177,7 @@ if __name__ == "__main__":
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop_now)
     # For the whole process, not only main(): asyncio logs a failed write's leftover futures
-    # when they are garbage collected, which can be after main() has returned.
+    # when they are garbage collected, which can be after main() has returned (the
+    # leftover exceptions themselves: checkpoint.quiet_checkpoint_leftovers).
     _quiet_library_logs()
-    sys.unraisablehook = _without_closed_loop_noise(sys.unraisablehook)
     sys.exit(main())

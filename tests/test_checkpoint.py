@@ -286,3 +286,38 @@ def test_bad_calls(tmp_path):
         Checkpointer(tmp_path / "x", keep=0)
     with pytest.raises(ValueError, match="save_every"):
         Checkpointer(tmp_path / "x", save_every=0)
+
+
+def test_leftovers_of_a_failed_read_are_dropped_and_nothing_else(monkeypatch):
+    """After a checkpoint read fails, exceptions of abandoned Orbax / TensorStore coroutines
+    and "Event loop is closed" reach no one; any other unraisable exception still reaches
+    the previous hook, and installing twice wraps once."""
+    import sys
+    import types
+
+    from ulysses_jax.training import checkpoint as ckpt_lib
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u))
+    ckpt_lib.quiet_checkpoint_leftovers()
+    ckpt_lib.quiet_checkpoint_leftovers()
+    hook = sys.unraisablehook
+    assert hook._drops_checkpoint_leftovers
+
+    def coroutine_from(filename):
+        scope = {}
+        exec(compile("async def read():\n    pass\n", filename, "exec"), scope)
+        return scope["read"]()
+
+    ours, orbax_one = coroutine_from("/x/ulysses_jax/fake.py"), coroutine_from(
+        "/site-packages/orbax/checkpoint/fake.py")
+    unraisable = lambda error, obj: types.SimpleNamespace(  # noqa: E731
+        exc_value=error, object=obj, exc_type=type(error), exc_traceback=None, err_msg=None)
+    hook(unraisable(RuntimeError("Event loop is closed"), None))
+    hook(unraisable(ValueError("NOT_FOUND"), orbax_one))
+    assert seen == []
+    other = unraisable(ValueError("a real bug"), ours)
+    hook(other)
+    hook(unraisable(RuntimeError("Event loop is closing soon"), None))
+    assert [u.exc_value.args[0] for u in seen] == ["a real bug", "Event loop is closing soon"]
+    for c in (ours, orbax_one):
+        c.close()

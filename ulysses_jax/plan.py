@@ -33,6 +33,7 @@ from typing import Callable
 from . import memory
 from .config import Config, ConfigError, load_config, validate
 from .mesh import request_cpu_devices
+from .models.families import traits
 
 GIB = 2 ** 30
 DEFAULT_P = (1, 2, 4, 8)
@@ -204,6 +205,19 @@ def _mixer_note(m) -> str:
             f"{m.linear_value_heads}x{m.linear_value_dim}")
 
 
+def _vision_note(cfg) -> str:
+    """The vision tower of a multimodal family for the header: it is compiled with its patch
+    slots (data.vision_patches; by default 4 x batch x seq_len over the devices plus a
+    frame, so they grow with each length tried)."""
+    m = cfg.model
+    if not traits(m.family).vision:
+        return ""
+    v = m.vision
+    slots = cfg.data.vision_patches or "4 x tokens / devices + a frame"
+    return (f" vision: depth={v.depth} width={v.hidden_size} split={v.split} "
+            f"patch_slots/device={slots}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     try:
@@ -226,7 +240,7 @@ def main(argv=None) -> int:
     host_budget = None if args.host_memory_gb is None else int(args.host_memory_gb * GIB)
     print(f"plan: {args.config}  d_model={m.d_model} layers={m.n_layers} heads={m.n_heads}/"
           f"{m.n_kv_heads} dtype={m.dtype} remat={m.remat} param_sharding={cfg.param_sharding} "
-          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}{_moe_note(m)}{_mixer_note(m)} offload: checkpoints="
+          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}{_moe_note(m)}{_mixer_note(m)}{_vision_note(cfg)} offload: checkpoints="
           f"{m.offload_checkpoints} optimizer={cfg.optimizer.offload}; budget "
           f"{args.memory_gb:g} GiB per device"
           f"{'' if host_budget is None else f', {args.host_memory_gb:g} GiB host per device'}; "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from typing import Any, Callable
 
 import jax
@@ -69,6 +70,37 @@ def _registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
         registry.add(_EXTRA, args, extra)
     return registry
+
+
+def _is_leftover(unraisable) -> bool:
+    """An exception nobody can catch any more, left by a failed checkpoint read or write:
+    "Event loop is closed" (when one read or write fails, Orbax closes its event loop while
+    TensorStore still completes the others, and each of their callbacks then fails that
+    way), or the error of an abandoned Orbax / TensorStore coroutine collected after the
+    first one was reported."""
+    error, obj = unraisable.exc_value, unraisable.object
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    code = getattr(obj, "cr_code", None) or getattr(obj, "gi_code", None)
+    where = getattr(code, "co_filename", "") or ""
+    return any(part in where for part in ("orbax", "tensorstore"))
+
+
+def quiet_checkpoint_leftovers() -> None:
+    """Drops ``_is_leftover`` exceptions from ``sys.unraisablehook`` for the rest of the
+    process (they can be collected long after the failure): the failure itself is reported
+    once, as a clean message. Installed when a checkpoint fails to read or write; calling it
+    again adds nothing."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_checkpoint_leftovers", False):
+        return
+
+    def hook(unraisable):
+        if not _is_leftover(unraisable):
+            previous(unraisable)
+
+    hook._drops_checkpoint_leftovers = True
+    sys.unraisablehook = hook
 
 
 class Checkpointer:
@@ -209,6 +241,7 @@ class Checkpointer:
             try:
                 extra, saved = self._read_extra(step), self._saved_shapes(step)
             except Exception as e:  # any unreadable file: Orbax and TensorStore raise many types
+                quiet_checkpoint_leftovers()
                 damaged.append((step, e))
                 continue
             diffs = _diff(saved, wanted)
@@ -219,6 +252,7 @@ class Checkpointer:
             try:
                 state = self.restore(abstract_state, step)[0]
             except Exception as e:
+                quiet_checkpoint_leftovers()
                 damaged.append((step, e))
                 continue
             return step, state, extra, [self._set_aside(s, e) for s, e in damaged]
@@ -268,6 +302,7 @@ class Checkpointer:
         self._saving = None
 
     def _failed(self, error: Exception) -> SaveFailed:
+        quiet_checkpoint_leftovers()
         # Orbax forgets the failed step but also the steps it had scheduled for deletion,
         # which are still on disk (deletion only follows a commit): re-read the directory.
         self._manager.reload()
