@@ -565,8 +565,63 @@ def _qwen3_next(smoke: bool, repeats: int = 5) -> dict:
     return out
 
 
+def _qwen2_5_vl(smoke: bool, repeats: int = 3) -> dict:
+    """Qwen2.5-VL on the GPU: the tiny preset's model in bf16 against float32 with images
+    (logits), the time of Qwen2.5-VL-7B's vision tower forward + backward on one GPU, and the
+    GPU compiler's memory of the 7B preset's train step at 131,072 tokens (its dry run)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from ulysses_jax import make_mesh
+    from ulysses_jax.config import load_config
+    from ulysses_jax.models import multimodal
+    from ulysses_jax.models.decoder import Decoder
+    from ulysses_jax.training.dry_run import dry_run
+
+    out = {}
+    mesh = make_mesh(seq=1, data=1, devices=jax.devices()[:1])
+    tiny = os.path.join(ROOT, "configs", "tiny-qwen2.5-vl.yaml")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 280, (1, 256)).astype(np.int32)
+    tokens[0, 10:58] = 290                                   # an image of 6 x 8 units
+    grid = np.array([[1, 12, 16]])
+    pixels = rng.standard_normal((192, 1176)).astype(np.float32)
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_config(tiny, [f"model.dtype={dtype}", "mesh.seq=1"]).model
+        model = Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+        logits[dtype] = np.asarray(model(jnp.asarray(tokens), pixel_values=pixels,
+                                         image_grid_thw=grid), np.float32)
+    err = float(np.max(np.abs(logits["bfloat16"] - logits["float32"]))
+                / np.max(np.abs(logits["float32"])))
+    out["tiny_bf16_vs_fp32"] = {"rel_err": err, "pass": err <= 3e-2}
+    preset = os.path.join(ROOT, "configs", "qwen2.5-vl-7b-128k.yaml")
+    small = ["model.n_layers=1", "model.vision.depth=2", "model.vision.fullatt_block_indexes=[1]",
+             "model.vocab_size=4096"] if smoke else ["model.n_layers=1", "model.vocab_size=4096"]
+    cfg = load_config(preset, small + ["mesh.seq=1", "seq_len=8192"]).model
+    model = Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+    n = 1024 if smoke else 16384
+    side = int(np.sqrt(n // 4)) * 2
+    grid = np.array([[1, side, n // side]])
+    vision = multimodal.vision_layout(grid, cfg.vision)
+    vision["pixels"] = rng.standard_normal((len(vision.pop("order")), 1176)).astype(np.float32)
+    graphdef, params = nnx.split(model.visual)
+    run = jax.jit(jax.grad(lambda p, v: jnp.sum(
+        nnx.merge(graphdef, p)(v).astype(jnp.float32) ** 2)))
+    vision = {k: jnp.asarray(v) for k, v in vision.items()}
+    out[f"vision_tower_fwd_bwd_ms_{int(grid.prod())}_patches"] = 1e3 * _timed(
+        run, (params, vision), 1, repeats)
+    if not smoke:
+        compiled = dry_run(load_config(preset, []))
+        out["preset_7b_128k_compile"] = {k: compiled[k] for k in (
+            "peak_bytes_per_device", "memory_model", "compiled_dtype", "argument_bytes",
+            "temp_bytes", "params")}
+    return out
+
+
 SECTIONS = ("env", "attention_bf16", "packed_attention", "window_attention", "throughput",
-            "transformers", "longest_8b", "offload_8b", "qwen3_next", "pytest")
+            "transformers", "longest_8b", "offload_8b", "qwen3_next", "qwen2_5_vl", "pytest")
 
 
 def main():
@@ -598,6 +653,7 @@ def main():
     runners = {
         "env": lambda: _env(args.smoke),
         "attention_bf16": lambda: _attention_bf16(args.smoke),
+        "qwen2_5_vl": lambda: _qwen2_5_vl(args.smoke),
         "packed_attention": lambda: _packed_attention(args.smoke),
         "window_attention": lambda: _window_attention(args.smoke),
         "throughput": lambda: _throughput(args.smoke, args.remat.split(",")),

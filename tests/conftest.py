@@ -13,9 +13,33 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
+
+# One compilation cache for every test of a run, shared by the pytest-xdist workers (the
+# controller makes the directory before it starts them; they inherit the variable): many
+# tests compile the same programs (the tiny presets' train steps above all), and a program
+# compiled once is then read back. Only this process and its workers use it: train.py
+# subprocesses do not (some read XLA's dump of their own compile). Off with
+# ULYSSES_TEST_COMPILE_CACHE=0.
+_CACHE_ENV = "ULYSSES_TEST_COMPILE_CACHE_DIR"
+if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", "1") != "0":
+    if _CACHE_ENV not in os.environ:
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="ulysses-jax-test-cache-")
+        _OWN_CACHE = True
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    """The controller (or a run without workers) removes the cache it made."""
+    if globals().get("_OWN_CACHE") and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
 
 
 def _gpus():
@@ -66,6 +90,7 @@ def cli_env(**extra) -> dict:
     """Environment for a subprocess (train.py, ...) that must use the test devices: 8 CPU
     devices, and on a one-GPU host no GPU (JAX_PLATFORMS=cpu)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env.pop(_CACHE_ENV, None)
     env.update(extra)
     if DEVICES[0].platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"

@@ -179,9 +179,9 @@ def hf_tensors(cfg, keys: tuple, x: np.ndarray) -> Iterator[tuple[str, np.ndarra
     Args:
       x: a numpy array, or a ``LayerReader`` (each layer is then read when it is needed).
     """
-    from .interop.hf import _hf_names, _to_hf
+    from .interop.hf import _hf_names, _to_hf, stacked
     names, n_in = _hf_names(keys, cfg)
-    for name, layer in zip(names, x if keys[0] == "layers" else [x], strict=True):
+    for name, layer in zip(names, x if stacked(keys) else [x], strict=True):
         layer = np.asarray(layer, np.float32)  # one layer read (a LayerReader reads it here)
         pairs = zip(name, layer, strict=True) if isinstance(name, list) else [(name, layer)]
         for n, w in pairs:
@@ -214,7 +214,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     """
     import ml_dtypes
     from safetensors.numpy import save_file
-    from .interop.hf import config_to_hf, _hf_names, _flat, _hf_shape
+    from .interop.hf import config_to_hf, _hf_names, _flat, _hf_shape, stacked
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if not max_shard_gb > 0:
@@ -237,7 +237,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     sizes = []  # (HF name, bytes) in the order the tensors are produced
     for keys, shape in shapes.items():
         names, n_in = _hf_names(keys, cfg.model)
-        inner = shape[1:] if keys[0] == "layers" else shape
+        inner = shape[1:] if stacked(keys) else shape
         if keys[0] == "layers" and names and isinstance(names[0], list):
             inner = inner[1:]  # expert weights: [L, E, ...] -> one tensor per (layer, expert)
         size = math.prod(_hf_shape(inner, n_in)) * itemsize

@@ -307,6 +307,12 @@ def _to_hf(x: np.ndarray, n_in: int) -> np.ndarray:
     return x.reshape(-1) if n_in == _FLAT else x.reshape(math.prod(x.shape[:n_in]), -1).T
 
 
+def stacked(keys: tuple) -> bool:
+    """Whether our parameter at ``keys`` is stacked on a leading layer (or block) axis: the
+    decoder layers, and a vision tower's blocks."""
+    return keys[0] == "layers" or tuple(keys[:2]) == ("visual", "blocks")
+
+
 def _hf_names(keys: tuple, cfg: ModelConfig) -> tuple[list, int]:
     """HF tensor names of our parameter path and their n_in: one name per stacked layer (in
     stack order), or for expert weights one list of E names per layer."""
@@ -407,11 +413,10 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
 
         def load(keys: tuple[str, ...], leaf) -> jax.Array:
             names, n_in = _hf_names(keys, cfg)
-            stacked = keys[0] == "layers" or keys[:2] == ("visual", "blocks")
-            shape = leaf.shape[1:] if stacked else leaf.shape
+            shape = leaf.shape[1:] if stacked(keys) else leaf.shape
             # One layer at a time into our layout, then stack.
             arrays = [one(n, shape, n_in) for n in names]
-            host = np.stack(arrays) if stacked else arrays[0]
+            host = np.stack(arrays) if stacked(keys) else arrays[0]
             spec = leaf_spec(keys, leaf.shape, mesh, param_sharding)
             return jax.device_put(host, NamedSharding(mesh, spec))
 
@@ -457,8 +462,7 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     def put(keys: tuple[str, ...], x):
         names, n_in = _hf_names(keys, cfg)
         x = np.asarray(jax.device_get(x), np.float32)
-        stacked = keys[0] == "layers" or keys[:2] == ("visual", "blocks")
-        for name, layer in zip(names, x if stacked else [x], strict=True):
+        for name, layer in zip(names, x if stacked(keys) else [x], strict=True):
             pairs = zip(name, layer, strict=True) if isinstance(name, list) else [(name, layer)]
             for n, w in pairs:
                 out[n] = np.ascontiguousarray(_to_hf(w, n_in))
