@@ -2,6 +2,8 @@
 
     prepare SRC [SRC ...] --out DIR [--tokenizer PATH] [--chat] [--text-key text]
             [--messages-key messages] [--workers N] [--force]
+            [--image-min-pixels N] [--image-max-pixels N] [--video-min-pixels N]
+            [--video-max-pixels N] [--video-fps F]
     show DIR --seq-len S --row N [--json] [--seed 0] [--heldout-fraction 0.02]
          [--overflow truncate|drop]
 
@@ -41,6 +43,15 @@ def _parser():
     pr.add_argument("--force", action="store_true", help="replace --out if it holds a store "
                     "of other inputs")
     pr.add_argument("--no-progress", action="store_true")
+    from ulysses_jax.training import images
+    for name, default in (("image-min-pixels", images.IMAGE_MIN_PIXELS),
+                          ("image-max-pixels", images.IMAGE_MAX_PIXELS),
+                          ("video-min-pixels", images.VIDEO_MIN_PIXELS),
+                          ("video-max-pixels", images.VIDEO_MAX_PIXELS)):
+        pr.add_argument(f"--{name}", type=int, default=default,
+                        help=f"chat media: smart_resize's area bound (default {default})")
+    pr.add_argument("--video-fps", type=float, default=2.0, help="chat media: videos with a "
+                    "known \"fps\" are sampled down to this rate (default 2.0)")
     sh = sub.add_parser("show", help="print row N of epoch 0 with supervised tokens marked")
     sh.add_argument("store")
     sh.add_argument("--seq-len", type=int, required=True)
@@ -60,7 +71,11 @@ def _prepare(args) -> int:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     manifest, built = prepare(args.sources, args.out, args.tokenizer, args.chat, args.text_key,
                               args.messages_key, args.workers, args.force,
-                              not args.no_progress, args.shard_tokens)
+                              not args.no_progress, args.shard_tokens,
+                              image_min_pixels=args.image_min_pixels,
+                              image_max_pixels=args.image_max_pixels,
+                              video_min_pixels=args.video_min_pixels,
+                              video_max_pixels=args.video_max_pixels, video_fps=args.video_fps)
     if built:
         print(f"wrote {args.out}: {describe(manifest)} in {manifest['seconds']:.1f} s")
     else:
@@ -81,6 +96,40 @@ def _decoder(manifest):
         cuts = np.flatnonzero(np.asarray(ids) == tok.eos_id)
         return "<eos>".join(tok.decode(part) for part in np.split(np.asarray(ids), cuts))
     return decode
+
+
+def _collapse(decode, media: list[dict], pad_ids: dict, merge_size: int):
+    """``decode`` that prints a run of <|image_pad|> / <|video_pad|> ids as one marker,
+    ``<|image_pad|> x N (image path, grid t x h x w)``, items taken in row order."""
+    from ulysses_jax.training.images import placeholder_count
+    items, left = iter(media), [0, None]  # pads still owed to the current item, the item
+
+    def run_text(run: np.ndarray) -> str:
+        out, n = [], len(run)
+        while n:
+            if left[0] == 0:
+                left[1] = next(items, None)
+                if left[1] is None:
+                    out.append(f"{pad_ids[int(run[0])]} x {n} (no media item)")
+                    break
+                left[0] = placeholder_count(left[1]["grid"], merge_size)
+            take = min(n, left[0])
+            item = left[1]
+            where = item["paths"][0] if item["kind"] == "image" else \
+                f"{len(item['paths'])} frames from {item['paths'][0]}"
+            out.append(f"{pad_ids[int(run[0])]} x {take} ({item['kind']} {where}, grid "
+                       f"{' x '.join(map(str, item['grid']))})")
+            left[0] -= take
+            n -= take
+        return "".join(out)
+
+    def decode_marked(ids) -> str:
+        ids = np.asarray(ids)
+        is_pad = np.isin(ids, list(pad_ids))
+        cuts = np.flatnonzero(np.diff(is_pad.astype(np.int8))) + 1
+        return "".join(run_text(run) if is_pad[start] else decode(run)
+                       for run, start in zip(np.split(ids, cuts), np.r_[0, cuts]))
+    return decode_marked
 
 
 def _text(row: dict, decode) -> str:
@@ -123,11 +172,20 @@ def _show(args) -> int:
                          f"{rows.num_rows} rows of {args.seq_len} tokens (rows 0 to "
                          f"{rows.num_rows - 1})")
     row = rows.row(args.row, epoch=0, seed=args.seed)
+    manifest = TokenStore(args.store).manifest
+    media = rows.row_media(args.row, epoch=0, seed=args.seed) if "media" in manifest else []
     if args.json:
-        print(json.dumps({f: row[f].astype(np.int64 if f != "loss_mask" else np.float64)
-                          .tolist() for f in FIELDS}))
+        out = {f: row[f].astype(np.int64 if f != "loss_mask" else np.float64).tolist()
+               for f in FIELDS}
+        print(json.dumps(out | ({"media": media} if "media" in manifest else {})))
     else:
-        print(_text(row, _decoder(TokenStore(args.store).manifest)))
+        decode = _decoder(manifest)
+        if "media" in manifest:
+            m = manifest["media"]
+            pad_ids = {i: t for i, t in ((m["image_token_id"], "<|image_pad|>"),
+                                         (m["video_token_id"], "<|video_pad|>")) if i is not None}
+            decode = _collapse(decode, media, pad_ids, m["merge_size"])
+        print(_text(row, decode))
     return 0
 
 

@@ -178,8 +178,14 @@ def supervised_spans(template: ChatTemplate, messages: Sequence[dict],
 
 
 def encode_conversation(tokenizer, template: ChatTemplate, messages: Sequence[dict],
-                        name: str = "conversation") -> tuple[np.ndarray, np.ndarray]:
+                        name: str = "conversation",
+                        expand=None) -> tuple[np.ndarray, np.ndarray]:
     """Tokens and loss weights of one conversation.
+
+    Args:
+      expand: optional, called on each piece's ids in text order, returns the ids stored for
+        it (``media.Expander`` repeats image / video placeholders); they keep the piece's
+        weight.
 
     Returns:
       (tokens int32 [T], weights uint8 [T]): weight 1 on the tokens of assistant answers
@@ -197,6 +203,8 @@ def encode_conversation(tokenizer, template: ChatTemplate, messages: Sequence[di
         cuts.append(len(text))
         flags.append(0)
     pieces = tokenizer.encode_batch([text[a:b] for a, b in zip(cuts[:-1], cuts[1:])])
+    if expand is not None:
+        pieces = [expand(p) for p in pieces]
     tokens = np.concatenate(pieces).astype(np.int32)
     weights = np.concatenate([np.full(len(p), f, np.uint8) for p, f in zip(pieces, flags)])
     if not weights.any():

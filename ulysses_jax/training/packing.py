@@ -12,7 +12,8 @@ row index g (epoch g // num_rows): independent of workers, processes and mesh.
   fit (each conversation, in a seeded order, goes to the open row with the least room that
   still holds it). The plan is made once per run; each epoch visits its rows in a seeded
   order. A conversation longer than S is truncated to its first S tokens or dropped
-  (``data.chat_overflow``); both are counted. The loss mask of token t is the weight of token
+  (``data.chat_overflow``); both are counted. One with images or videos is always dropped
+  when longer than S: truncation could cut through its placeholders. The loss mask of token t is the weight of token
   t+1 (the target), so supervised targets are exactly the assistant answers' tokens.
 """
 from __future__ import annotations
@@ -81,7 +82,8 @@ class ChatRows(PackedRows):
       seq_len: S.
       seed: seeds the plan (placement order); epoch e visits rows in rng((seed, e)) order.
       shuffle: False keeps the plan's rows in order every epoch (held-out data).
-      overflow: "truncate" (keep the first S tokens) or "drop" a conversation longer than S.
+      overflow: "truncate" (keep the first S tokens) or "drop" a conversation longer than S;
+        one with media is dropped either way (counted in ``num_long_media``).
     """
 
     def __init__(self, store: TokenStore, ids: np.ndarray, seq_len: int, seed: int = 0,
@@ -95,15 +97,17 @@ class ChatRows(PackedRows):
         ids = np.asarray(ids, np.int64)
         lengths = store.lengths()[ids]
         long = lengths > seq_len
+        drop = dropped(store, ids, seq_len, overflow)
         self.num_long = int(long.sum())
+        self.num_long_media = int((long & store.has_media()[ids]).sum())
         self.long_unsupervised = sum(  # truncation cut off every answer of these
-            1 for d in ids[long] if not store.view(int(d), weights=True)[1:seq_len].any()
-        ) if overflow == "truncate" else 0
-        if overflow == "drop":
-            ids, lengths = ids[~long], lengths[~long]
+            1 for d in ids[long & ~drop] if not store.view(int(d), weights=True)[1:seq_len].any())
+        ids, lengths = ids[~drop], lengths[~drop]
         if len(ids) == 0:
             raise ValueError(f"no conversation fits in seq_len {seq_len} (all {self.num_long} "
-                             f"are longer and data.chat_overflow is 'drop')")
+                             f"are longer and dropped: data.chat_overflow is {overflow!r}, "
+                             f"{self.num_long_media} hold images or videos, which are never "
+                             f"truncated)")
         self.ids, self.lengths = ids, np.minimum(lengths, seq_len)
         rows = self._best_fit(np.random.default_rng(seed).permutation(len(ids)) if shuffle
                               else np.arange(len(ids)))
@@ -178,10 +182,27 @@ class ChatRows(PackedRows):
             p += n
         return out
 
+    def row_media(self, index: int, epoch: int = 0, seed: int = 0) -> list[dict]:
+        """The images and videos of row ``index`` of ``epoch`` (the row ``row`` returns), in
+        the order of their placeholders in the row: ``TokenStore.media``'s items of its
+        conversations, segment by segment. [] for a row without media."""
+        if not 0 <= index < self.num_rows:
+            raise IndexError(f"row {index} out of range [0, {self.num_rows})")
+        r = int(self._perm(seed, epoch)[index])
+        return [item for i in self.row_docs[self.row_start[r]:self.row_start[r + 1]]
+                for item in self.store.media(int(self.ids[i]))]
+
     def segments_per_row(self, epoch: int = 0, seed: int = 0) -> np.ndarray:
         """Segment ids per row of ``epoch`` (conversations, plus one for padding), [num_rows]."""
         counts = np.diff(self.row_start) + (self.row_fill < self.seq_len)
         return counts[self._perm(seed, epoch)].astype(np.int64)
+
+
+def dropped(store: TokenStore, ids: np.ndarray, seq_len: int, overflow: str) -> np.ndarray:
+    """bool [len(ids)]: the conversations ChatRows leaves out, those longer than seq_len that
+    are dropped (``overflow`` "drop") or hold media (never truncated)."""
+    long = store.lengths()[ids] > seq_len
+    return long if overflow == "drop" else long & store.has_media()[ids]
 
 
 def split_store(store: TokenStore, heldout_fraction: float, seed: int):
@@ -210,21 +231,24 @@ def store_rows(path: str, seq_len: int, heldout_fraction: float = 0.0, seed: int
                          f"split (heldout_fraction {heldout_fraction}); lower it")
     if store.chat:
         dropped_held = 0
-        if overflow == "drop" and len(held) and seq_len > 0 and \
-                (store.lengths()[held] > seq_len).all():
+        if len(held) and seq_len > 0 and dropped(store, held, seq_len, overflow).all():
             # Every held-out conversation is too long: no held-out loss, training goes on.
             held, dropped_held = held[:0], len(held)
         rows = [ChatRows(store, ids, seq_len, seed, shuffle=s, overflow=overflow)
                 for ids, s in ((train, True), (held, False)) if len(ids)]
         long = sum(r.num_long for r in rows)
+        long_media = sum(r.num_long_media for r in rows)
         lost = sum(r.long_unsupervised for r in rows)
         n_rows = sum(r.num_rows for r in rows)
         fill = sum(r.num_tokens for r in rows) / (n_rows * seq_len)
         notes = [f"chat store: {n_rows} rows of {seq_len} tokens hold "
                  f"{sum(len(r.ids) for r in rows)} conversations ({fill:.1%} full); "
-                 f"{long} longer than seq_len were "
-                 f"{'dropped' if overflow == 'drop' else 'truncated'}"
+                 + (f"{long} longer than seq_len were dropped" if overflow == "drop" else
+                    f"{long - long_media} longer than seq_len were truncated")
                  + (f" ({lost} of them lost every answer)" if lost else "")
+                 + (f"; {long_media} longer than seq_len with images or videos were dropped "
+                    f"(never truncated through their placeholders)"
+                    if long_media and overflow == "truncate" else "")
                  + (f"; all {dropped_held} held-out conversations are longer than seq_len: "
                     f"no held-out rows" if dropped_held else "")]
     else:

@@ -8,12 +8,17 @@ At most two chunks per worker are in flight, so memory stays flat however large 
 The store is built in ``OUT.tmp-PID`` beside OUT and renamed to OUT at the end: a killed
 prepare leaves no half store (a later prepare removes leftovers of dead processes). Running
 again with the same inputs (paths, sizes, mtimes, options, tokenizer, template) does nothing.
+
+Chat data may hold images and videos (``media.py``): workers find their grids from file
+headers and expand the placeholders; the store then gets a media sidecar, and "the same
+inputs" also means the same pixel options and unchanged media files (sizes and mtimes).
 """
 from __future__ import annotations
 
 import collections
 import glob
 import hashlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -22,9 +27,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from . import media as media_lib
 from . import sources as sources_lib
-from .chat import ChatTemplate, NoSupervision, encode_conversation
-from .store import StoreWriter, TokenStore, is_store, name_hash, token_dtype
+from .chat import ChatTemplate, NoSupervision
+from .store import MEDIA_INPUTS, StoreWriter, TokenStore, is_store, name_hash, token_dtype
 
 CHUNK_CHARS = 1 << 20  # text per work item: big enough to amortise pickling, small in memory
 MAX_NAMED = 5  # bad conversations named in an error, of all counted
@@ -46,28 +52,30 @@ def _load(tokenizer_path: str | None, chat: bool):
     return tokenizer, template
 
 
-def _init_worker(tokenizer_path, chat):
+def _init_worker(tokenizer_path, chat, media_options):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     _worker["tokenizer"], _worker["template"] = _load(tokenizer_path, chat)
+    _worker["media"] = media_lib.MediaOptions(**media_options)
 
 
 def _encode_chunk(chunk: list[tuple[str, object]]):
-    """Worker: [(name, text or messages)] -> ([(name hash, tokens, weights|None)], [messages
-    naming the conversations without a supervised token])."""
+    """Worker: [(name, text or messages)] -> ([(name hash, tokens, weights|None, media items,
+    media input paths)], [messages naming the conversations without a supervised token])."""
     tok, template = _worker["tokenizer"], _worker["template"]
     out, bad = [], []
     if template is None:
         for (name, _), ids in zip(chunk, tok.encode_batch([t for _, t in chunk])):
             if len(ids):  # an empty document holds no next-token pair
-                out.append((name_hash(name), np.append(ids, tok.eos_id), None))
+                out.append((name_hash(name), np.append(ids, tok.eos_id), None, None, []))
         return out, bad
     for name, messages in chunk:
         try:
-            ids, weights = encode_conversation(tok, template, messages, name)
+            ids, weights, items, inputs = media_lib.encode_conversation(
+                tok, template, messages, media_lib.base_dir(name), _worker["media"], name)
         except NoSupervision as e:
             bad.append(str(e))
             continue
-        out.append((name_hash(name), ids, weights))
+        out.append((name_hash(name), ids, weights, items, inputs))
     return out, bad
 
 
@@ -111,10 +119,51 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _stat_inputs(paths) -> list[list]:
+    """[[path, size, mtime_ns], ...] of media files and frame folders, sorted."""
+    out = []
+    for p in sorted(paths):
+        st = os.stat(p)
+        out.append([p, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _hash(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _media_change(out: str, old: dict, fp: str, options: dict) -> str | None:
+    """Why a media store ``old`` is not this prepare's result (None if it is)."""
+    m = old["media"]
+    if m.get("sources_fingerprint") != fp:
+        return "other sources or options"
+    changed = [f"{k} {m.get(k)} -> {v}" for k, v in options.items() if m.get(k) != v]
+    if changed:
+        return "other pixel options: " + ", ".join(changed)
+    try:
+        with open(os.path.join(out, MEDIA_INPUTS)) as f:
+            recorded = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return f"its {MEDIA_INPUTS} is unreadable"
+    for path, size, mtime in recorded:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return f"media file {path} is gone"
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            return f"media file {path} changed (size or modification time)"
+    return None
+
+
 def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: bool = False,
             text_key: str = "text", messages_key: str = "messages", workers: int = 1,
             force: bool = False, progress: bool = True,
-            shard_tokens: int = 1 << 30) -> tuple[dict, bool]:
+            shard_tokens: int = 1 << 30, *,
+            image_min_pixels: int = media_lib.images_lib.IMAGE_MIN_PIXELS,
+            image_max_pixels: int = media_lib.images_lib.IMAGE_MAX_PIXELS,
+            video_min_pixels: int = media_lib.images_lib.VIDEO_MIN_PIXELS,
+            video_max_pixels: int = media_lib.images_lib.VIDEO_MAX_PIXELS,
+            video_fps: float = 2.0) -> tuple[dict, bool]:
     """Builds the token store ``out`` from ``srcs`` (files, directories, globs).
 
     Args:
@@ -123,6 +172,9 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
       workers: tokenizer processes; 1 tokenizes in this process.
       force: replace ``out`` when it holds a store of other inputs.
       shard_tokens: tokens per shard file (tests use small ones).
+      image_min_pixels, image_max_pixels, video_min_pixels, video_max_pixels: smart_resize's
+        area bounds for images and video frames (chat data with media only).
+      video_fps: the rate videos with a known "fps" are sampled down to.
 
     Returns:
       (manifest, built): built is False when ``out`` already held these inputs' store.
@@ -132,6 +184,9 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
         not prefix-stable, or conversations without a supervised token (counted and named).
     """
     out = os.path.abspath(out.rstrip("/"))
+    media_opts = media_lib.MediaOptions(image_min_pixels, image_max_pixels, video_min_pixels,
+                                        video_max_pixels, float(video_fps))
+    pixel_options = media_opts.as_dict()
     paths = sources_lib.expand_sources(srcs)
     tok, template = _load(tokenizer, chat)
     if tokenizer is not None:
@@ -153,23 +208,33 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
             old = TokenStore(out).manifest
         except ValueError:  # a damaged or older store: other inputs, --force replaces it
             old = {}
-        if old.get("fingerprint") == fp:
+        # Pixel options count only for a store with media: they change nothing else.
+        if "media" in old:
+            why = _media_change(out, old, fp, pixel_options)
+            same = why is None
+        else:
+            why, same = None, old.get("fingerprint") == fp
+        if same:
             return old, False
         if not force:
             raise ValueError(f"--out {out} already exists and holds a token store of other "
-                             f"inputs; pass --force to replace it, or choose another --out")
+                             f"inputs{f' ({why})' if why else ''}; pass --force to replace "
+                             f"it, or choose another --out")
     _remove_dead_leftovers(out)
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     writer = StoreWriter(tmp, token_dtype(tok.vocab_size), chat, shard_tokens)
     bad: list[str] = []
+    media_inputs: set[str] = set()
     bar = _bar(progress)
     t0 = time.time()
     try:
         records = sources_lib.iter_records(paths, text_key, messages_key, chat)
-        for docs, bad_names in _encoded(_chunks(records), tokenizer, chat, workers):
-            for h, ids, weights in docs:
-                writer.add(ids, h, weights)
+        for docs, bad_names in _encoded(_chunks(records), tokenizer, chat, workers,
+                                        pixel_options):
+            for h, ids, weights, items, inputs in docs:
+                writer.add(ids, h, weights, items)
+                media_inputs.update(inputs)
                 bar.update(len(ids))
             bad += bad_names
         if bad:
@@ -180,8 +245,21 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
                 f"Remove them from the input or fix their messages")
         if writer.num_docs == 0:
             raise ValueError(f"the sources {list(srcs)} hold no non-empty document")
+        extra = {}
+        if writer.has_media:
+            stats = _stat_inputs(media_inputs)
+            with open(os.path.join(tmp, MEDIA_INPUTS), "w") as f:
+                json.dump(stats, f)
+            image_id, video_id = media_lib.placeholder_ids(tok, False, False, "")
+            extra["media"] = {
+                **pixel_options, "num_images": writer.num_images,
+                "num_videos": writer.num_videos, "max_frame_patches": writer.max_frame_patches,
+                "image_token_id": image_id, "video_token_id": video_id,
+                "sources_fingerprint": fp, "files_fingerprint": _hash(stats)}
+            # The store's identity (checkpoints compare it) covers the media and options too.
+            fp = _hash([fp, extra["media"]])
         manifest = writer.finish({
-            "fingerprint": fp, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+            **extra, "fingerprint": fp, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
             "eos_appended": not chat, "tokenizer": tok_info,
             "template_sha256": template.hash if template else None,
             "text_key": text_key, "messages_key": messages_key if chat else None,
@@ -202,16 +280,16 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
         bar.close()
 
 
-def _encoded(chunks, tokenizer: str | None, chat: bool, workers: int):
+def _encoded(chunks, tokenizer: str | None, chat: bool, workers: int, media_options: dict):
     """Encoded chunks in input order, ``workers`` processes, at most 2 chunks each in flight."""
     if workers <= 1:
-        _init_worker(tokenizer, chat)
+        _init_worker(tokenizer, chat, media_options)
         for chunk in chunks:
             yield _encode_chunk(chunk)
         return
     # spawn, not fork: the parent may have started JAX's threads (forking them can deadlock)
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, _init_worker, (tokenizer, chat)) as pool:
+    with ctx.Pool(workers, _init_worker, (tokenizer, chat, media_options)) as pool:
         pending = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -234,4 +312,7 @@ def describe(manifest: dict) -> str:
             f"{len(manifest['shards'])} shard(s)")
     if manifest["kind"] == "chat":
         line += f", {manifest['num_supervised']} supervised tokens"
+    if "media" in manifest:
+        line += (f", {manifest['media']['num_images']} images, "
+                 f"{manifest['media']['num_videos']} videos")
     return line

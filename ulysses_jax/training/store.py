@@ -11,6 +11,11 @@ Layout of a store directory (written by ``prepare.py``)::
                          shards laid end to end; no document spans two shards
     doc_hash.bin         uint64 [num_docs]: a hash of each document's name (file:line), which
                          the held-out split uses, so membership does not depend on order
+    media.jsonl          chat stores with images / videos only: one JSON list per document of
+                         its media items in token order ([] for none; see ``TokenStore.media``)
+    media_offsets.bin    int64 [num_docs + 1]: byte offsets of the lines of media.jsonl
+    media_inputs.json    [[path, size, mtime_ns], ...] of every media file and frame folder read,
+                         which a later prepare stats to see whether the store is current
 
 Reading maps the files; nothing proportional to the number of tokens is read at open. Arrays
 proportional to the number of documents (offsets, hashes: 16 bytes a document) are read when
@@ -26,6 +31,7 @@ import numpy as np
 
 FORMAT, VERSION = "ulysses-jax-token-store", 1
 MANIFEST, OFFSETS, DOC_HASH = "manifest.json", "offsets.bin", "doc_hash.bin"
+MEDIA, MEDIA_OFFSETS, MEDIA_INPUTS = "media.jsonl", "media_offsets.bin", "media_inputs.json"
 
 
 def is_store(path: str) -> bool:
@@ -60,7 +66,8 @@ class StoreWriter:
     Args:
       directory: where the files go (created).
       dtype: token dtype (``token_dtype``).
-      chat: also write per-token weights.
+      chat: also write per-token weights and each document's media items (the media files are
+        removed at ``finish`` when no document had any).
       shard_tokens: start a new shard once one holds at least this many tokens.
     """
 
@@ -74,6 +81,16 @@ class StoreWriter:
         self._hashes = open(os.path.join(directory, DOC_HASH), "wb")
         self._offsets.write(np.zeros(1, np.int64).tobytes())
         self._tok = self._wts = None
+        self.num_images = self.num_videos = self.max_frame_patches = 0
+        self._media = self._media_offsets = None
+        if chat:
+            self._media = open(os.path.join(directory, MEDIA), "wb")
+            self._media_offsets = open(os.path.join(directory, MEDIA_OFFSETS), "wb")
+            self._media_offsets.write(np.zeros(1, np.int64).tobytes())
+
+    @property
+    def has_media(self) -> bool:
+        return self.num_images + self.num_videos > 0
 
     def _open_shard(self):
         self._close_shard()
@@ -91,14 +108,26 @@ class StoreWriter:
                 f.close()
         self._tok = self._wts = None
 
-    def add(self, tokens: np.ndarray, name_hash_: int, weights: np.ndarray | None = None):
-        """One document: tokens [T] (ids < 2**bits of dtype), weights uint8 [T] for chat."""
+    def add(self, tokens: np.ndarray, name_hash_: int, weights: np.ndarray | None = None,
+            media: list[dict] | None = None):
+        """One document: tokens [T] (ids < 2**bits of dtype), weights uint8 [T] for chat, and
+        for chat its media items in token order (``TokenStore.media``'s format)."""
         if not self.shards or self.shards[-1]["num_tokens"] >= self.shard_tokens:
             self._open_shard()
         self._tok.write(np.asarray(tokens).astype(self.dtype).tobytes())
         if self.chat:
             self._wts.write(np.asarray(weights, np.uint8).tobytes())
             self.num_supervised += int(np.count_nonzero(weights))
+            media = media or []
+            self._media.write(json.dumps(media, separators=(",", ":")).encode() + b"\n")
+            self._media_offsets.write(np.array([self._media.tell()], np.int64).tobytes())
+            for item in media:
+                if item["kind"] == "image":
+                    self.num_images += 1
+                else:
+                    self.num_videos += 1
+                self.max_frame_patches = max(self.max_frame_patches,
+                                             item["grid"][1] * item["grid"][2])
         self.shards[-1]["num_tokens"] += len(tokens)
         self.num_tokens += len(tokens)
         self.num_docs += 1
@@ -110,6 +139,12 @@ class StoreWriter:
         self._close_shard()
         self._offsets.close()
         self._hashes.close()
+        if self.chat:
+            self._media.close()
+            self._media_offsets.close()
+            if not self.has_media:  # a text-only chat store stays as it always was
+                os.remove(os.path.join(self.dir, MEDIA))
+                os.remove(os.path.join(self.dir, MEDIA_OFFSETS))
         manifest = {"format": FORMAT, "version": VERSION, **manifest,
                     "kind": "chat" if self.chat else "text", "dtype": self.dtype.name,
                     "num_docs": self.num_docs, "num_tokens": self.num_tokens,
@@ -165,6 +200,19 @@ class TokenStore:
                                      f"{want} bytes: the store is damaged, prepare it again")
         self._starts = np.array([s["start"] for s in m["shards"]], np.int64)
         self._maps: dict[tuple[int, str], np.memmap] = {}
+        self._media = self._media_offsets = None
+        if "media" in m:
+            try:
+                self._media_offsets = np.memmap(os.path.join(path, MEDIA_OFFSETS), np.int64,
+                                                mode="r")
+                size = os.path.getsize(os.path.join(path, MEDIA))
+            except OSError as e:
+                raise ValueError(f"{path}: the manifest lists media but {e}: the store is "
+                                 f"damaged, prepare it again") from None
+            if len(self._media_offsets) != m["num_docs"] + 1 or self._media_offsets[-1] != size:
+                raise ValueError(f"{path}: {MEDIA_OFFSETS} and {MEDIA} ({size} bytes) do not "
+                                 f"match {m['num_docs']} documents: the store is damaged, "
+                                 f"prepare it again")
 
     @property
     def num_docs(self) -> int:
@@ -202,3 +250,26 @@ class TokenStore:
     def doc(self, d: int, weights: bool = False) -> np.ndarray:
         """Document d's tokens as int32 [T] (or its uint8 weights [T] with ``weights``)."""
         return np.asarray(self.view(d, weights), np.uint8 if weights else np.int32)
+
+    def media(self, d: int) -> list[dict]:
+        """Document d's images and videos in the order of their placeholders in its tokens.
+
+        Returns:
+          [{"kind": "image" | "video", "paths": [absolute path, ...], "grid": [t, h, w],
+          "second_per_grid_ts": float | None}, ...]: an image has one path, t = 1 and
+          second_per_grid_ts None; a video lists its sampled frames (t = ceil(frames /
+          temporal_patch_size)) and temporal_patch_size / sampled fps. [] for a document
+          without media and for every document of a store without media.
+        """
+        if self._media_offsets is None:
+            return []
+        if self._media is None:
+            self._media = np.memmap(os.path.join(self.path, MEDIA), np.uint8, mode="r")
+        a, b = int(self._media_offsets[d]), int(self._media_offsets[d + 1])
+        return json.loads(self._media[a:b].tobytes())
+
+    def has_media(self) -> np.ndarray:
+        """bool [num_docs]: which documents hold at least one image or video."""
+        if self._media_offsets is None:
+            return np.zeros(self.num_docs, bool)
+        return np.diff(np.asarray(self._media_offsets)) > len(b"[]\n")
