@@ -30,7 +30,9 @@ def units(grid_thw, merge: int) -> np.ndarray:
     return g.prod(-1) // merge ** 2
 
 
-PAD_SEGMENT = 2 ** 30  # segment id of padding slots: after every real one, alone together
+# Segment ids of padding slots: after every real one, runs of PAD_RUN slots each alone
+# together (so the tower's attention over padding costs PAD_RUN keys a slot, not all of it).
+PAD_SEGMENT, PAD_RUN = 2 ** 30, 256
 
 
 def _frames(g: np.ndarray, v: VisionConfig) -> list[tuple[np.ndarray, list[int]]]:
@@ -90,7 +92,7 @@ def vision_layout(grid_thw, v: VisionConfig, shards: int = 1,
       pixel rows; ``rope_hw`` [G*C, 2]: its patch's row and column
       (``get_vision_position_ids``); ``window_segments`` / ``frame_segments`` [G*C]: its window /
       frame, numbered from 1 in slot order (``cu_window_seqlens`` / ``cu_seqlens``),
-      PAD_SEGMENT for padding; ``unit_order`` [G*C / merge^2]: the slot unit of each unit, the
+      PAD_SEGMENT + slot // PAD_RUN for padding; ``unit_order`` [G*C / merge^2]: the slot unit of each unit, the
       images' and videos' U units in order first, then the padding units.
     Raises:
       ValueError: bad grids, or frames that do not fit the groups (names the numbers).
@@ -132,6 +134,8 @@ def vision_layout(grid_thw, v: VisionConfig, shards: int = 1,
             at += len(patches)
     hw = _rope_hw(g, v.spatial_merge_size)
     real = order >= 0
+    pad_ids = PAD_SEGMENT + np.arange(len(order)) // PAD_RUN
+    windows[~real] = frame_ids[~real] = pad_ids[~real]
     rope_hw = np.zeros((len(order), 2), np.int64)
     rope_hw[real] = hw[order[real]]
     slot_units = order[::m2]                       # the first patch of each slot unit

@@ -177,8 +177,7 @@ def _pixel_options(rows) -> dict:
     """The image preprocessing a store's media were prepared with (its manifest), {} for
     data without media."""
     store = getattr(rows, "store", None)
-    media = (store.manifest.get("media") or {}) if store is not None else {}
-    return vision_batches.pixel_options(media)
+    return vision_batches.pixel_options(store.manifest if store is not None else {})
 
 
 def with_segment_bound(cfg: Config, train_rows, held_rows) -> Config:

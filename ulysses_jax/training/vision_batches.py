@@ -29,7 +29,7 @@ from ..config import Config, ConfigError
 from ..mesh import act_spec
 from ..models import multimodal
 from ..models.vision import split_axes
-from . import images
+from . import images, media as media_lib
 from .data import FIELDS, BatchIterator, eval_batches
 
 # Patches of the largest frame at the processor's default max_pixels (28 x 28 x 1280 pixels).
@@ -103,10 +103,10 @@ def abstract_vision(cfg: Config, mesh: Mesh) -> dict:
                         shapes, shardings, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def pixel_options(media: dict) -> dict:
-    """``images.load_item``'s preprocessing keywords from a store manifest's "media"."""
-    keys = ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels")
-    return {k: media[k] for k in keys if k in media}
+def pixel_options(manifest: dict) -> dict:
+    """``media.load_item``'s preprocessing keywords from a store manifest, {} for data
+    without images (there is nothing to load)."""
+    return media_lib.load_options(manifest) if manifest.get("media") else {}
 
 
 def token_index(segment_ids: np.ndarray) -> np.ndarray:
@@ -127,7 +127,7 @@ def host_batch(batch: dict, media: list[list[dict]], cfg: Config, pixel_options:
     seconds = []
     for row in media:
         for item in row:
-            pixels, grid = images.load_item(item, **pixel_options)
+            pixels, grid = media_lib.load_item(item, **pixel_options)
             pieces[item["kind"]][0].append(pixels)
             pieces[item["kind"]][1].append(np.asarray(grid).reshape(1, 3))
             if item["kind"] == "video":
@@ -138,10 +138,15 @@ def host_batch(batch: dict, media: list[list[dict]], cfg: Config, pixel_options:
             name = "pixel_values" if kind == "image" else "pixel_values_videos"
             inputs[name] = np.concatenate(px)
             inputs[f"{kind}_grid_thw"] = np.concatenate(grid)
-    positions, vision = multimodal.prepare(
-        batch["tokens"], cfg.model, segment_ids=batch["segment_ids"],
-        second_per_grid_ts=np.asarray(seconds) if seconds else None,
-        shards=vision_groups(cfg), capacity=vision_slots(cfg), **inputs)
+    try:
+        positions, vision = multimodal.prepare(
+            batch["tokens"], cfg.model, segment_ids=batch["segment_ids"],
+            second_per_grid_ts=np.asarray(seconds) if seconds else None,
+            shards=vision_groups(cfg), capacity=vision_slots(cfg), **inputs)
+    except ValueError as e:
+        raise ConfigError(f"data.vision_patches {cfg.data.vision_patches or 'auto'} "
+                          f"({vision_slots(cfg)} patch slots per group): {e}; set it higher, "
+                          f"or 0 for enough for any batch") from None
     return {**batch, "positions": positions, "vision": vision}
 
 

@@ -1,0 +1,100 @@
+"""Qwen2.5-VL end to end: a multimodal chat store (images of several sizes) trains with
+train.py's tiny preset, the seq=4 loss curve (the tower split over the 4 devices) equals
+seq=1's and learns, the held-out loss is evaluated, and the run exports to a directory that
+transformers' Qwen2_5_VLForConditionalGeneration loads and runs with our logits."""
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import cli_env, need_devices
+from test_mm_data import noise, vl_tok, write_jsonl  # noqa: F401  (vl_tok is a fixture)
+from ulysses_jax import make_mesh
+from ulysses_jax.config import load_config
+from ulysses_jax.evaluate import load
+from ulysses_jax.training.store import TokenStore
+from ulysses_jax.training.trainer import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESET = os.path.join(ROOT, "configs", "tiny-qwen2.5-vl.yaml")
+
+
+@pytest.fixture
+def store(tmp_path, vl_tok):
+    from ulysses_jax.training.prepare import prepare
+    (tmp_path / "data").mkdir()
+    sizes = [(56, 84), (84, 56), (112, 56), (56, 56), (84, 112), (56, 112)]
+    convs = []
+    for i, (h, w) in enumerate(sizes * 3):
+        name = f"img{i}.png"
+        noise(tmp_path / "data" / name, h, w, seed=i)
+        convs.append([{"role": "user", "content": [{"type": "image", "image": name},
+                                                   {"type": "text", "text": "Say hi"}]},
+                      {"role": "assistant", "content": " the answer is 42" if i % 2 else
+                       " hi again"}])
+    src = write_jsonl(tmp_path / "data" / "chat.jsonl", convs)
+    out = tmp_path / "store"
+    prepare([src], str(out), vl_tok, chat=True, progress=False)
+    return str(out), vl_tok
+
+
+def _overrides(store_path):
+    manifest = TokenStore(store_path).manifest
+    media = manifest["media"]
+    return [f"data.source={store_path}", f"model.vocab_size={manifest['vocab_size']}",
+            f"model.image_token_id={media['image_token_id']}",
+            f"model.video_token_id={media['video_token_id']}", "seq_len=128", "batch_size=2",
+            "log_every=1", "steps=6", "eval_every=3", "eval_batches=1", "checkpoint_every=3",
+            "data.heldout_fraction=0.2", "optimizer.warmup_steps=2", "model.attn_impl=xla"]
+
+
+def test_multimodal_store_trains_evaluates_and_exports(store, tmp_path):
+    path, tokenizer = store
+    need_devices(4)
+    runs = {}
+    for seq in (1, 4):
+        cfg = load_config(PRESET, _overrides(path) + [f"mesh.seq={seq}"])
+        summary = train(cfg, str(tmp_path / f"run{seq}"), progress=False)
+        assert summary["status"] == "done" and summary["eval_loss"] is not None
+        with open(tmp_path / f"run{seq}" / "metrics.jsonl") as f:
+            runs[seq] = [json.loads(line) for line in f]
+    assert [r["step"] for r in runs[4]] == list(range(1, 7))
+    np.testing.assert_allclose([r["loss"] for r in runs[4]], [r["loss"] for r in runs[1]],
+                               rtol=2e-4)
+    evals = [[r["eval_loss"] for r in runs[s] if "eval_loss" in r] for s in (1, 4)]
+    np.testing.assert_allclose(evals[1], evals[0], rtol=2e-4)
+    assert runs[1][-1]["loss"] < runs[1][0]["loss"] - 0.1
+
+    # export the seq=4 run; transformers runs it on a conversation with an image
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "ulysses_jax.export", str(tmp_path / "run4"),
+                           "--out", str(out), "--no-progress"], cwd=ROOT, env=cli_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(out), attn_implementation="eager", dtype=torch.float32).eval()
+    st = TokenStore(path)
+    doc = next(d for d in range(st.num_docs) if st.media(d))
+    tokens = np.asarray(st.view(doc), np.int32)[None]
+    from ulysses_jax.training import media
+    pixels, grid = media.load_item(st.media(doc)[0], **media.load_options(st.manifest))
+    cfg = load_config(PRESET, _overrides(path) + ["mesh.seq=1"]).model
+    mm = (tokens == cfg.image_token_id).astype(np.int64)
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(tokens).long(),
+                  pixel_values=torch.from_numpy(pixels),
+                  image_grid_thw=torch.from_numpy(np.asarray(grid).reshape(1, 3)),
+                  mm_token_type_ids=torch.from_numpy(mm)).logits.numpy()
+    mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
+    loaded = load(str(tmp_path / "run4"), mesh)
+    ours = nnx.merge(loaded.graphdef, loaded.params)
+    got = np.asarray(ours(jnp.asarray(tokens), pixel_values=pixels,
+                          image_grid_thw=np.asarray(grid).reshape(1, 3)))
+    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) <= 1e-4
