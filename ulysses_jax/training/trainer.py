@@ -12,7 +12,6 @@ run before anything is saved after it.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import signal
@@ -21,16 +20,14 @@ import time
 import jax
 import numpy as np
 
-from . import data as data_lib, vision_batches
+from . import data as data_lib, run_data, vision_batches
+from .run_data import is_main as _is_main, log as _log
 from .checkpoint import Checkpointer, SaveFailed
 from .flops import train_step_flops
-from .packing import store_rows
-from .prepare import file_hash
-from .store import is_store
 from .tb_log import TensorBoardLog, Tee
 from .resume import resolve_init_from, start_state
 from .run_dir import MetricsLog, RunError, WorkdirLock, make_workdir, write_config
-from ..config import Config, ConfigError, to_dict, to_yaml, validate
+from ..config import Config, to_dict, to_yaml, validate
 from ..models.families import family
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
@@ -43,15 +40,6 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
-
-
-def _is_main() -> bool:
-    return jax.process_index() == 0
-
-
-def _log(msg: str) -> None:
-    if _is_main():
-        print(msg, flush=True)
 
 
 def _scalar(x) -> float:
@@ -123,77 +111,6 @@ def model_flops_per_device(cfg: Config) -> float:
     return train_step_flops(cfg.model, cfg.batch_size, cfg.seq_len, **tower) / devices
 
 
-def _load_data(cfg: Config):
-    """Train and held-out rows; a bad data.* setting is a ConfigError (clean CLI exit)."""
-    if is_store(cfg.data.source):
-        return _load_store(cfg)
-    try:
-        tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
-    except (OSError, ValueError, ImportError) as e:
-        raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: {e}") from None
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data.tokenizer: the tokenizer has {tokenizer.vocab_size} ids but "
-                          f"model.vocab_size is {cfg.model.vocab_size}")
-    try:
-        return data_lib.build_rows(cfg.data.source, tokenizer, cfg.seq_len,
-                                   cfg.data.heldout_fraction, cfg.seed)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
-
-
-def _load_store(cfg: Config):
-    """Rows of a prepared token store (memory-mapped; ``packing.py``)."""
-    try:
-        train_rows, held_rows, notes = store_rows(cfg.data.source, cfg.seq_len,
-                                                  cfg.data.heldout_fraction, cfg.seed,
-                                                  cfg.data.chat_overflow)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
-    manifest = train_rows.store.manifest
-    if manifest["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(f"data.source {cfg.data.source!r}: the store's tokenizer has "
-                          f"{manifest['vocab_size']} ids but model.vocab_size is "
-                          f"{cfg.model.vocab_size}")
-    if cfg.data.tokenizer is not None:
-        path = cfg.data.tokenizer
-        path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(path) or file_hash(path) != manifest["tokenizer"]["sha256"]:
-            raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} is not the tokenizer the "
-                              f"store {cfg.data.source!r} was prepared with "
-                              f"({manifest['tokenizer']['path'] or 'bytes'}); unset "
-                              f"data.tokenizer or prepare the store again")
-    if family(cfg.model.family).vision:
-        vision_batches.check_store(cfg, manifest)
-    elif manifest.get("media"):
-        raise ConfigError(f"data.source {cfg.data.source!r} holds images or videos, which "
-                          f"need a multimodal model (model.family=qwen2_5_vl); "
-                          f"model.family is {cfg.model.family}")
-    for note in notes:
-        _log(f"data: {note}")
-    return train_rows, held_rows
-
-
-def _pixel_options(rows) -> dict:
-    """The image preprocessing a store's media were prepared with (its manifest), {} for
-    data without media."""
-    store = getattr(rows, "store", None)
-    return vision_batches.pixel_options(store.manifest if store is not None else {})
-
-
-def with_segment_bound(cfg: Config, train_rows, held_rows) -> Config:
-    """``model.max_segments`` resolved: as given, or (0) from the data: 1.5 x the most
-    documents any row of the first epoch holds (padding counts as one), rounded up to a
-    multiple of 8. It sizes cuDNN's packed-layout arguments; rows with more still run
-    exactly, through the fallback kernel (``attention/cudnn.py``)."""
-    most = max(int(rows.segments_per_row(0, cfg.seed).max())
-               for rows in (train_rows, held_rows) if rows is not None)
-    bound = cfg.model.max_segments or 8 * math.ceil(1.5 * most / 8)
-    _log(f"data: up to {most} documents per row in the first epoch; packed attention "
-         f"bound model.max_segments={bound}"
-         f"{'' if cfg.model.max_segments else ' (from the data)'}")
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=bound))
-
-
 def _evaluate(eval_step, params, held_rows, cfg: Config, mesh,
               position_step=None) -> tuple[float | None, dict | None]:
     """Held-out loss over ``cfg.eval_batches`` batches, and (with ``position_step``,
@@ -207,7 +124,7 @@ def _evaluate(eval_step, params, held_rows, cfg: Config, mesh,
     sums, counts = np.zeros(len(bounds) - 1), np.zeros(len(bounds) - 1)
     total, count = 0.0, 0.0
     if family(cfg.model.family).vision:
-        batches = vision_batches.media_eval_batches(held_rows, cfg, _pixel_options(held_rows),
+        batches = vision_batches.media_eval_batches(held_rows, cfg, run_data.pixel_options(held_rows),
                                                     mesh)
     else:
         batches = (data_lib.shard_batch(batch, mesh, order=token_order(cfg))
@@ -306,11 +223,11 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
     _log(f"resolved config:\n{to_yaml(cfg)}")
     for note in notes + chunk_notes(cfg):
         _log(f"note: {note}")
-    train_rows, held_rows = _load_data(cfg)
-    cfg = with_segment_bound(cfg, train_rows, held_rows)
+    train_rows, held_rows = run_data.load_data(cfg)
+    cfg = run_data.with_segment_bound(cfg, train_rows, held_rows)
     if family(cfg.model.family).vision:
         batches = vision_batches.MediaBatchIterator(train_rows, cfg.batch_size, cfg,
-                                                    _pixel_options(train_rows))
+                                                    run_data.pixel_options(train_rows))
     else:
         batches = data_lib.BatchIterator(train_rows, cfg.batch_size, cfg.seed)
     _log(f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"

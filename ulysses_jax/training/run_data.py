@@ -1,0 +1,100 @@
+"""The data of a run: train and held-out rows from ``data.source`` (a token store, or text
+files tokenized on the fly), checked against the model (vocabulary, tokenizer, images), and
+the packed-attention bound they imply. Used by ``trainer.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+
+from . import data as data_lib, vision_batches
+from .packing import store_rows
+from .prepare import file_hash
+from .store import is_store
+from ..config import Config, ConfigError
+from ..models.families import family
+
+
+def is_main() -> bool:
+    """Process 0: the one that prints and writes the run's files."""
+    return jax.process_index() == 0
+
+
+def log(msg: str) -> None:
+    """A line of the run's log, printed by process 0."""
+    if is_main():
+        print(msg, flush=True)
+
+
+def load_data(cfg: Config):
+    """Train and held-out rows; a bad data.* setting is a ConfigError (clean CLI exit)."""
+    if is_store(cfg.data.source):
+        return _load_store(cfg)
+    try:
+        tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: {e}") from None
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"data.tokenizer: the tokenizer has {tokenizer.vocab_size} ids but "
+                          f"model.vocab_size is {cfg.model.vocab_size}")
+    try:
+        return data_lib.build_rows(cfg.data.source, tokenizer, cfg.seq_len,
+                                   cfg.data.heldout_fraction, cfg.seed)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
+
+
+def _load_store(cfg: Config):
+    """Rows of a prepared token store (memory-mapped; ``packing.py``)."""
+    try:
+        train_rows, held_rows, notes = store_rows(cfg.data.source, cfg.seq_len,
+                                                  cfg.data.heldout_fraction, cfg.seed,
+                                                  cfg.data.chat_overflow)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
+    manifest = train_rows.store.manifest
+    if manifest["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(f"data.source {cfg.data.source!r}: the store's tokenizer has "
+                          f"{manifest['vocab_size']} ids but model.vocab_size is "
+                          f"{cfg.model.vocab_size}")
+    if cfg.data.tokenizer is not None:
+        path = cfg.data.tokenizer
+        path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(path) or file_hash(path) != manifest["tokenizer"]["sha256"]:
+            raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} is not the tokenizer the "
+                              f"store {cfg.data.source!r} was prepared with "
+                              f"({manifest['tokenizer']['path'] or 'bytes'}); unset "
+                              f"data.tokenizer or prepare the store again")
+    if family(cfg.model.family).vision:
+        vision_batches.check_store(cfg, manifest)
+    elif manifest.get("media"):
+        raise ConfigError(f"data.source {cfg.data.source!r} holds images or videos, which "
+                          f"need a multimodal model (model.family=qwen2_5_vl); "
+                          f"model.family is {cfg.model.family}")
+    for note in notes:
+        log(f"data: {note}")
+    return train_rows, held_rows
+
+
+def pixel_options(rows) -> dict:
+    """The image preprocessing a store's media were prepared with (its manifest), {} for
+    data without media."""
+    store = getattr(rows, "store", None)
+    return vision_batches.pixel_options(store.manifest if store is not None else {})
+
+
+def with_segment_bound(cfg: Config, train_rows, held_rows) -> Config:
+    """``model.max_segments`` resolved: as given, or (0) from the data: 1.5 x the most
+    documents any row of the first epoch holds (padding counts as one), rounded up to a
+    multiple of 8. It sizes cuDNN's packed-layout arguments; rows with more still run
+    exactly, through the fallback kernel (``attention/cudnn.py``)."""
+    most = max(int(rows.segments_per_row(0, cfg.seed).max())
+               for rows in (train_rows, held_rows) if rows is not None)
+    bound = cfg.model.max_segments or 8 * math.ceil(1.5 * most / 8)
+    log(f"data: up to {most} documents per row in the first epoch; packed attention "
+         f"bound model.max_segments={bound}"
+         f"{'' if cfg.model.max_segments else ' (from the data)'}")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=bound))
