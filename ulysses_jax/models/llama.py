@@ -26,6 +26,12 @@ class Block(nnx.Module):
                  layout: str = "natural", head_chunks: int = 1, sparse: bool = False):
         self.attn_norm = norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, mesh, rngs=rngs, layout=layout, head_chunks=head_chunks)
+        self._init_feed_forward(cfg, mesh, rngs, sparse)
+
+    def _init_feed_forward(self, cfg: ModelConfig, mesh: Mesh | None, rngs: nnx.Rngs,
+                           sparse: bool):
+        """The MLP half (``feed_forward``): its norm and the dense MLP or the experts, made
+        after the token mixer's parameters (the order the random keys are drawn in)."""
         self.mlp_norm = norm(cfg, cfg.d_model)
         self.mlp = None if sparse else MLP(cfg, mesh, rngs=rngs)
         self.moe = MoE(cfg, mesh, rngs=rngs) if sparse else None

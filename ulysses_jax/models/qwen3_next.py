@@ -34,11 +34,10 @@ from jax.sharding import Mesh
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.linear import gated_deltanet
 from ..config import INT32_MAX, ModelConfig
-from .layers import MLP, gathered as _gathered, norm
+from .layers import gathered as _gathered, norm
 from .families import family
 from .llama import Block
 from .rope import apply_rope
-from .moe import MoE
 from .norms import gated_rms_norm
 
 
@@ -148,10 +147,7 @@ class Qwen3NextBlock(Block):
             self.linear_attn = None
             self.attn = GatedAttention(cfg, mesh, rngs=rngs, layout=layout,
                                        head_chunks=head_chunks)
-        self.mlp_norm = norm(cfg, cfg.d_model)
-        self.mlp = None if sparse else MLP(cfg, mesh, rngs=rngs)
-        self.moe = MoE(cfg, mesh, rngs=rngs) if sparse else None
-        self.mesh, self.chunk = mesh, cfg.mlp_chunk
+        self._init_feed_forward(cfg, mesh, rngs, sparse)
 
     def __call__(self, x, positions, segment_ids, kind="G"):
         with jax.named_scope("attention"):
