@@ -89,8 +89,8 @@ def _is_leftover(unraisable) -> bool:
 def quiet_checkpoint_leftovers() -> None:
     """Drops ``_is_leftover`` exceptions from ``sys.unraisablehook`` for the rest of the
     process (they can be collected long after the failure): the failure itself is reported
-    once, as a clean message. Installed when a checkpoint fails to read or write; calling it
-    again adds nothing."""
+    once, as a clean message. Installed by every Checkpointer (and again at a failed read or
+    write, in case something replaced the hook since); calling it again adds nothing."""
     previous = sys.unraisablehook
     if getattr(previous, "_drops_checkpoint_leftovers", False):
         return
@@ -122,6 +122,9 @@ class Checkpointer:
         """
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive integer, got {keep!r}")
+        # From now on, not at a failure: a failing write's leftovers can surface before
+        # Orbax reports the write itself as failed.
+        quiet_checkpoint_leftovers()
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ValueError(f"save_every must be a positive integer or None, got {save_every!r}")
         self.directory = os.path.abspath(os.fspath(directory))
