@@ -138,6 +138,9 @@ def _main(args) -> int:
         dump = tempfile.mkdtemp(prefix="ulysses_dry_run_")
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump_flags(dump)}"
     import jax
+    cache_before = jax.config.jax_enable_compilation_cache
+    if dump:  # a program read from a compilation cache is not compiled, so XLA dumps nothing
+        jax.config.update("jax_enable_compilation_cache", False)
     if args.coordinator or _launched_by_scheduler():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if args.coordinator:
@@ -155,6 +158,7 @@ def _main(args) -> int:
                 print(json.dumps(dry_run(cfg)))
             finally:
                 shutil.rmtree(dump, ignore_errors=True)
+                jax.config.update("jax_enable_compilation_cache", cache_before)
                 if flags_before is None:  # main() called from Python: leave no flags behind
                     os.environ.pop("XLA_FLAGS", None)
                 else:

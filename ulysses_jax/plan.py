@@ -234,6 +234,9 @@ def main(argv=None) -> int:
         dump = tempfile.mkdtemp(prefix="ulysses_plan_")  # (read by XLA if JAX starts below)
         os.environ["XLA_FLAGS"] = f"{flags_before or ''} {memory.dump_flags(dump)}".strip()
     import jax
+    cache_before = jax.config.jax_enable_compilation_cache
+    if dump:  # a program read from a compilation cache is not compiled, so XLA dumps nothing
+        jax.config.update("jax_enable_compilation_cache", False)
 
     m = cfg.model
     budget = int(args.memory_gb * GIB)
@@ -265,6 +268,7 @@ def main(argv=None) -> int:
     finally:
         if dump:
             shutil.rmtree(dump, ignore_errors=True)
+            jax.config.update("jax_enable_compilation_cache", cache_before)
             os.environ["XLA_FLAGS"] = flags_before or ""  # main() called from Python
     print(f"\n{'P':>3}  {'longest seq_len':>16}  {'device GiB':>10}  {'host GiB':>9}  note")
     for p, length in results.items():
