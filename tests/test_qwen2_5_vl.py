@@ -256,44 +256,55 @@ def test_import_matches_transformers(checkpoint, hf_model, p):
         assert _rel(blind[0], out.logits.numpy()[0]) > 100 * TOL
 
 
+def _run_step(model, mesh, tokens, images, capacity=None):
+    """(logits, objective, gradients) of one batch, the tower laid out for ``model``."""
+    positions, vision = multimodal.prepare(tokens, model.cfg, shards=model.visual.shards(),
+                                           capacity=capacity, **images)
+    b, s = tokens.shape
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
+             "loss_mask": np.ones((b, s)), "segment_ids": np.ones((b, s), np.int32),
+             "positions": positions, "vision": vision}
+    graphdef, params = nnx.split(model)
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda p: objective(graphdef, p, batch, mesh)[0]))(params)
+    logits = jax.jit(lambda p: nnx.merge(graphdef, p)(
+        batch["tokens"], batch["positions"], batch["segment_ids"], batch["vision"]))(params)
+    return np.asarray(logits), float(loss), nnx.to_pure_dict(grads)
+
+
+@pytest.fixture(scope="module")
+def one_device_step(checkpoint):
+    """The one-device model and its step on ``_straddling_inputs(6)``."""
+    mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
+    model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32)
+    tokens, images = _straddling_inputs(6)
+    return model, _run_step(model, mesh, tokens, images)
+
+
 @pytest.mark.parametrize("split", [False, True])
-def test_split_and_replicated_towers_agree(checkpoint, split):
+def test_split_and_replicated_towers_agree(checkpoint, one_device_step, split):
     """The tower split by frames over 4 devices (padded groups) and replicated on every
     device give the one-device logits and gradients; so does a batch padded to a larger
     patch budget, and a budget with no image at all gives the text-only logits."""
     tokens, images = _straddling_inputs(6)
-    one = make_mesh(seq=1, data=1, devices=need_devices(1))
-    ref_model = from_pretrained(checkpoint, mesh=one, dtype=jnp.float32)
+    ref_model, (want, want_loss, want_grads) = one_device_step
     mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
     model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
     model.cfg = dataclasses.replace(model.cfg, vision=dataclasses.replace(
         model.cfg.vision, split=split))
     model.visual.cfg = model.cfg
     assert model.visual.shards() == (4 if split else 1)
-
-    def run(m, msh, capacity=None, imgs=images):
-        positions, vision = multimodal.prepare(tokens, m.cfg, shards=m.visual.shards(),
-                                               capacity=capacity, **imgs)
-        b, s_ = tokens.shape
-        batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
-                 "loss_mask": np.ones((b, s_)), "segment_ids": np.ones((b, s_), np.int32),
-                 "positions": positions, "vision": vision}
-        graphdef, params = nnx.split(m)
-        loss, grads = jax.jit(jax.value_and_grad(
-            lambda p: objective(graphdef, p, batch, msh)[0]))(params)
-        logits = jax.jit(lambda p: nnx.merge(graphdef, p)(
-            batch["tokens"], batch["positions"], batch["segment_ids"], batch["vision"]))(params)
-        return np.asarray(logits), float(loss), nnx.to_pure_dict(grads)
-
-    want, want_loss, want_grads = run(ref_model, one)
     for capacity in (None, 256):
-        got, loss, grads = run(model, mesh, capacity)
+        got, loss, grads = _run_step(model, mesh, tokens, images, capacity)
         assert _rel(got, want) <= 1e-5
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        vision_leaves = 0
         for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads),
-                                jax.tree.leaves(want_grads)):
+                                jax.tree.leaves(want_grads), strict=True):
             g, w = np.asarray(g), np.asarray(w)
             assert np.max(np.abs(g - w)) <= 1e-4 * max(np.max(np.abs(w)), 1e-3), path
+            vision_leaves += "visual" in jax.tree_util.keystr(path)
+        assert vision_leaves == 2 + 12 + 4  # patch embed, merger norm; 12 per block; merger
     # a budget of padding only: the placeholders are text here, so no feature is placed
     text = _text(np.random.default_rng(6))
     positions, vision = multimodal.prepare(text, model.cfg, shards=model.visual.shards(),

@@ -189,6 +189,9 @@ def _variant_errors(m: ModelConfig) -> list[str]:
     elif "L" in m.layer_pattern and not m.sliding_window:
         errors.append(f"model.layer_pattern {m.layer_pattern!r} has local layers (L) but "
                       f"model.sliding_window is 0")
+    if m.sliding_window and not traits(m.family).sliding_windows:
+        errors.append(f"model.family={m.family} has no sliding-window layers; set "
+                      f"model.sliding_window=0, got {m.sliding_window}")
     errors += _qwen3_next_errors(m)
     errors += _vision_errors(m)
     if not traits(m.family).experts and m.num_experts:
@@ -218,9 +221,6 @@ def _qwen3_next_errors(m: ModelConfig) -> list[str]:
         errors.append(f"model.partial_rotary_factor {m.partial_rotary_factor} must be in (0, 1] "
                       f"and rotate an even number of head dims (model.head_dim {m.head_dim} x "
                       f"{m.partial_rotary_factor} = {rotary})")
-    if m.sliding_window and not traits(m.family).sliding_windows:
-        errors.append(f"model.family={m.family} has no sliding-window layers; set "
-                      f"model.sliding_window=0, got {m.sliding_window}")
     return errors
 
 
@@ -249,9 +249,6 @@ def _vision_errors(m: ModelConfig) -> list[str]:
     if bad:
         errors.append(f"model.vision.fullatt_block_indexes {bad} are not blocks of a tower of "
                       f"depth {v.depth}")
-    if m.sliding_window:
-        errors.append(f"model.family={m.family} has no sliding-window layers; set "
-                      f"model.sliding_window=0, got {m.sliding_window}")
     return errors
 
 
