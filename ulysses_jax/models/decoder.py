@@ -193,14 +193,17 @@ class Decoder(nnx.Module):
             if family(self.cfg.family).embed_scale:  # x sqrt(D), the factor in the compute dtype
                 x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)
         if vision is not None:
-            if self.visual is None:
-                raise ValueError(f"model.family={self.cfg.family} has no vision tower; images "
-                                 f"and videos need a multimodal family (qwen2_5_vl)")
+            self._need_tower()
             with jax.named_scope("vision"):
                 x = merge_features(x, self.visual(vision), vision["feature_index"], self.mesh)
         with jax.named_scope("layers"):
             x, stats = self._run_layers(x, positions, segment_ids)
         return self.final_norm(x), stats
+
+    def _need_tower(self) -> None:
+        if self.visual is None:
+            raise ValueError(f"model.family={self.cfg.family} has no vision tower; images and "
+                             f"videos need a multimodal family (qwen2_5_vl)")
 
     def _run_layers(self, x, positions, segment_ids):
         """All layer groups in order; returns (x, router stats summed over MoE layers).
@@ -270,9 +273,7 @@ class Decoder(nnx.Module):
             if isinstance(tokens, jax.core.Tracer):
                 raise ValueError("image inputs are prepared on the host from the tokens; under "
                                  "jit pass positions and vision from multimodal.prepare")
-            if self.visual is None:
-                raise ValueError(f"model.family={self.cfg.family} has no vision tower; images "
-                                 f"and videos need a multimodal family (qwen2_5_vl)")
+            self._need_tower()
             positions, vision = prepare(np.asarray(tokens), self.cfg, segment_ids=(
                 None if segment_ids is None else np.asarray(segment_ids)),
                 shards=self.visual.shards(), **images)
