@@ -99,3 +99,19 @@ def test_multimodal_store_trains_evaluates_and_exports(store, tmp_path):
     got = np.asarray(ours(jnp.asarray(tokens), pixel_values=pixels,
                           image_grid_thw=np.asarray(grid).reshape(1, 3)))
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) <= 1e-4
+
+
+def test_store_and_model_must_agree(store):
+    """The store's placeholder ids must be the model's, and its largest frame must fit the
+    patch slots (the 84 x 112 images: 6 x 8 = 48 patches); both are config errors naming
+    the numbers, checked before training."""
+    from ulysses_jax.config import ConfigError
+    from ulysses_jax.training.vision_batches import check_store
+    path, _ = store
+    manifest = TokenStore(path).manifest
+    good = _overrides(path) + ["mesh.seq=1"]
+    check_store(load_config(PRESET, good), manifest)
+    for extra, match in ((["model.image_token_id=5"], "image_token_id is .* but model"),
+                         (["data.vision_patches=8"], "largest frame has 48 patches")):
+        with pytest.raises(ConfigError, match=match):
+            check_store(load_config(PRESET, good + extra), manifest)

@@ -55,8 +55,13 @@ def vision_slots(cfg: Config) -> int:
 
 
 def check_store(cfg: Config, manifest: dict) -> None:
-    """ConfigError when the store's largest frame could make a batch overflow the slots."""
+    """ConfigError when the store's placeholder ids are not the model's, or its largest
+    frame could make a batch overflow the patch slots."""
     media = manifest.get("media") or {}
+    for key, want in (("image_token_id", cfg.model.image_token_id),
+                      ("video_token_id", cfg.model.video_token_id)):
+        if key in media and media[key] != want:
+            raise ConfigError(f"the store's {key} is {media[key]} but model.{key} is {want}")
     largest = int(media.get("max_frame_patches", 0))
     if cfg.data.vision_patches:
         if largest > vision_slots(cfg):
@@ -68,10 +73,6 @@ def check_store(cfg: Config, manifest: dict) -> None:
         raise ConfigError(f"the store's largest frame has {largest} patches, more than the "
                           f"{DEFAULT_FRAME_PATCHES} the default patch slots leave room for; "
                           f"set data.vision_patches >= {need}")
-    for key, want in (("image_token_id", cfg.model.image_token_id),
-                      ("video_token_id", cfg.model.video_token_id)):
-        if key in media and media[key] != want:
-            raise ConfigError(f"the store's {key} is {media[key]} but model.{key} is {want}")
 
 
 def vision_shardings(mesh: Mesh, split: bool) -> dict:
