@@ -17,11 +17,13 @@ one decoder embedding per unit, and the units go back to their original order.
 Both kinds of attention are one ``chunked_attention`` call with segment ids (windows, or frames;
 each contiguous in window order), so a tile of patches that shares no segment with another is
 never visited: cost grows with the patches times the window (or frame), never with all patches
-squared. The tower is token-local to each frame, and the decoder uses only its output rows,
-so the Decoder runs it on the whole batch's patches on every sequence device (replicated);
-the features then go to the placeholder tokens of each device's own shard
-(``merge_features``), and every device runs the same program whether or not its shard holds
-an image.
+squared. Every attention stays inside one frame, so frames are independent: with
+``model.vision.split`` (the default) the host deals whole frames to the devices
+(``multimodal.vision_layout``), each device runs the tower on its share inside one
+``shard_map`` and the features are gathered; without it every device runs the tower on all
+of the batch's patches (benchmarks/vision_memory.py compares the two). The features then go
+to the placeholder tokens of each device's own shard (``merge_features``), and every device
+runs the same program whether or not its shard holds an image.
 """
 from __future__ import annotations
 
