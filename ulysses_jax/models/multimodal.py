@@ -146,32 +146,20 @@ def vision_layout(grid_thw, v: VisionConfig, shards: int = 1,
             "unit_order": unit_order.astype(np.int32)}
 
 
+def runs(values: np.ndarray) -> list[tuple[int, int, int]]:
+    """[(value, start, end)] of the runs of equal values of a 1-D array, in order."""
+    v = np.asarray(values)
+    starts = np.flatnonzero(np.r_[True, v[1:] != v[:-1]]) if len(v) else np.zeros(0, int)
+    ends = np.r_[starts[1:], len(v)]
+    return [(int(v[a]), int(a), int(b)) for a, b in zip(starts, ends)]
+
+
 def _documents(segment_ids, b: int, s: int) -> list[list[tuple[int, int]]]:
     """[(start, end)] of each row's documents: runs of equal nonzero segment id, or the whole
     row without segment ids."""
     if segment_ids is None:
         return [[(0, s)] for _ in range(b)]
-    seg = np.asarray(segment_ids)
-    out = []
-    for row in seg:
-        docs, start = [], 0
-        for i in range(1, s + 1):
-            if i == s or row[i] != row[start]:
-                if row[start] != 0:
-                    docs.append((start, i))
-                start = i
-        out.append(docs)
-    return out
-
-
-def _runs(kinds: np.ndarray) -> list[tuple[int, int, int]]:
-    """[(kind, start, end)] runs of equal values."""
-    out, start = [], 0
-    for i in range(1, len(kinds) + 1):
-        if i == len(kinds) or kinds[i] != kinds[start]:
-            out.append((int(kinds[start]), start, i))
-            start = i
-    return out
+    return [[(a, e) for k, a, e in runs(row) if k != 0] for row in np.asarray(segment_ids)]
 
 
 def rope_index(tokens, cfg: ModelConfig, image_grid_thw=None, video_grid_thw=None,
@@ -202,7 +190,7 @@ def rope_index(tokens, cfg: ModelConfig, image_grid_thw=None, video_grid_thw=Non
     for r, docs in enumerate(_documents(segment_ids, b, s)):
         for start, end in docs:
             pos = 0
-            for kind, lo, hi in _runs(kinds[r, start:end]):
+            for kind, lo, hi in runs(kinds[r, start:end]):
                 lo, hi = lo + start, hi + start
                 if kind == 0:
                     out[r, lo:hi] = (pos + np.arange(hi - lo))[:, None]

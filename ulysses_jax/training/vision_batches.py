@@ -115,9 +115,8 @@ def token_index(segment_ids: np.ndarray) -> np.ndarray:
     seg = np.asarray(segment_ids)
     out = np.zeros(seg.shape, np.int64)
     for r, row in enumerate(seg):
-        start = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
-        lengths = np.diff(np.r_[start, len(row)])
-        out[r] = np.arange(len(row)) - np.repeat(start, lengths)
+        for _, a, b in multimodal.runs(row):
+            out[r, a:b] = np.arange(b - a)
     return out
 
 
