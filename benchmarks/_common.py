@@ -5,6 +5,8 @@ devices before JAX starts, and spells the command line recorded in each results 
 """
 from __future__ import annotations
 
+import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -26,3 +28,13 @@ def command_line(script: str, argv=None) -> str:
     """The command as typed from the repository root, for the results file."""
     args = sys.argv[1:] if argv is None else list(argv)
     return shlex.join(["python", f"benchmarks/{Path(script).name}", *args])
+
+
+def write_results(out_dir: str, name: str, result: dict) -> str:
+    """Writes ``result`` as ``out_dir/name`` (JSON, made if missing), says so; the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+    return path

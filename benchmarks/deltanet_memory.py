@@ -18,13 +18,12 @@ benchmarks/results/deltanet_memory.json with the command and the date.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 
-from _common import ROOT, command_line, ints  # noqa: E402  (first: repo path, fake devices)
+from _common import ROOT, command_line, ints, write_results  # noqa: E402  (first: sets up)
 
 GIB = 2 ** 30
 LAYER = ["model.family=qwen3_next", "model.n_layers=1", "model.d_model=2048",
@@ -99,11 +98,7 @@ def main(argv=None) -> int:
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (fake devices)",
            "wall_seconds": round(time.time() - t_all, 1),
            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "deltanet_memory.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    write_results(args.out_dir, "deltanet_memory.json", out)
     return 0
 
 

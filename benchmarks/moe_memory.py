@@ -25,14 +25,13 @@ Results: benchmarks/results/moe_memory.json (with the command and the times).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, command_line, ints  # noqa: E402  (first: repo path, fake devices)
+from _common import ROOT, command_line, ints, write_results  # noqa: E402  (first: sets up)
 
 GIB = 2 ** 30
 
@@ -121,11 +120,7 @@ def main(argv=None) -> int:
            "jax": jax.__version__, "python": platform.python_version(),
            "wall_seconds": round(time.time() - t_all, 1),
            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "moe_memory.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    write_results(args.out_dir, "moe_memory.json", out)
     return 0
 
 
