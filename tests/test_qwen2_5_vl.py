@@ -10,7 +10,7 @@ logits and loss for a row whose image straddles the shard boundaries and whose t
 video straddles another, beside a row with no image (relative 1e-4); images in one shard only
 (every other shard runs the same program without one); packed documents with images equal
 each document alone; gradients of the vision weights; both key layouts on disk; export round
-trip; refusals.
+trip; the ``compare hf`` tool on the checkpoint; refusals.
 """
 import dataclasses
 import json
@@ -418,6 +418,32 @@ def test_export_round_trip(checkpoint, hf_model, tmp_path):
     assert _rel(again, want) <= 1e-6
     reloaded = from_pretrained(str(tmp_path), mesh=mesh, dtype=jnp.float32, attn_impl="xla")
     assert dataclasses.replace(reloaded.cfg) == model.cfg
+
+
+def test_compare_hf_runs_an_image_and_a_video(checkpoint, monkeypatch):
+    """``python -m ulysses_jax.compare hf`` on a Qwen2.5-VL checkpoint: transformers'
+    image-text-to-text model against ours on seq=1 and 4, row 0 with an image across the
+    middle and a video after it. Without the pixels on our side the comparison fails, so
+    the media take part in it."""
+    from ulysses_jax.interop import compare
+    from ulysses_jax.models import multimodal as mm
+    need_devices(4)
+    lines, passed = compare.compare_hf(checkpoint, seqs=(1, 4), seq_len=S, batch=2,
+                                       impl="xla")
+    assert passed and lines[-1].startswith("PASS"), "\n".join(lines)
+    assert any(line.startswith("row 0: an image of 5 x 6 tokens") and "video" in line
+               for line in lines), lines
+    losses = [float(l.split()[-1]) for l in lines if l.startswith(("transformers ", "ulysses_jax seq="))]
+    assert len(losses) == 3 and max(losses) - min(losses) <= 1e-4 * losses[0], losses
+
+    prepare = mm.prepare
+
+    def without_pixels(*args, **kwargs):
+        positions, vision = prepare(*args, **kwargs)
+        return positions, dict(vision, pixels=np.zeros_like(vision["pixels"]))
+    monkeypatch.setattr(mm, "prepare", without_pixels)
+    _, passed = compare.compare_hf(checkpoint, seqs=(4,), seq_len=S, batch=2, impl="xla")
+    assert not passed
 
 
 def test_bad_inputs_name_the_numbers(checkpoint):

@@ -12,8 +12,9 @@ an error is over the tolerance.
 
 ``hf``: a local Hugging Face checkpoint run by transformers (torch, fp32) and by
 ``ulysses_jax.hf.from_pretrained`` on (data=1, seq=P) CPU meshes; prints the logits' max abs /
-relative errors and each side's next-token loss on the same random tokens. Both run in this
-process (no collectives on the torch side):
+relative errors and each side's next-token loss on the same random tokens (a Qwen2.5-VL
+checkpoint: with a random image and video in the first row). Both run in this process (no
+collectives on the torch side):
 
     python -m ulysses_jax.compare hf --model-path DIR --seq 1,2,4 --seq-len 64
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import statistics
@@ -343,10 +345,57 @@ def next_token_loss(logits: np.ndarray, tokens: np.ndarray) -> float:
     return float(-np.take_along_axis(logp, tokens[:, 1:, None], -1).mean())
 
 
+def vision_inputs(cfg, tokens: np.ndarray, rng: np.random.Generator) -> tuple[dict, str]:
+    """Random media for a multimodal model (``cfg.vision``), written into row 0 of ``tokens``
+    [B, S] in place: an image of a x (a + 1) merged units straddling the middle of the row
+    (hence the shard boundaries of P = 2 and 4), and after it, where the row has room, a video
+    of two temporal patches of 2 x 2 units, 0.5 s apart; the other rows stay text. The pixel values are random
+    normal patches (what the tower takes; no image file is needed).
+
+    Returns:
+      (the keywords of transformers' forward and of ``multimodal.prepare``, a description).
+    Raises:
+      ValueError: the row is too short for an image (S < 16).
+    """
+    v = cfg.vision
+    m, s = v.spatial_merge_size, tokens.shape[1]
+    k = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    if s < 16:
+        raise ValueError(f"a multimodal comparison puts an image into a row of --seq-len "
+                         f"tokens; {s} is too short (at least 16)")
+    a = 1
+    while (a + 1) * (a + 2) + 2 <= s // 2:
+        a += 1
+    start = max(1, s // 2 - (a * (a + 1) + 2) // 2)
+
+    def place(at, token, n):
+        tokens[0, at] = cfg.vision_start_token_id
+        tokens[0, at + 1:at + 1 + n] = token
+        tokens[0, at + 1 + n] = cfg.vision_end_token_id
+        return at + 2 + n
+
+    grid = np.array([[1, a * m, (a + 1) * m]], np.int64)
+    end = place(start, cfg.image_token_id, a * (a + 1))
+    images = {"pixel_values": rng.standard_normal((int(grid.prod()), k)).astype(np.float32),
+              "image_grid_thw": grid}
+    what = (f"row 0: an image of {a} x {a + 1} tokens ({grid[0, 1]} x {grid[0, 2]} patches) "
+            f"at {start}..{end - 1}")
+    if end + 10 <= s:
+        vgrid = np.array([[2, 2 * m, 2 * m]], np.int64)
+        place(end, cfg.video_token_id, 8)
+        images.update(pixel_values_videos=rng.standard_normal(
+            (int(vgrid.prod()), k)).astype(np.float32), video_grid_thw=vgrid,
+            second_per_grid_ts=np.array([0.5]))
+        what += f", a video of two temporal patches of 2 x 2 tokens at {end}..{end + 9}"
+    return images, what + ("; other rows text" if tokens.shape[0] > 1 else "")
+
+
 def compare_hf(model_path: str, seqs=(1, 2, 4), seq_len: int = 64, batch: int = 1, seed: int = 0,
                attn: str = "eager", impl: str = "auto") -> tuple[list[str], bool]:
     """transformers' CausalLM (torch, fp32) against ``ulysses_jax.hf.from_pretrained`` on
     (data=1, seq=P) CPU meshes for each P in ``seqs``, on the same random tokens [B, S].
+    A multimodal checkpoint (Qwen2.5-VL) runs as transformers' image-text-to-text model, and
+    row 0 carries an image and a video (``vision_inputs``).
 
     Returns:
       (report lines, passed): logits max abs / rel error per P, transformers' own loss (labels =
@@ -362,6 +411,8 @@ def compare_hf(model_path: str, seqs=(1, 2, 4), seq_len: int = 64, batch: int = 
     from flax import nnx
     from .hf import config_from_hf, from_pretrained
     from ..mesh import make_mesh
+    from ..models.families import family
+    from ..models.multimodal import prepare
 
     for p in seqs:
         if seq_len % p:
@@ -371,19 +422,33 @@ def compare_hf(model_path: str, seqs=(1, 2, 4), seq_len: int = 64, batch: int = 
     if not os.path.exists(config_path):
         raise ValueError(f"{model_path} has no config.json")
     with open(config_path) as f:
-        config_from_hf(json.load(f), max_seq_len=seq_len)
+        cfg = config_from_hf(json.load(f), max_seq_len=seq_len)
+    multimodal = family(cfg.family).vision
     # transformers 5 renamed torch_dtype to dtype; the GPU machine may have either version.
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        model_path, attn_implementation=attn, **{dtype_kw: torch.float32}).eval()
-    tokens = np.random.default_rng(seed).integers(
-        0, ref.config.vocab_size, (batch, seq_len)).astype(np.int32)
+    auto = (transformers.AutoModelForImageTextToText if multimodal else
+            transformers.AutoModelForCausalLM)
+    ref = auto.from_pretrained(model_path, attn_implementation=attn,
+                               **{dtype_kw: torch.float32}).eval()
+    rng = np.random.default_rng(seed)
+    specials = ([cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
+                 cfg.vision_end_token_id] if multimodal else [])
+    vocab = ref.config.get_text_config().vocab_size
+    tokens = (rng.choice(np.setdiff1d(np.arange(vocab), specials), (batch, seq_len)) if
+              multimodal else rng.integers(0, vocab, (batch, seq_len))).astype(np.int32)
+    images, what = vision_inputs(cfg, tokens, rng) if multimodal else ({}, "")
+    kwargs = {k: torch.from_numpy(np.asarray(x)) for k, x in images.items()}
+    if multimodal and "mm_token_type_ids" in inspect.signature(ref.forward).parameters:
+        kwargs["mm_token_type_ids"] = torch.from_numpy(np.where(
+            tokens == cfg.image_token_id, 1, np.where(tokens == cfg.video_token_id, 2, 0)))
     with torch.no_grad():
-        out = ref(torch.from_numpy(tokens).long(), labels=torch.from_numpy(tokens).long())
+        out = ref(torch.from_numpy(tokens).long(), labels=torch.from_numpy(tokens).long(),
+                  **kwargs)
     want = out.logits.float().numpy()
     lines = [f"ulysses_jax vs transformers {type(ref).__name__}: {model_path}",
              f"B={batch} S={seq_len} float32 seed={seed} | torch {torch.__version__}, transformers "
              f"{transformers.__version__} ({attn} attention) | jax {jax.__version__} on CPU, impl={impl}",
+             *([what] if what else []),
              "", f"{'side':22}{'max abs':>12}{'max rel':>12}{'loss':>12}",
              f"{'transformers':22}{'-':>12}{'-':>12}{float(out.loss):>12.6f}"]
     passed = True
@@ -391,7 +456,13 @@ def compare_hf(model_path: str, seqs=(1, 2, 4), seq_len: int = 64, batch: int = 
         mesh = make_mesh(seq=p, data=1, devices=cpu_devices(p))
         model = from_pretrained(model_path, mesh=mesh, dtype=jnp.float32, max_seq_len=seq_len,
                                 attn_impl=impl)
-        got = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens)))
+        if multimodal:  # M-RoPE positions and the tower's inputs, on the host (per mesh)
+            positions, vision = prepare(tokens, model.cfg, shards=model.visual.shards(),
+                                        **images)
+            got = np.asarray(nnx.jit(lambda m, t, pos, vis: m(t, positions=pos, vision=vis))(
+                model, jnp.asarray(tokens), positions, vision))
+        else:
+            got = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens)))
         err_abs, err_rel = max_errors(got, want)
         passed &= err_rel <= HF_TOLERANCE
         lines.append(f"{f'ulysses_jax seq={p}':22}{err_abs:>12.2e}{err_rel:>12.2e}"
