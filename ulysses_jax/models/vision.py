@@ -19,9 +19,11 @@ each contiguous in window order), so a tile of patches that shares no segment wi
 never visited: cost grows with the patches times the window (or frame), never with all patches
 squared. Every attention stays inside one frame, so frames are independent: with
 ``model.vision.split`` (the default) the host deals whole frames to the devices
-(``multimodal.vision_layout``), each device runs the tower on its share inside one
-``shard_map`` and the features are gathered; without it every device runs the tower on all
-of the batch's patches (benchmarks/vision_memory.py compares the two). The features then go
+(``multimodal.vision_layout``), each device runs the tower on its share (the patch embedding,
+each block and the merger are ``shard_map``s over the frames) and the features are gathered;
+without it every device runs the tower on all of the batch's patches
+(benchmarks/vision_memory.py compares the two). The blocks run in one ``lax.scan``, whose step
+gathers one block's weights (under ZeRO-3), so no device holds the whole tower's weights. The features then go
 to the placeholder tokens of each device's own shard (``merge_features``), and every device
 runs the same program whether or not its shard holds an image.
 """
@@ -95,28 +97,22 @@ def _block(p: dict, x, rope_angles, segment_ids, eps: float):
     return x + _linear(jax.nn.silu(gate) * up, p["w_down"], p["b_down"])           # [N, Dv]
 
 
-def _tower(p: dict, pixels, rope_hw, window_segments, frame_segments, *, cfg: ModelConfig,
-           inv: np.ndarray):
-    """The tower over patches already in window order (one shard's, or all): [N, K] ->
-    merged units [N / M^2, D] in the same order."""
+def _embed(patch_embed, pixels, rope_hw, *, cfg: ModelConfig, inv: np.ndarray):
+    """Patches already in window order (one shard's, or all) [N, K] -> [N, Dv], and their
+    2-D RoPE angles [N, Hv/2]."""
     v, dt = cfg.vision, jnp.dtype(cfg.dtype)
-    m2 = v.spatial_merge_size ** 2
     x = jnp.einsum("NK,KD->ND", pixels.astype(dt),
-                   p["patch_embed"].astype(dt).reshape(-1, v.hidden_size))          # [N, Dv]
+                   patch_embed.astype(dt).reshape(-1, v.hidden_size))               # [N, Dv]
     rope_angles = jnp.concatenate([angles(rope_hw[None, :, 0], inv, None),
                                    angles(rope_hw[None, :, 1], inv, None)], axis=-1)[0]
-    full = np.zeros(v.depth, bool)
-    full[list(v.fullatt_block_indexes)] = True
+    return x, rope_angles
 
-    def body(x, xs):
-        block, is_full = xs
-        seg = jnp.where(is_full, frame_segments, window_segments)
-        return _block(block, x, rope_angles, seg, v.norm_eps), None
 
-    if cfg.remat != "none":
-        body = jax.checkpoint(body, prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, (p["blocks"], jnp.asarray(full)))
-    x = rms_norm(x, p["merge_norm"]["scale"], v.norm_eps).reshape(-1, m2 * v.hidden_size)
+def _merge(p: dict, x, *, cfg: ModelConfig):
+    """The 2x2 merger: [N, Dv] -> merged units [N / M^2, D] in the same order."""
+    v = cfg.vision
+    x = rms_norm(x, p["merge_norm"]["scale"], v.norm_eps).reshape(
+        -1, v.spatial_merge_size ** 2 * v.hidden_size)
     x = jax.nn.gelu(_linear(x, p["merge_w1"], p["merge_b1"]), approximate=False)
     return _linear(x, p["merge_w2"], p["merge_b2"])                                  # [U, D]
 
@@ -171,22 +167,42 @@ class VisionTower(nnx.Module):
         Returns:
           [G*C / M^2, D] in the compute dtype: row u < U is unit u of the images then videos.
         """
-        cfg, mesh = self.cfg, self.mesh
+        cfg, mesh, v = self.cfg, self.mesh, self.cfg.vision
         params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
-        # Replicated at the point of use (all-gathered under ZeRO-3), in the compute dtype;
-        # the norm scales stay float32 as rms_norm takes them.
+        # Each weight replicated at its point of use (all-gathered under ZeRO-3; its gradient
+        # reduce-scattered), in the compute dtype (the norm scales stay float32, as rms_norm
+        # takes them): the blocks' inside the block loop, one block at a time.
         dt = jnp.dtype(cfg.dtype)
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, w: gathered(w, jnp.float32 if "scale" in str(path) else dt, mesh)
-            if mesh is not None else w, params)
-        tower = partial(_tower, cfg=cfg, inv=self.inv_freq())
-        args = (vision["pixels"], vision["rope_hw"], vision["window_segments"],
-                vision["frame_segments"])
-        if self.shards() > 1:
+
+        def gather(tree):
+            return jax.tree_util.tree_map_with_path(
+                lambda path, w: gathered(w, jnp.float32 if "scale" in str(path) else dt, mesh),
+                tree) if mesh is not None else tree
+
+        def split(fn, n_in, n_weights=0):
+            """fn over each device's frames (a shard_map over the split axes), or as is."""
+            if self.shards() == 1:
+                return fn
             spec = P(split_axes(mesh))
-            tower = jax.shard_map(tower, mesh=mesh, in_specs=(P(),) + (spec,) * 4,
-                                  out_specs=spec)
-        units = tower(params, *args)                                                 # [G*C/M^2, D]
+            return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * n_weights + (spec,) * n_in,
+                                 out_specs=spec)
+
+        x, rope_angles = split(partial(_embed, cfg=cfg, inv=self.inv_freq()), 2, 1)(
+            gather(params["patch_embed"]), vision["pixels"], vision["rope_hw"])      # [G*C, Dv]
+        block = split(partial(_block, eps=v.norm_eps), 3, 1)
+
+        def body(x, xs):
+            weights, is_full = xs
+            seg = jnp.where(is_full, vision["frame_segments"], vision["window_segments"])
+            return block(gather(weights), x, rope_angles, seg), None
+
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, prevent_cse=False)
+        full = np.zeros(v.depth, bool)
+        full[list(v.fullatt_block_indexes)] = True
+        x, _ = jax.lax.scan(body, x, (params["blocks"], jnp.asarray(full)))
+        merger = {k: w for k, w in params.items() if k.startswith("merge")}
+        units = split(partial(_merge, cfg=cfg), 1, 1)(gather(merger), x)           # [G*C/M^2, D]
         return jnp.take(units, vision["unit_order"], axis=0)
 
 
