@@ -115,3 +115,19 @@ def test_store_and_model_must_agree(store):
                          (["data.vision_patches=8"], "largest frame has 48 patches")):
         with pytest.raises(ConfigError, match=match):
             check_store(load_config(PRESET, good + extra), manifest)
+
+
+def test_zero3_tower_gathers_one_block_at_a_time():
+    """Under ZeRO-3 the compiled train step all-gathers the tower's block weights inside the
+    block loop, one block's at a time: never the stack of all blocks (the tiny preset's 3)."""
+    from ulysses_jax.hlo import collective_shapes
+    from ulysses_jax.training.dry_run import compile_step
+    need_devices(4)
+    cfg = load_config(PRESET, ["param_sharding=zero3", "data.vision_patches=256"])
+    v = cfg.model.vision
+    d, f, n = v.hidden_size, v.intermediate_size, v.num_heads
+    block = {(d, 3, n, d // n), (d, f), (f, d), (n, d // n, d)}   # wqkv, w_gate/w_up, w_down, wo
+    compiled, _ = compile_step(cfg)
+    gathered = {tuple(s) for s in collective_shapes(compiled.as_text(), "all-gather")}
+    assert {(1, *shape) for shape in block} <= gathered, sorted(gathered)   # a slice of the loop
+    assert not {(v.depth, *shape) for shape in block} & gathered, sorted(gathered)
