@@ -519,3 +519,18 @@ def test_unsupported_checkpoints_are_refused():
     with pytest.raises(ValueError, match="mrope_section"):
         config_from_hf({**hf, "text_config": {**HF_CONFIG["text_config"], "rope_parameters": {
             "rope_type": "default", "mrope_section": [4, 3, 3], "rope_theta": 1e4}}})
+
+
+def test_omitted_text_keys_take_transformers_defaults():
+    """A flat config.json without rms_norm_eps and num_key_value_heads reads as transformers
+    reads it (Qwen2_5_VLTextConfig's defaults 1e-5 and 8); a null kv count means one per
+    head there and here."""
+    text = {k: v for k, v in HF_CONFIG["text_config"].items()
+            if k not in ("rms_norm_eps", "num_key_value_heads")}
+    flat = {"model_type": "qwen2_5_vl", **text, "hidden_size": 256, "num_attention_heads": 16,
+            "vision_config": {**HF_CONFIG["vision_config"], "out_hidden_size": 256}}
+    for extra, eps, kv in (({}, 1e-5, 8), ({"num_key_value_heads": None}, 1e-5, 16)):
+        ours = config_from_hf({**flat, **extra})
+        theirs = transformers.Qwen2_5_VLConfig(**{**flat, **extra}).text_config
+        assert (ours.norm_eps, ours.n_kv_heads) == (theirs.rms_norm_eps,
+                                                    theirs.num_key_value_heads) == (eps, kv)
