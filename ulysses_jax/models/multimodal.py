@@ -187,8 +187,8 @@ def rope_index(tokens, cfg: ModelConfig, image_grid_thw=None, video_grid_thw=Non
     second_per_grid_ts is a float32 tensor): t * (float32(tokens_per_second) x
     float32(second_per_grid_ts)) rounded to float32 and truncated; float64 would differ by
     one for some rates (second_per_grid_ts 2 / 1.3, temporal patch 39: 119 in float64,
-    120 in float32). Images and videos are taken in order over the
-    rows (row-major), each consuming its number of placeholders. With ``segment_ids``, each
+    120 in float32). Images and videos are taken in order over the rows (row-major), each
+    consuming its number of placeholders. With ``segment_ids``, each
     document (run of equal nonzero id) starts again from 0, as if it were alone; padding
     (id 0) gets 0.
     """
