@@ -153,7 +153,7 @@ def video_item(source, fps: float | None, opts: MediaOptions) -> dict:
         len(paths), video_fps=fps, fps=opts.video_fps if fps is not None else None,
         temporal_patch_size=tp)
     frames = [paths[i] for i in keep]
-    sizes = {image_size(p) for p in frames}  # headers only: a mismatch fails now, not mid-run
+    sizes = {image_size(p) for p in frames}  # decoded: a bad frame fails now
     if len(sizes) > 1:
         raise ValueError(f"the frames of video {source} differ in size ({sorted(sizes)}); all "
                          f"frames of a video must have one size")
