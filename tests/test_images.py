@@ -257,6 +257,11 @@ def test_missing_file_and_empty_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("not a frame")
     with pytest.raises(ValueError, match="no frame images"):
         images.list_frame_files(tmp_path)
+    # A video file where a frame folder belongs: say that frames are needed, not "Errno 20".
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    with pytest.raises(ValueError, match=r"clip.mp4 is a file; a video must be a folder of "
+                                         r"frame images or a list of frame image files"):
+        images.load_video(str(tmp_path / "clip.mp4"))
 
 
 # --- videos -----------------------------------------------------------------------------------

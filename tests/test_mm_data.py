@@ -333,3 +333,79 @@ def test_text_only_chat_store_unchanged(tmp_path, vl_tok):
         media.encode_conversation(tok, chat.ChatTemplate(CHATML),
                                   [user_images(), {"role": "assistant", "content": "hi"}],
                                   str(tmp_path), media.MediaOptions(), "x:1")
+
+
+def test_placeholder_in_text_without_its_media_is_refused(tmp_path, vl_tok):
+    """A pad written in the text (a conversation about the format) has no image to stand for:
+    refused at prepare, naming the conversation and the count, in a chat store (with or
+    without media parts in the conversation) and in a text store made with this tokenizer."""
+    noise(tmp_path / "a.png", 56, 56)
+    about = [{"role": "user", "content": "What do <|image_pad|> and <|image_pad|> mean?"},
+             {"role": "assistant", "content": "Say hi"}]
+    src = write_jsonl(tmp_path / "c.jsonl", [[user_images("a.png"),
+                                              {"role": "assistant", "content": "hi"}], about])
+    with pytest.raises(ValueError, match=r"c.jsonl:2: the rendered text holds 2 "
+                                         r"<\|image_pad\|> for 0 image part"):
+        prep(src, tmp_path / "s", vl_tok)
+    assert not (tmp_path / "s").exists()
+    video_in_text = [user_images("a.png", text="and <|video_pad|>"),
+                     {"role": "assistant", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"c2.jsonl:1: the rendered text holds 1 "
+                                         r"<\|video_pad\|> for 0 video part"):
+        prep(write_jsonl(tmp_path / "c2.jsonl", [video_in_text]), tmp_path / "s", vl_tok)
+    text = tmp_path / "t.jsonl"
+    text.write_text(json.dumps({"text": "plain"}) + "\n"
+                    + json.dumps({"text": "a <|video_pad|> b <|video_pad|>"}) + "\n")
+    video_id = pad_ids(vl_tok)[1]
+    with pytest.raises(ValueError, match=rf"t.jsonl:2: the text holds 2 <\|video_pad\|> "
+                                         rf"\(token id {video_id}\)"):
+        prepare_lib.prepare([str(text)], str(tmp_path / "t"), vl_tok, progress=False)
+    assert not (tmp_path / "t").exists()
+
+
+def test_unreadable_images_are_named(tmp_path, vl_tok, monkeypatch, capsys):
+    """A truncated file is refused at prepare (it is decoded there), and load_item names a
+    file that broke after prepare; an image over Pillow's decompression-bomb limit (here
+    lowered so that 60 x 60 is over it) is named with its pixel count by prepare, the data
+    CLI (exit 2, no traceback) and load_item."""
+    good = noise(tmp_path / "a.jpg", 60, 60)
+    raw = (tmp_path / "a.jpg").read_bytes()
+    (tmp_path / "bad.jpg").write_bytes(raw[:len(raw) // 2])
+    conv = [user_images("bad.jpg"), {"role": "assistant", "content": "hi"}]
+    src = write_jsonl(tmp_path / "c.jsonl", [conv])
+    with pytest.raises(ValueError, match=r"c.jsonl:1: image 'bad.jpg': image file is truncated"):
+        prep(src, tmp_path / "s", vl_tok)
+    conv[0] = user_images("a.jpg")
+    manifest, _ = prep(write_jsonl(tmp_path / "c.jsonl", [conv]), tmp_path / "s", vl_tok)
+    item, opts = TokenStore(str(tmp_path / "s")).media(0)[0], media.load_options(manifest)
+    (tmp_path / "a.jpg").write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(ValueError, match=f"{good}: cannot read this image file: image file is "
+                                         f"truncated"):
+        media.load_item(item, **opts)
+    (tmp_path / "a.jpg").write_bytes(raw)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # refused above 2 x 1000 pixels
+    with pytest.raises(ValueError, match=f"{good}: cannot read this image file: Image size "
+                                         f"\\(3600 pixels\\)"):
+        media.load_item(item, **opts)
+    with pytest.raises(ValueError, match=r"c.jsonl:1: image 'a.jpg': Image size \(3600 pixels\)"):
+        prep(src, tmp_path / "s2", vl_tok)
+    assert data_cli(["prepare", src, "--out", str(tmp_path / "s2"), "--tokenizer", vl_tok,
+                     "--chat", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "c.jsonl:1: image 'a.jpg': Image size (3600 pixels)" in err
+
+
+def test_media_parts_that_name_no_frames_or_file_say_what_is_needed(tmp_path, vl_tok):
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 100)
+    for part, match in (({"type": "video", "video": "clip.mp4"},
+                         r"video 'clip.mp4': .*clip.mp4 is a file; a video must be a folder of "
+                         r"frame images or a list of frame image files .* video files are not "
+                         r"decoded here"),
+                        ({"type": "image", "url": "https://example.com/a.png"},
+                         r"image part: it names no file: an image part gives its file under "
+                         r"the key \"image\" \(or \"path\"\).* keys \['type', 'url'\]; URLs are "
+                         r"not fetched")):
+        conv = [{"role": "user", "content": [part, {"type": "text", "text": "Say"}]},
+                {"role": "assistant", "content": "hi"}]
+        with pytest.raises(ValueError, match="c.jsonl:1: " + match):
+            prep(write_jsonl(tmp_path / "c.jsonl", [conv]), tmp_path / "s", vl_tok)

@@ -188,6 +188,37 @@ def test_rope_index_matches_transformers(hf_model):
     np.testing.assert_array_equal(ours[1], np.arange(S)[:, None].repeat(3, 1))
 
 
+def test_video_rope_index_matches_transformers_at_many_rates(hf_model):
+    """600 sampled rates (0.1 to 60 fps), 200 temporal patches each: second_per_grid_ts =
+    2 / fps as the store holds it (float64) for us, as the processor returns it (a float32
+    tensor) for transformers. Computed in float64, 64 of the rates would differ somewhere."""
+    t, seconds = 200, 2 / (np.arange(1, 601) / 10)
+    tokens = np.full((len(seconds), t + 2), 5, np.int32)
+    tokens[:, 1:-1] = VID  # one unit per temporal patch (grid 2 x 2 patches)
+    grids = np.tile([[t, 2, 2]], (len(seconds), 1))
+    ours = multimodal.rope_index(tokens, hf_model_config(), None, grids, seconds)
+    want, _ = hf_model.model.get_rope_index(
+        torch.from_numpy(tokens).long(), torch.from_numpy(np.where(tokens == VID, 2, 0)), None,
+        torch.from_numpy(grids), torch.tensor(seconds.tolist()))
+    np.testing.assert_array_equal(ours, want.numpy().transpose(1, 2, 0))
+    in_float64 = 1 + (np.arange(t) * (2 * seconds[:, None])).astype(np.int64)  # [600, t]
+    assert (in_float64 != ours[:, 1:-1, 0]).any(1).sum() == 64
+
+
+def test_vision_layout_refuses_bad_groups_and_slots():
+    v, grid = hf_model_config().vision, np.array([[1, 4, 4]])  # 16 patches
+    with pytest.raises(ValueError, match=r"capacity \(patch slots per group\) must be a non-"
+                                         r"negative multiple of model.vision.spatial_merge_size"
+                                         r"\^2 = 4.*got 18"):
+        multimodal.vision_layout(grid, v, capacity=18)
+    with pytest.raises(ValueError, match="shards .* must be a positive integer, got 0"):
+        multimodal.vision_layout(grid, v, shards=0)
+    # Only a real overflow is a CapacityError (the one a larger slot budget cures).
+    with pytest.raises(multimodal.CapacityError, match="1 group.* of 12 slots: the fullest "
+                                                       "group needs 16"):
+        multimodal.vision_layout(grid, v, capacity=12)
+
+
 def test_frames_are_dealt_whole_to_balanced_groups():
     """shards=4: every frame's patches sit inside one group, in window order; the groups'
     loads are as even as whole frames allow; padding is its own segment; unit_order still
@@ -488,3 +519,18 @@ def test_unsupported_checkpoints_are_refused():
     with pytest.raises(ValueError, match="mrope_section"):
         config_from_hf({**hf, "text_config": {**HF_CONFIG["text_config"], "rope_parameters": {
             "rope_type": "default", "mrope_section": [4, 3, 3], "rope_theta": 1e4}}})
+
+
+def test_omitted_text_keys_take_transformers_defaults():
+    """A flat config.json without rms_norm_eps and num_key_value_heads reads as transformers
+    reads it (Qwen2_5_VLTextConfig's defaults 1e-5 and 8); a null kv count means one per
+    head there and here."""
+    text = {k: v for k, v in HF_CONFIG["text_config"].items()
+            if k not in ("rms_norm_eps", "num_key_value_heads")}
+    flat = {"model_type": "qwen2_5_vl", **text, "hidden_size": 256, "num_attention_heads": 16,
+            "vision_config": {**HF_CONFIG["vision_config"], "out_hidden_size": 256}}
+    for extra, eps, kv in (({}, 1e-5, 8), ({"num_key_value_heads": None}, 1e-5, 16)):
+        ours = config_from_hf({**flat, **extra})
+        theirs = transformers.Qwen2_5_VLConfig(**{**flat, **extra}).text_config
+        assert (ours.norm_eps, ours.n_kv_heads) == (theirs.rms_norm_eps,
+                                                    theirs.num_key_value_heads) == (eps, kv)

@@ -131,3 +131,63 @@ def test_zero3_tower_gathers_one_block_at_a_time():
     gathered = {tuple(s) for s in collective_shapes(compiled.as_text(), "all-gather")}
     assert {(1, *shape) for shape in block} <= gathered, sorted(gathered)   # a slice of the loop
     assert not {(v.depth, *shape) for shape in block} & gathered, sorted(gathered)
+
+
+def test_store_patching_and_missing_placeholder_ids(store):
+    """The store's patching must be the tower's (its pixels and placeholder counts were made
+    with it); a store id of None (its tokenizer had no such pad: no such media) is not
+    compared."""
+    from ulysses_jax.config import ConfigError
+    from ulysses_jax.training.vision_batches import check_store
+    path, _ = store
+    manifest = TokenStore(path).manifest
+    cfg = load_config(PRESET, _overrides(path) + ["mesh.seq=1"])
+    for key, value, field in (("patch_size", 16, "patch_size"),
+                              ("merge_size", 1, "spatial_merge_size"),
+                              ("temporal_patch_size", 1, "temporal_patch_size")):
+        changed = {**manifest, "media": {**manifest["media"], key: value}}
+        with pytest.raises(ConfigError, match=f"prepared with {key} {value} but "
+                                              f"model.vision.{field} is"):
+            check_store(cfg, changed)
+    check_store(cfg, {**manifest, "media": {**manifest["media"], "video_token_id": None}})
+
+
+def test_default_slots_follow_the_merge_size(store):
+    """C = ceil(m^2 B S / G) + one default frame, a multiple of m^2 (module docstring)."""
+    from ulysses_jax.training.vision_batches import DEFAULT_FRAME_PATCHES, vision_slots
+    path, _ = store
+    base = _overrides(path) + ["mesh.seq=1", "data.vision_patches=0"]  # B 2, S 128, G 1
+    assert vision_slots(load_config(PRESET, base)) == 4 * 2 * 128 + DEFAULT_FRAME_PATCHES
+    one = load_config(PRESET, base + ["model.vision.spatial_merge_size=1"])
+    assert vision_slots(one) == 2 * 128 + DEFAULT_FRAME_PATCHES
+
+
+def test_batch_errors_name_the_row_and_only_overflow_blames_the_slots(store, tmp_path):
+    """A batch whose patches overflow the slots is a data.vision_patches ConfigError; tokens
+    and media that disagree (pads without their image) or an unreadable file are the named
+    row's ValueError, with no advice about the slots."""
+    from ulysses_jax.config import ConfigError
+    from ulysses_jax.training import packing, vision_batches
+    path, _ = store
+    st = TokenStore(path)
+    cfg = load_config(PRESET, _overrides(path) + ["mesh.seq=1"])
+    rows = packing.ChatRows(st, np.arange(st.num_docs), cfg.seq_len, shuffle=False)
+    batch = rows.rows([0, 1])
+    media = [rows.row_media(0), rows.row_media(1)]
+    options = vision_batches.pixel_options(st.manifest)
+    vision_batches.host_batch(batch, media, cfg, options, ["a", "b"])  # consistent: fine
+    few = load_config(PRESET, _overrides(path) + ["mesh.seq=1", "data.vision_patches=40"])
+    with pytest.raises(ConfigError, match=r"data.vision_patches 40 \(40 patch slots per "
+                                          r"group\): .*; set it higher"):
+        vision_batches.host_batch(batch, media, few, options, ["a", "b"])
+    with pytest.raises(ValueError) as e:
+        vision_batches.host_batch(batch, [media[0], []], cfg, options, ["a", "b"])
+    assert not isinstance(e.value, ConfigError) and "vision_patches" not in str(e.value)
+    assert str(e.value).startswith("batch row 1 (b): the tokens hold ")
+    assert "image placeholders" in str(e.value)
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image")
+    bad = [[{**media[0][0], "paths": [str(broken)]}, *media[0][1:]], media[1]]
+    with pytest.raises(ValueError, match=f"batch row 0 \\(a\\): {broken}: cannot read this "
+                                         f"image file"):
+        vision_batches.host_batch(batch, bad, cfg, options, ["a", "b"])

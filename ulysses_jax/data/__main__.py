@@ -17,6 +17,7 @@ import os
 import sys
 
 import numpy as np
+from PIL import Image
 
 MARK = ("\u27e6", "\u27e7")  # ⟦ supervised ⟧
 
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _prepare(args) if args.command == "prepare" else _show(args)
-    except (ValueError, OSError, ImportError) as e:
+    except (ValueError, OSError, ImportError, Image.DecompressionBombError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

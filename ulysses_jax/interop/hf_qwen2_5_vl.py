@@ -16,7 +16,8 @@ Hv] (transformers splits the output as (3, heads, head dim)) and its bias [3 Dv]
 
 Config: flat (published: text keys at the top level, ``vision_config`` nested) or nested
 (transformers 5: ``text_config``); M-RoPE's ``mrope_section`` from rope_scaling /
-rope_parameters, whose type ``mrope`` means default (transformers' rule); the RoPE scalings of
+rope_parameters, whose type ``mrope`` means default (transformers' rule); keys a file omits take
+transformers' class defaults (``_TEXT_DEFAULTS``, ``_VISION_DEFAULTS``); the RoPE scalings of
 the other families apply on top (``hf_variants.rope_scaling_from_hf``). Sliding windows,
 activations other than SiLU and a vision width other than the text's are refused by name.
 """
@@ -56,6 +57,9 @@ _VISION_DEFAULTS = {"depth": 32, "hidden_size": 3584, "hidden_act": "silu",
                     "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
                     "tokens_per_second": 4, "window_size": 112, "out_hidden_size": 3584,
                     "fullatt_block_indexes": [7, 15, 23, 31]}
+# Qwen2_5_VLTextConfig's class defaults (transformers 5.24) for keys a config.json may omit;
+# an explicit num_key_value_heads null means num_attention_heads there (its __post_init__).
+_TEXT_DEFAULTS = {"num_key_value_heads": 8, "rms_norm_eps": 1e-5}
 _TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656,
               "vision_start_token_id": 151652, "vision_end_token_id": 151653}
 
@@ -138,13 +142,15 @@ def config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
         tokens_per_second=vision["tokens_per_second"],
         rope_theta=float(((vision.get("rope_parameters") or {}).get("rope_theta")) or 10000.0))
     ids = {k: hf.get(k, text.get(k, default)) for k, default in _TOKEN_IDS.items()}
+    kv_heads = text.get("num_key_value_heads", _TEXT_DEFAULTS["num_key_value_heads"])
     return ModelConfig(
         vocab_size=text["vocab_size"], d_model=text["hidden_size"],
         n_layers=text["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=text.get("num_key_value_heads") or heads, head_dim=head_dim,
+        n_kv_heads=heads if kv_heads is None else kv_heads, head_dim=head_dim,
         ffn_dim=text["intermediate_size"],
         rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1000000.0))),
-        rope_scaling=scaling, norm_eps=float(text.get("rms_norm_eps", 1e-6)), qkv_bias=True,
+        rope_scaling=scaling,
+        norm_eps=float(text.get("rms_norm_eps", _TEXT_DEFAULTS["rms_norm_eps"])), qkv_bias=True,
         tie_embeddings=tie, dtype=dtype, family="qwen2_5_vl", mrope_section=tuple(section),
         vision=vcfg, **ids, **overrides)
 

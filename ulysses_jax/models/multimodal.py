@@ -30,6 +30,11 @@ def units(grid_thw, merge: int) -> np.ndarray:
     return g.prod(-1) // merge ** 2
 
 
+class CapacityError(ValueError):
+    """The frames do not fit the tower's groups of ``capacity`` patch slots (``vision_layout``):
+    the one error that a larger slot budget (``data.vision_patches``) cures."""
+
+
 # Segment ids of padding slots: after every real one, runs of PAD_RUN slots each alone
 # together (so the tower's attention over padding costs PAD_RUN keys a slot, not all of it).
 PAD_SEGMENT, PAD_RUN = 2 ** 30, 256
@@ -95,10 +100,18 @@ def vision_layout(grid_thw, v: VisionConfig, shards: int = 1,
       PAD_SEGMENT + slot // PAD_RUN for padding; ``unit_order`` [G*C / merge^2]: the slot unit of each unit, the
       images' and videos' U units in order first, then the padding units.
     Raises:
-      ValueError: bad grids, or frames that do not fit the groups (names the numbers).
+      ValueError: bad grids, shards or capacity (names the numbers). CapacityError (a
+        ValueError): frames that do not fit the groups.
     """
     g = _grids(grid_thw)
     m2 = v.spatial_merge_size ** 2
+    if isinstance(shards, bool) or int(shards) != shards or shards < 1:
+        raise ValueError(f"shards (the tower's groups) must be a positive integer, got {shards!r}")
+    if capacity is not None and (isinstance(capacity, bool) or int(capacity) != capacity
+                                 or capacity < 0 or capacity % m2):
+        raise ValueError(f"capacity (patch slots per group) must be a non-negative multiple of "
+                         f"model.vision.spatial_merge_size^2 = {m2}, so that a merged unit's "
+                         f"{m2} patches stay in one group; got {capacity!r}")
     bad = [tuple(x) for x in g if x[1] % v.spatial_merge_size or x[2] % v.spatial_merge_size
            or min(x) < 1]
     if bad:
@@ -112,12 +125,12 @@ def vision_layout(grid_thw, v: VisionConfig, shards: int = 1,
         members[target].append(f)
     fullest = max(load)
     capacity = -(-fullest // m2) * m2 if capacity is None else capacity
-    if capacity % m2 or fullest > capacity:
+    if fullest > capacity:
         sizes = sorted((len(p) for p, _ in frames), reverse=True)[:4]
-        raise ValueError(f"the images' {sum(load)} patches (largest frames {sizes}) do not fit "
-                         f"{shards} group(s) of {capacity} slots (a multiple of "
-                         f"{m2}): the fullest group needs {fullest}; raise the vision patch "
-                         f"budget or use fewer or smaller images")
+        raise CapacityError(f"the images' {sum(load)} patches (largest frames {sizes}) do not "
+                            f"fit {shards} group(s) of {capacity} slots: the fullest group "
+                            f"needs {fullest}; raise the vision patch budget or use fewer or "
+                            f"smaller images")
     order = np.full(shards * capacity, -1, np.int64)
     windows = np.full(shards * capacity, PAD_SEGMENT, np.int64)
     frame_ids = np.full(shards * capacity, PAD_SEGMENT, np.int64)
@@ -170,8 +183,12 @@ def rope_index(tokens, cfg: ModelConfig, image_grid_thw=None, video_grid_thw=Non
     placeholders get (start + t * interval, start + row, start + column) of their merged unit,
     start being the position after the text before it; the text after it continues from
     start + max(rows, columns) of units. interval is 1 for an image and tokens_per_second x
-    second_per_grid_ts for a video (floored). Images and videos are taken in order over the
-    rows (row-major), each consuming its number of placeholders. With ``segment_ids``, each
+    second_per_grid_ts for a video, in float32 as transformers computes it (its
+    second_per_grid_ts is a float32 tensor): t * (float32(tokens_per_second) x
+    float32(second_per_grid_ts)) rounded to float32 and truncated; float64 would differ by
+    one for some rates (second_per_grid_ts 2 / 1.3, temporal patch 39: 119 in float64,
+    120 in float32). Images and videos are taken in order over the rows (row-major), each
+    consuming its number of placeholders. With ``segment_ids``, each
     document (run of equal nonzero id) starts again from 0, as if it were alone; padding
     (id 0) gets 0.
     """
@@ -180,8 +197,9 @@ def rope_index(tokens, cfg: ModelConfig, image_grid_thw=None, video_grid_thw=Non
     m = cfg.vision.spatial_merge_size
     kinds = np.where(tok == cfg.image_token_id, 1, np.where(tok == cfg.video_token_id, 2, 0))
     grids = {1: list(_grids(image_grid_thw)), 2: list(_grids(video_grid_thw))}
-    seconds = ([1.0] * len(grids[2]) if second_per_grid_ts is None
-               else [float(x) for x in np.asarray(second_per_grid_ts).reshape(-1)])
+    # float32 as transformers' tensor; None: transformers' integer default of 1 per video.
+    seconds = ([None] * len(grids[2]) if second_per_grid_ts is None
+               else list(np.asarray(second_per_grid_ts, np.float32).reshape(-1)))
     if len(seconds) != len(grids[2]):
         raise ValueError(f"second_per_grid_ts has {len(seconds)} entries for "
                          f"{len(grids[2])} videos")
@@ -203,12 +221,17 @@ def rope_index(tokens, cfg: ModelConfig, image_grid_thw=None, video_grid_thw=Non
                         raise ValueError(f"the tokens hold more {name} placeholders than the "
                                          f"{len(grids[kind])} {name} grids give features for")
                     t, h, w = (int(x) for x in grids[kind][used[kind]])
-                    interval = cfg.vision.tokens_per_second * seconds[used[kind]] \
-                        if kind == 2 else 1
+                    temporal = np.arange(t)                               # [t] int64
+                    if kind == 2 and seconds[used[kind]] is not None:
+                        interval = np.float32(cfg.vision.tokens_per_second) \
+                            * seconds[used[kind]]                         # float32 scalar
+                        temporal = (temporal.astype(np.float32) * interval).astype(np.int64)
+                    elif kind == 2:
+                        temporal = temporal * cfg.vision.tokens_per_second
                     used[kind] += 1
                     n = t * (h // m) * (w // m)
-                    tt, hh, ww = np.meshgrid((np.arange(t) * interval).astype(np.int64),
-                                             np.arange(h // m), np.arange(w // m), indexing="ij")
+                    tt, hh, ww = np.meshgrid(temporal, np.arange(h // m), np.arange(w // m),
+                                             indexing="ij")
                     block = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)], -1) + pos
                     take = min(n, hi - at)
                     out[r, at:at + take] = block[:take]

@@ -301,7 +301,18 @@ def sample_frame_indices(total_num_frames: int, *, video_fps: float | None = Non
 
 
 def list_frame_files(folder: str | os.PathLike) -> list[str]:
-    """The image files of a frame folder in natural order (frame_2 before frame_10)."""
+    """The image files of a frame folder in natural order (frame_2 before frame_10).
+
+    Raises:
+      ValueError: ``folder`` is a file (a video file: videos are not decoded here) or holds
+        no frame image. OSError: it does not exist.
+    """
+    if os.path.isfile(folder):
+        raise ValueError(f"{folder} is a file; a video must be a folder of frame images or a "
+                         f"list of frame image files ({', '.join(FRAME_EXTENSIONS)}): video "
+                         f"files are not decoded here, so extract the frames first (e.g. "
+                         f"ffmpeg -i clip.mp4 clip/%05d.jpg) and give the folder with the "
+                         f"video's \"fps\"")
     names = [n for n in os.listdir(folder) if n.lower().endswith(FRAME_EXTENSIONS)]
     if not names:
         raise ValueError(f"no frame images ({', '.join(FRAME_EXTENSIONS)}) in {folder}")

@@ -56,6 +56,7 @@ def _init_worker(tokenizer_path, chat, media_options):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     _worker["tokenizer"], _worker["template"] = _load(tokenizer_path, chat)
     _worker["media"] = media_lib.MediaOptions(**media_options)
+    _worker["pads"] = media_lib.placeholder_ids(_worker["tokenizer"], False, False, "")
 
 
 def _encode_chunk(chunk: list[tuple[str, object]]):
@@ -65,6 +66,7 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
     out, bad = [], []
     if template is None:
         for (name, _), ids in zip(chunk, tok.encode_batch([t for _, t in chunk])):
+            media_lib.check_text_document(ids, *_worker["pads"], name)
             if len(ids):  # an empty document holds no next-token pair
                 out.append((name_hash(name), np.append(ids, tok.eos_id), None, None, []))
         return out, bad
@@ -181,7 +183,9 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
 
     Raises:
       ValueError: a bad source or record, ``out`` holds something else, a template that is
-        not prefix-stable, or conversations without a supervised token (counted and named).
+        not prefix-stable, conversations without a supervised token (counted and named), a
+        media file that cannot be read, or a document whose text holds <|image_pad|> /
+        <|video_pad|> tokens without the image / video parts they stand for (named).
     """
     out = os.path.abspath(out.rstrip("/"))
     media_opts = media_lib.MediaOptions(image_min_pixels, image_max_pixels, video_min_pixels,

@@ -8,14 +8,17 @@ any sharding. Shapes are static: the tower has G groups (one per device when
 ``model.vision.split``, else 1) of C patch slots each (``vision_slots``), whatever the
 batch holds; a batch without any image is all padding slots.
 
-C. Placeholders are tokens, and an image of n units has 4n patches, so a batch never holds
-more than 4 x B x S patches. Frames are dealt whole, largest first, to the least-filled
-group, which leaves no group fuller than total / G + the largest frame. So the default
-C = ceil(4 B S / G) + DEFAULT_FRAME_PATCHES (the largest frame the processor makes at its
-default max_pixels) fits every batch of a store whose frames are no larger; the trainer
-checks the store's largest frame against it (``check_store``). ``data.vision_patches``
-sets C by hand (fewer slots: less tower memory and compute, but a batch that does not fit
-stops the run with a message naming the numbers).
+C. Placeholders are tokens, and an image of n units has m^2 n patches (m =
+``model.vision.spatial_merge_size``, 2 for Qwen2.5-VL: 4n), so a batch never holds more than
+m^2 x B x S patches. Frames are dealt whole, largest first, to the least-filled group, which
+leaves no group fuller than total / G + the largest frame. So the default
+C = ceil(m^2 B S / G) + DEFAULT_FRAME_PATCHES (the largest frame the processor makes at its
+default max_pixels), rounded up to a multiple of m^2, fits every batch of a store whose
+frames are no larger; the trainer checks the store's largest frame against it, and the
+store's patching (patch size, merge size, temporal patch size) and placeholder ids against
+the model's (``check_store``). ``data.vision_patches`` sets C by hand (fewer slots: less
+tower memory and compute, but a batch that does not fit stops the run with a message naming
+the numbers).
 """
 from __future__ import annotations
 
@@ -50,18 +53,28 @@ def vision_slots(cfg: Config) -> int:
     m2 = cfg.model.vision.spatial_merge_size ** 2
     if cfg.data.vision_patches:
         return -(-cfg.data.vision_patches // m2) * m2
-    worst = math.ceil(4 * cfg.batch_size * cfg.seq_len / vision_groups(cfg))
+    worst = math.ceil(m2 * cfg.batch_size * cfg.seq_len / vision_groups(cfg))
     return -(-(worst + DEFAULT_FRAME_PATCHES) // m2) * m2
 
 
 def check_store(cfg: Config, manifest: dict) -> None:
-    """ConfigError when the store's placeholder ids are not the model's, or its largest
-    frame could make a batch overflow the patch slots."""
+    """ConfigError when the store's placeholder ids or patching (the pixels and placeholder
+    counts prepare made) are not the model's, or its largest frame could make a batch
+    overflow the patch slots. A store id of None (its tokenizer lacks that placeholder, so
+    the store holds no such media) is not compared."""
     media = manifest.get("media") or {}
     for key, want in (("image_token_id", cfg.model.image_token_id),
                       ("video_token_id", cfg.model.video_token_id)):
-        if key in media and media[key] != want:
+        if media.get(key) is not None and media[key] != want:
             raise ConfigError(f"the store's {key} is {media[key]} but model.{key} is {want}")
+    v = cfg.model.vision
+    for key, field in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                       ("temporal_patch_size", "temporal_patch_size")):
+        if key in media and media[key] != getattr(v, field):
+            raise ConfigError(f"the store's media were prepared with {key} {media[key]} but "
+                              f"model.vision.{field} is {getattr(v, field)}: its pixels and "
+                              f"placeholder counts do not fit this vision tower; use a model "
+                              f"with the store's patching or prepare the store again")
     largest = int(media.get("max_frame_patches", 0))
     if cfg.data.vision_patches:
         if largest > vision_slots(cfg):
@@ -120,33 +133,63 @@ def token_index(segment_ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def host_batch(batch: dict, media: list[list[dict]], cfg: Config, pixel_options: dict) -> dict:
-    """A numpy batch of FIELDS [B, S] and each row's media -> the batch with M-RoPE
-    ``positions`` and ``vision`` (numpy), images loaded and preprocessed here."""
+def _inputs(rows: list[list[tuple]]) -> dict:
+    """``multimodal.prepare``'s media keywords of rows of loaded (item, pixels, grid)."""
     pieces = {"image": ([], []), "video": ([], [])}
     seconds = []
-    for row in media:
-        for item in row:
-            pixels, grid = media_lib.load_item(item, **pixel_options)
+    for row in rows:
+        for item, pixels, grid in row:
             pieces[item["kind"]][0].append(pixels)
             pieces[item["kind"]][1].append(np.asarray(grid).reshape(1, 3))
             if item["kind"] == "video":
                 seconds.append(item.get("second_per_grid_ts") or 1.0)
-    inputs = {}
+    inputs = {"second_per_grid_ts": np.asarray(seconds) if seconds else None}
     for kind, (px, grid) in pieces.items():
         if px:
             name = "pixel_values" if kind == "image" else "pixel_values_videos"
             inputs[name] = np.concatenate(px)
             inputs[f"{kind}_grid_thw"] = np.concatenate(grid)
+    return inputs
+
+
+def host_batch(batch: dict, media: list[list[dict]], cfg: Config, pixel_options: dict,
+               names: list[str] | None = None) -> dict:
+    """A numpy batch of FIELDS [B, S] and each row's media -> the batch with M-RoPE
+    ``positions`` and ``vision`` (numpy), images loaded and preprocessed here.
+
+    Args:
+      names: optional, what each batch row is (``"row 7 of epoch 0"``), for error messages.
+    Raises:
+      ConfigError: the batch's patches overflow the patch slots (``data.vision_patches``).
+      ValueError: naming the batch row (and ``names``' entry): a media file that cannot be
+        read, or tokens and media that do not fit together (placeholder counts, grids).
+    """
+    def where(r: int) -> str:
+        return f"batch row {r}" + (f" ({names[r]})" if names else "")
+
+    loaded = []
+    for r, row in enumerate(media):
+        try:
+            loaded.append([(item, *media_lib.load_item(item, **pixel_options)) for item in row])
+        except ValueError as e:
+            raise ValueError(f"{where(r)}: {e}") from None
     try:
         positions, vision = multimodal.prepare(
             batch["tokens"], cfg.model, segment_ids=batch["segment_ids"],
-            second_per_grid_ts=np.asarray(seconds) if seconds else None,
-            shards=vision_groups(cfg), capacity=vision_slots(cfg), **inputs)
-    except ValueError as e:
+            shards=vision_groups(cfg), capacity=vision_slots(cfg), **_inputs(loaded))
+    except multimodal.CapacityError as e:
         raise ConfigError(f"data.vision_patches {cfg.data.vision_patches or 'auto'} "
                           f"({vision_slots(cfg)} patch slots per group): {e}; set it higher, "
                           f"or 0 for enough for any batch") from None
+    except ValueError as e:
+        for r in range(len(media)):  # the batch's error is some row's: name the first
+            try:
+                multimodal.prepare(batch["tokens"][r:r + 1], cfg.model,
+                                   segment_ids=batch["segment_ids"][r:r + 1],
+                                   **_inputs(loaded[r:r + 1]))
+            except ValueError as row_error:
+                raise ValueError(f"{where(r)}: {row_error}") from None
+        raise
     return {**batch, "positions": positions, "vision": vision}
 
 
@@ -181,8 +224,9 @@ class MediaBatchIterator(BatchIterator):
         n = self.rows.num_rows
         batch = self.rows.rows(rows, self.seed)
         media = [_row_media(self.rows, g % n, g // n, self.seed) for g in rows]
+        names = [f"row {g % n} of epoch {g // n}, seed {self.seed}" for g in rows]
         self.next_row += self.batch_size
-        return to_global(host_batch(batch, media, self.cfg, self.pixel_options), mesh,
+        return to_global(host_batch(batch, media, self.cfg, self.pixel_options, names), mesh,
                          self.cfg.model.vision.split)
 
 
@@ -191,5 +235,6 @@ def media_eval_batches(rows, cfg: Config, pixel_options: dict, mesh: Mesh):
     for b, batch in enumerate(eval_batches(rows, cfg.batch_size, cfg.eval_batches)):
         ids = range(b * cfg.batch_size, (b + 1) * cfg.batch_size)
         media = [_row_media(rows, i) if i < rows.num_rows else [] for i in ids]
-        yield to_global(host_batch(batch, media, cfg, pixel_options), mesh,
+        names = [f"held-out row {i}" for i in ids]
+        yield to_global(host_batch(batch, media, cfg, pixel_options, names), mesh,
                         cfg.model.vision.split)
