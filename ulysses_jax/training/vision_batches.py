@@ -181,7 +181,7 @@ def host_batch(batch: dict, media: list[list[dict]], cfg: Config, pixel_options:
         raise ConfigError(f"data.vision_patches {cfg.data.vision_patches or 'auto'} "
                           f"({vision_slots(cfg)} patch slots per group): {e}; set it higher, "
                           f"or 0 for enough for any batch") from None
-    except ValueError as e:
+    except ValueError:
         for r in range(len(media)):  # the batch's error is some row's: name the first
             try:
                 multimodal.prepare(batch["tokens"][r:r + 1], cfg.model,
