@@ -338,7 +338,9 @@ def test_text_only_chat_store_unchanged(tmp_path, vl_tok):
 def test_placeholder_in_text_without_its_media_is_refused(tmp_path, vl_tok):
     """A pad written in the text (a conversation about the format) has no image to stand for:
     refused at prepare, naming the conversation and the count, in a chat store (with or
-    without media parts in the conversation) and in a text store made with this tokenizer."""
+    without media parts in the conversation). A text store made with this tokenizer keeps such
+    documents (a text model reads them as any token) and names them in its manifest; a
+    multimodal model refuses that store before training."""
     noise(tmp_path / "a.png", 56, 56)
     about = [{"role": "user", "content": "What do <|image_pad|> and <|image_pad|> mean?"},
              {"role": "assistant", "content": "Say hi"}]
@@ -357,10 +359,22 @@ def test_placeholder_in_text_without_its_media_is_refused(tmp_path, vl_tok):
     text.write_text(json.dumps({"text": "plain"}) + "\n"
                     + json.dumps({"text": "a <|video_pad|> b <|video_pad|>"}) + "\n")
     video_id = pad_ids(vl_tok)[1]
-    with pytest.raises(ValueError, match=rf"t.jsonl:2: the text holds 2 <\|video_pad\|> "
-                                         rf"\(token id {video_id}\)"):
-        prepare_lib.prepare([str(text)], str(tmp_path / "t"), vl_tok, progress=False)
-    assert not (tmp_path / "t").exists()
+    manifest, _ = prepare_lib.prepare([str(text)], str(tmp_path / "t"), vl_tok, progress=False)
+    held = f"{text}:2: 2 <|video_pad|> (token id {video_id})"
+    assert manifest["text_placeholders"] == {"documents": 1, "named": [held]}
+    assert "1 text document(s) holding image / video" in prepare_lib.describe(manifest)
+    from ulysses_jax.config import ConfigError, load_config
+    from ulysses_jax.training.vision_batches import check_store
+    vl = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                  "tiny-qwen2.5-vl.yaml"))
+    with pytest.raises(ConfigError, match=r"1 text document\(s\) of the store hold image / "
+                                          r"video placeholder tokens with no image or video "
+                                          r"\(.*t.jsonl:2: 2 <\|video_pad\|>"):
+        check_store(vl, manifest)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"text": "plain"}) + "\n")
+    plain, _ = prepare_lib.prepare([str(tmp_path / "p.jsonl")], str(tmp_path / "p"), vl_tok,
+                                   progress=False)
+    assert "text_placeholders" not in plain
 
 
 def test_unreadable_images_are_named(tmp_path, vl_tok, monkeypatch, capsys):

@@ -263,20 +263,20 @@ class Expander:
                                  f"placeholder token itself")
 
 
-def check_text_document(ids: np.ndarray, image_id: int | None, video_id: int | None,
-                        name: str) -> None:
-    """ValueError when a text document (no media can go with it) holds placeholder ids: a
-    Qwen2.5-VL model would take each for an image's or video's feature and stop the run.
+def text_placeholders(ids: np.ndarray, image_id: int | None, video_id: int | None) -> str:
+    """The placeholder tokens a text document (no media go with it) holds, as "2
+    <|image_pad|> (token id 151655)", or "" for none: a multimodal model would take each for
+    an image's or video's feature (``check_store`` refuses such a store for one).
 
     Args:
-      ids: the document's tokens; image_id, video_id: ``placeholder_ids``' (None: no check).
+      ids: the document's tokens; image_id, video_id: ``placeholder_ids``' (None: not counted).
     """
+    held = []
     for token, i in ((IMAGE_TOKEN, image_id), (VIDEO_TOKEN, video_id)):
         n = 0 if i is None else int(np.count_nonzero(np.asarray(ids) == i))
         if n:
-            raise ValueError(f"{name}: the text holds {n} {token} (token id {i}) and a text "
-                             f"document has no image or video for it: the text must not "
-                             f"contain the placeholder token itself; remove it from the text")
+            held.append(f"{n} {token} (token id {i})")
+    return ", ".join(held)
 
 
 def encode_conversation(tokenizer, template, messages: Sequence[dict], base: str,

@@ -61,15 +61,18 @@ def _init_worker(tokenizer_path, chat, media_options):
 
 def _encode_chunk(chunk: list[tuple[str, object]]):
     """Worker: [(name, text or messages)] -> ([(name hash, tokens, weights|None, media items,
-    media input paths)], [messages naming the conversations without a supervised token])."""
+    media input paths)], [messages naming the conversations without a supervised token],
+    [the text documents holding image / video placeholder tokens, named])."""
     tok, template = _worker["tokenizer"], _worker["template"]
-    out, bad = [], []
+    out, bad, padded = [], [], []
     if template is None:
         for (name, _), ids in zip(chunk, tok.encode_batch([t for _, t in chunk])):
-            media_lib.check_text_document(ids, *_worker["pads"], name)
+            held = media_lib.text_placeholders(ids, *_worker["pads"])
+            if held:
+                padded.append(f"{name}: {held}")
             if len(ids):  # an empty document holds no next-token pair
                 out.append((name_hash(name), np.append(ids, tok.eos_id), None, None, []))
-        return out, bad
+        return out, bad, padded
     for name, messages in chunk:
         try:
             ids, weights, items, inputs = media_lib.encode_conversation(
@@ -78,7 +81,7 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
             bad.append(str(e))
             continue
         out.append((name_hash(name), ids, weights, items, inputs))
-    return out, bad
+    return out, bad, padded
 
 
 def _chunks(records: Iterator[tuple[str, object]]) -> Iterator[list]:
@@ -184,8 +187,10 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     Raises:
       ValueError: a bad source or record, ``out`` holds something else, a template that is
         not prefix-stable, conversations without a supervised token (counted and named), a
-        media file that cannot be read, or a document whose text holds <|image_pad|> /
-        <|video_pad|> tokens without the image / video parts they stand for (named).
+        media file that cannot be read, or a conversation whose text holds <|image_pad|> /
+        <|video_pad|> tokens without the image / video parts they stand for (named). Text
+        documents holding them are stored (a text model reads them as any token) and counted
+        in the manifest (``text_placeholders``), which a multimodal model refuses.
     """
     out = os.path.abspath(out.rstrip("/"))
     media_opts = media_lib.MediaOptions(image_min_pixels, image_max_pixels, video_min_pixels,
@@ -229,18 +234,20 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     shutil.rmtree(tmp, ignore_errors=True)
     writer = StoreWriter(tmp, token_dtype(tok.vocab_size), chat, shard_tokens)
     bad: list[str] = []
+    padded: list[str] = []
     media_inputs: set[str] = set()
     bar = _bar(progress)
     t0 = time.time()
     try:
         records = sources_lib.iter_records(paths, text_key, messages_key, chat)
-        for docs, bad_names in _encoded(_chunks(records), tokenizer, chat, workers,
-                                        pixel_options):
+        for docs, bad_names, padded_names in _encoded(_chunks(records), tokenizer, chat,
+                                                      workers, pixel_options):
             for h, ids, weights, items, inputs in docs:
                 writer.add(ids, h, weights, items)
                 media_inputs.update(inputs)
                 bar.update(len(ids))
             bad += bad_names
+            padded += padded_names
         if bad:
             raise NoSupervision(
                 f"{len(bad)} conversation(s) have no supervised token (assistant-only loss "
@@ -250,6 +257,8 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
         if writer.num_docs == 0:
             raise ValueError(f"the sources {list(srcs)} hold no non-empty document")
         extra = {}
+        if padded:  # fine for a text model; check_store refuses the store for a multimodal one
+            extra["text_placeholders"] = {"documents": len(padded), "named": padded[:MAX_NAMED]}
         if writer.has_media:
             stats = _stat_inputs(media_inputs)
             with open(os.path.join(tmp, MEDIA_INPUTS), "w") as f:
@@ -319,4 +328,7 @@ def describe(manifest: dict) -> str:
     if "media" in manifest:
         line += (f", {manifest['media']['num_images']} images, "
                  f"{manifest['media']['num_videos']} videos")
+    if "text_placeholders" in manifest:
+        line += (f", {manifest['text_placeholders']['documents']} text document(s) holding "
+                 f"image / video placeholder tokens (a multimodal model refuses the store)")
     return line

@@ -58,10 +58,18 @@ def vision_slots(cfg: Config) -> int:
 
 
 def check_store(cfg: Config, manifest: dict) -> None:
-    """ConfigError when the store's placeholder ids or patching (the pixels and placeholder
-    counts prepare made) are not the model's, or its largest frame could make a batch
-    overflow the patch slots. A store id of None (its tokenizer lacks that placeholder, so
+    """ConfigError when the store's text documents hold placeholder tokens, its placeholder
+    ids or patching (the pixels and placeholder counts prepare made) are not the model's, or
+    its largest frame could make a batch overflow the patch slots. A store id of None (its tokenizer lacks that placeholder, so
     the store holds no such media) is not compared."""
+    held = manifest.get("text_placeholders")
+    if held:
+        raise ConfigError(
+            f"{held['documents']} text document(s) of the store hold image / video placeholder "
+            f"tokens with no image or video ({'; '.join(held['named'])}"
+            f"{'; ...' if held['documents'] > len(held['named']) else ''}): a multimodal model "
+            f"would take each for a vision feature; remove them from the text and prepare the "
+            f"store again")
     media = manifest.get("media") or {}
     for key, want in (("image_token_id", cfg.model.image_token_id),
                       ("video_token_id", cfg.model.video_token_id)):
