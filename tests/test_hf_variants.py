@@ -142,6 +142,24 @@ def test_export_round_trip(tmp_path, family, arch, over):
                                            layer_pattern=back.cfg.layer_pattern)
 
 
+def test_gemma3_has_no_attention_softcap_as_in_transformers(checkpoints, tmp_path):
+    """transformers' Gemma3 attention ignores attn_logit_softcapping: a gemma3_text config
+    that sets it (here 1.0, which would change these logits a lot) imports without it, with
+    transformers' logits; a gemma-family model with q/k norms and a softcap cannot export."""
+    import shutil
+    shutil.copytree(checkpoints["gemma3"], tmp_path / "g3", dirs_exist_ok=True)
+    hf = json.load(open(tmp_path / "g3" / "config.json"))
+    (tmp_path / "g3" / "config.json").write_text(json.dumps({**hf, "attn_logit_softcapping": 1.0}))
+    model = from_pretrained(str(tmp_path / "g3"), mesh=make_mesh(
+        seq=1, data=1, devices=need_devices(1)))
+    assert model.cfg.attn_softcap == 0.0
+    tokens = _tokens(6)
+    assert _rel(_our_logits(model, tokens), _hf_logits(str(tmp_path / "g3"), tokens)) <= TOL
+    with pytest.raises(ValueError, match=r"gemma3_text applies no attention logit softcap .* "
+                                         r"attn_softcap=50.0"):
+        config_to_hf(ModelConfig(family="gemma", qk_norm=True, attn_softcap=50.0))
+
+
 def test_export_refusals():
     with pytest.raises(ValueError, match="arch 'mistral' slides on every layer"):
         config_to_hf(ModelConfig(sliding_window=8, layer_pattern="LG"), "mistral")

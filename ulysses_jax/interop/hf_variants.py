@@ -278,7 +278,8 @@ def gemma_config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
         rope_local_scaling=(RopeScalingConfig(type="") if scalings["sliding_attention"] ==
                             scalings["full_attention"] else scalings["sliding_attention"]),
         attn_scale=float(hf["query_pre_attn_scalar"]) ** -0.5,
-        attn_softcap=float(hf["attn_logit_softcapping"] or 0.0),
+        # transformers' Gemma3 attention ignores attn_logit_softcapping (Gemma 3 has none)
+        attn_softcap=0.0 if mt == "gemma3_text" else float(hf["attn_logit_softcapping"] or 0.0),
         final_softcap=float(hf["final_logit_softcapping"] or 0.0), **overrides)
 
 
@@ -294,6 +295,10 @@ def gemma_config_to_hf(cfg: ModelConfig, arch: str | None,
                          f"{cfg.qk_norm}; use arch={fits!r}")
     if cfg.qkv_bias:
         raise ValueError("the Gemma block has no q/k/v biases; qkv_bias=True")
+    if arch == "gemma3_text" and cfg.attn_softcap:
+        raise ValueError(f"gemma3_text applies no attention logit softcap (transformers' "
+                         f"Gemma3 attention ignores attn_logit_softcapping), but attn_softcap="
+                         f"{cfg.attn_softcap}; gemma2 has one but no q/k norms (qk_norm=True)")
     if arch == "gemma2" and cfg.rope_local_theta not in (0.0, cfg.rope_theta):
         raise ValueError(f"gemma2 has one RoPE base; rope_local_theta {cfg.rope_local_theta} "
                          f"!= rope_theta {cfg.rope_theta}")
