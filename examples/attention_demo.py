@@ -1,7 +1,12 @@
-"""Ulysses attention on 8 fake CPU devices against the dense one-device reference."""
+"""Ulysses attention on 8 fake CPU devices against the dense one-device reference.
+
+    python examples/attention_demo.py   (from anywhere: the repository goes on sys.path)
+"""
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
