@@ -274,13 +274,18 @@ def test_bad_data_settings_are_config_errors(tmp_path):
               str(tmp_path / "b"), progress=False)
 
 
-def test_eval_runs_on_its_own_schedule_and_merges_into_records(tmp_path):
-    """eval_every need not be a multiple of log_every; every record keeps step/loss/tok/s."""
+def test_eval_runs_on_its_own_schedule_and_merges_into_records(tmp_path, capsys):
+    """eval_every need not be a multiple of log_every; every record keeps step/loss/tok/s.
+    Without a progress bar each record is also a line of the log (batch jobs see the loss)."""
     train(_cfg("steps=6", "log_every=4", "eval_every=3", "checkpoint_every=0"), str(tmp_path),
           progress=False)
     metrics = _metrics(tmp_path)
     assert [m["step"] for m in metrics] == [3, 4, 6]
     assert [("eval_loss" in m) for m in metrics] == [True, False, True]
     assert all("loss" in m and "tokens_per_sec" in m for m in metrics)
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]
+    assert [l.split(":")[0] for l in lines] == ["step 3/6", "step 4/6", "step 6/6"]
+    assert [("held-out loss" in l) for l in lines] == [True, False, True]
+    assert f"loss {metrics[1]['loss']:.4f}, " in lines[1]
     assert not os.path.exists(tmp_path / "checkpoints" / "3")  # checkpoint_every=0: final only
     assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 6

@@ -354,6 +354,8 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                     bar.set_postfix(loss=f"{loss:.4f}",
                                     tok_s=f"{record['tokens_per_sec']:.0f}",
                                     **({"mfu": f"{record['mfu']:.1%}"} if peak else {}))
+                    if not progress:  # no bar (logs of batch jobs): a line per logged step
+                        _log(_step_line(record, cfg.steps))
                     last_time, last_step = time.time(), step
                 if _agreed(preempt.received is not None):
                     save(step, force=True)
@@ -420,6 +422,17 @@ def _memory_in_use(device) -> dict:
     if "peak_bytes_in_use" in stats:
         out["memory_peak_bytes"] = int(stats["peak_bytes_in_use"])
     return out
+
+
+def _step_line(record: dict, steps: int) -> str:
+    """The log line of a logged step when there is no progress bar."""
+    line = (f"step {record['step']}/{steps}: loss {record['loss']:.4f}, "
+            f"{record['tokens_per_sec']:.0f} tok/s, lr {record['lr']:.3g}")
+    if "mfu" in record:
+        line += f", MFU {record['mfu']:.1%}"
+    if record.get("eval_loss") is not None:
+        line += f", held-out loss {record['eval_loss']:.4f}"
+    return line
 
 
 def _progress(total: int, initial: int, enabled: bool):
