@@ -157,6 +157,11 @@ TRAIN_CASES = [
      ["data.tokenizer", "tokenizer_config.json is not valid JSON"]),
     ("tokenizer_too_big", ["data.tokenizer={big_tok}"],
      ["model.vocab_size", "the tokenizer has 302 ids"]),
+    # kernels this machine or this model cannot run (the kernel would refuse while tracing)
+    ("kernel_cudnn_on_cpu", ["model.attn_impl=cudnn"],
+     ["model.attn_impl=cudnn", "needs a GPU backend, but the backend is 'cpu'"]),
+    ("kernel_xla_softcap", ["model.attn_impl=xla", "model.attn_softcap=30"],
+     ["model.attn_impl=xla", "cannot apply a logit softcap (30.0)"]),
     # paths
     ("workdir_is_file", ["--workdir", "{a_file}"], ["--workdir", "is a file, not a directory"]),
     ("workdir_not_creatable", ["--workdir", "{a_file}/run"], ["--workdir", "cannot be created"]),

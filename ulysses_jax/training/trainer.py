@@ -27,7 +27,7 @@ from .flops import train_step_flops
 from .tb_log import TensorBoardLog, Tee
 from .resume import resolve_init_from, start_state
 from .run_dir import MetricsLog, RunError, WorkdirLock, make_workdir, write_config
-from ..config import Config, to_dict, to_yaml, validate
+from ..config import Config, ConfigError, to_dict, to_yaml, validate
 from ..models.families import family
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
@@ -65,7 +65,26 @@ def training_devices() -> list:
 def build_mesh(cfg: Config):
     devices = training_devices()
     validate(cfg, num_devices=len(devices))
+    check_kernel(cfg, devices[0].platform)
     return make_mesh(seq=cfg.mesh.seq, data=cfg.mesh.data, ring=cfg.mesh.ring, devices=devices)
+
+
+def check_kernel(cfg: Config, platform: str) -> None:
+    """ConfigError when an explicit ``model.attn_impl`` ("xla", "cudnn") cannot run the
+    model's attention (its windows, softcap, dtype, head dim) on ``platform``: the kernel
+    would refuse it while the step is traced, after the run had started. The packed-rows
+    rules of cuDNN depend on the batch and are left to the kernel."""
+    from ..attention.kernels import resolve_impl
+    m = cfg.model
+    if m.attn_impl in ("auto", "chunked"):
+        return
+    for local in sorted({kind == "L" for kind in m.layer_kinds()}):
+        try:
+            resolve_impl(m.attn_impl, m.dtype, m.head_dim, backend=platform,
+                         window=m.sliding_window if local else None,
+                         softcap=m.attn_softcap or None)
+        except ValueError as e:
+            raise ConfigError(f"model.attn_impl={m.attn_impl}: {e}") from None
 
 
 def token_order(cfg: Config) -> np.ndarray | None:
