@@ -289,3 +289,21 @@ def test_eval_runs_on_its_own_schedule_and_merges_into_records(tmp_path, capsys)
     assert f"loss {metrics[1]['loss']:.4f}, " in lines[1]
     assert not os.path.exists(tmp_path / "checkpoints" / "3")  # checkpoint_every=0: final only
     assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 6
+
+
+def test_schedule_notes_say_when_the_schedule_is_not_what_the_keys_suggest(tmp_path):
+    """A warmup as long as the schedule, and a resume with other steps and no schedule_steps
+    (the schedule is stretched): each a note; the same steps, or schedule_steps set: none."""
+    from ulysses_jax.training.trainer import schedule_notes
+    from ulysses_jax.config import to_yaml
+    warm = schedule_notes(_cfg("steps=3", "optimizer.warmup_steps=15"), str(tmp_path))
+    assert warm == ["optimizer.warmup_steps 15 >= the schedule's 3 steps: the warmup is cut to "
+                    "2 steps and the learning rate ends at its peak, with no decay"]
+    (tmp_path / "config.yaml").write_text(to_yaml(_cfg("steps=3", "optimizer.warmup_steps=1")))
+    notes = schedule_notes(_cfg("steps=5", "optimizer.warmup_steps=1"), str(tmp_path))
+    assert len(notes) == 1 and notes[0].startswith("steps 5 here, 3 in the last run") and \
+        "optimizer.schedule_steps=3" in notes[0]
+    assert schedule_notes(_cfg("steps=3", "optimizer.warmup_steps=1"), str(tmp_path)) == []
+    assert schedule_notes(_cfg("steps=5", "optimizer.warmup_steps=1",
+                               "optimizer.schedule_steps=3"), str(tmp_path)) == []
+

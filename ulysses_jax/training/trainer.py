@@ -105,6 +105,36 @@ def _abstract_batch(cfg: Config, mesh):
     return out
 
 
+def schedule_notes(cfg: Config, workdir: str) -> list[str]:
+    """A line when the learning-rate schedule is not what the keys suggest: a warmup as long
+    as the schedule (it is cut to one step less, and nothing decays), or a resume whose
+    ``steps`` differ from the last run's while ``optimizer.schedule_steps`` is unset (the
+    schedule is stretched to the new length from the step it resumes at)."""
+    import yaml
+    opt, notes = cfg.optimizer, []
+    total = opt.schedule_steps or cfg.steps
+    if opt.warmup_steps >= total:
+        notes.append(f"optimizer.warmup_steps {opt.warmup_steps} >= the schedule's {total} "
+                     f"steps: the warmup is cut to {max(total - 1, 0)} steps and the learning "
+                     f"rate ends at its peak, with no decay")
+    path = os.path.join(workdir, "config.yaml")
+    if opt.schedule_steps is None and os.path.exists(path):
+        try:
+            with open(path) as f:
+                before = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError):
+            before = {}
+        before = before if isinstance(before, dict) else {}
+        old, last_opt = before.get("steps"), before.get("optimizer")
+        scheduled = last_opt.get("schedule_steps") if isinstance(last_opt, dict) else None
+        if isinstance(old, int) and old != cfg.steps and scheduled is None:
+            notes.append(f"steps {cfg.steps} here, {old} in the last run of this workdir, and "
+                         f"optimizer.schedule_steps is unset: the learning-rate schedule is "
+                         f"now {cfg.steps} steps long (set optimizer.schedule_steps={old} to "
+                         f"keep the old one)")
+    return notes
+
+
 def chunk_notes(cfg: Config) -> list[str]:
     """A line for each chunk size that does not divide the tokens per device: the loops then
     use the largest divisor below it (loss.largest_divisor_at_most), which can be much
@@ -240,7 +270,7 @@ def _lock(workdir: str) -> WorkdirLock:
 def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> dict:
     """Everything after the lock: data, checkpoints, start state, config.yaml, the loop."""
     _log(f"resolved config:\n{to_yaml(cfg)}")
-    for note in notes + chunk_notes(cfg):
+    for note in notes + chunk_notes(cfg) + schedule_notes(cfg, workdir):
         _log(f"note: {note}")
     train_rows, held_rows = run_data.load_data(cfg)
     cfg = run_data.with_segment_bound(cfg, train_rows, held_rows)
