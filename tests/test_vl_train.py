@@ -77,6 +77,7 @@ def test_multimodal_store_trains_evaluates_and_exports(store, tmp_path):
                            "--out", str(out), "--no-progress"], cwd=ROOT, env=cli_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "'mrope_section': [2, 3, 3]" in done.stdout, done.stdout  # the decoder's RoPE
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(

@@ -272,7 +272,8 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
                       sort_keys=True)
     copied = _copy_tokenizer(cfg, out_dir)
     return {"step": step, "files": files, "tensors": len(sizes), "bytes": total,
-            "tokenizer_files": copied, "rope_parameters": hf.get("rope_parameters")}
+            "tokenizer_files": copied, "rope_parameters": hf.get("rope_parameters") or
+            (hf.get("text_config") or {}).get("rope_parameters")}  # multimodal: the decoder's
 
 
 def _token_ids(init_from: str | None) -> dict:

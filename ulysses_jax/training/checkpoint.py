@@ -358,7 +358,8 @@ def _write_error(error: BaseException) -> str:
 
 def _first_line(error: BaseException, limit: int = 200) -> str:
     """``Type: first line`` of an error, cut to ``limit`` characters (TensorStore's errors
-    carry a long JSON spec)."""
+    carry a long JSON spec; Orbax's read errors end in the repr of a bound method, dropped)."""
     text = str(error).strip()
-    line = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    first = text.splitlines()[0].split(" See full TensorStore details")[0] if text else ""
+    line = f"{type(error).__name__}: {first}"
     return line if len(line) <= limit else line[:limit] + " ..."

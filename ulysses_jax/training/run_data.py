@@ -59,7 +59,8 @@ def _load_store(cfg: Config):
     if manifest["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"data.source {cfg.data.source!r}: the store's tokenizer has "
                           f"{manifest['vocab_size']} ids but model.vocab_size is "
-                          f"{cfg.model.vocab_size}")
+                          f"{cfg.model.vocab_size}; set model.vocab_size to at least "
+                          f"{manifest['vocab_size']}")
     if cfg.data.tokenizer is not None:
         path = cfg.data.tokenizer
         path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
