@@ -410,6 +410,7 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                     save(step, force=True)
                     ckpt.wait()
                     by = preempt.received or "a signal to another process"
+                    bar.close()  # the bar's line ends before the log's
                     _log(f"{by}: saved step {step} to {ckpt.directory}; exiting")
                     summary["status"] = "preempted"
                     return summary
