@@ -494,7 +494,7 @@ def main(argv=None) -> int:
     plot(result, os.path.join(out, "eval.png"))
     lp, pk = result["loss_by_position"], result["passkey"]
     print(f"tokenizer: {result['tokenizer']}")
-    print(f"held-out loss by position (bucket start: loss): " + ", ".join(
+    print("held-out loss by position (bucket start: loss): " + ", ".join(
         f"{lo}: {v:.3f}" for lo, v in zip(lp["bounds"], lp["loss"]) if v is not None))
     print(f"passkey accuracy, lengths {pk['lengths']} x depths {pk['depths']}: "
           f"{pk['accuracy']}")
