@@ -26,8 +26,8 @@ from .checkpoint import Checkpointer, SaveFailed
 from .flops import train_step_flops
 from .tb_log import TensorBoardLog, Tee
 from .resume import resolve_init_from, start_state
-from .run_dir import MetricsLog, RunError, WorkdirLock, make_workdir, write_config
-from ..config import Config, ConfigError, to_dict, to_yaml, validate
+from .run_dir import CONFIG, MetricsLog, RunError, WorkdirLock, make_workdir, write_config
+from ..config import Config, ConfigError, load_config, to_dict, to_yaml, validate
 from ..models.families import family
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
@@ -110,28 +110,24 @@ def schedule_notes(cfg: Config, workdir: str) -> list[str]:
     as the schedule (it is cut to one step less, and nothing decays), or a resume whose
     ``steps`` differ from the last run's while ``optimizer.schedule_steps`` is unset (the
     schedule is stretched to the new length from the step it resumes at)."""
-    import yaml
     opt, notes = cfg.optimizer, []
     total = opt.schedule_steps or cfg.steps
     if opt.warmup_steps >= total:
         notes.append(f"optimizer.warmup_steps {opt.warmup_steps} >= the schedule's {total} "
                      f"steps: the warmup is cut to {max(total - 1, 0)} steps and the learning "
                      f"rate ends at its peak, with no decay")
-    path = os.path.join(workdir, "config.yaml")
+    path = os.path.join(workdir, CONFIG)
     if opt.schedule_steps is None and os.path.exists(path):
         try:
-            with open(path) as f:
-                before = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError):
-            before = {}
-        before = before if isinstance(before, dict) else {}
-        old, last_opt = before.get("steps"), before.get("optimizer")
-        scheduled = last_opt.get("schedule_steps") if isinstance(last_opt, dict) else None
-        if isinstance(old, int) and old != cfg.steps and scheduled is None:
-            notes.append(f"steps {cfg.steps} here, {old} in the last run of this workdir, and "
-                         f"optimizer.schedule_steps is unset: the learning-rate schedule is "
-                         f"now {cfg.steps} steps long (set optimizer.schedule_steps={old} to "
-                         f"keep the old one)")
+            before = load_config(path)  # the last run's resolved config
+        except ConfigError:  # one that no longer loads says nothing about the schedule
+            before = None
+        if (before is not None and before.steps != cfg.steps
+                and before.optimizer.schedule_steps is None):
+            notes.append(f"steps {cfg.steps} here, {before.steps} in the last run of this "
+                         f"workdir, and optimizer.schedule_steps is unset: the learning-rate "
+                         f"schedule is now {cfg.steps} steps long (set "
+                         f"optimizer.schedule_steps={before.steps} to keep the old one)")
     return notes
 
 
