@@ -119,6 +119,10 @@ def test_split_keeps_both_parts_non_empty():
     assert data.split_documents(docs, 0.0)[1] == []
     with pytest.raises(ValueError, match="heldout_fraction"):
         data.split_documents(docs, 1.0)
+    # a lone document stays for training whatever its hash (it was held out when its hash
+    # fell under the fraction, and training found "no non-empty document to pack")
+    assert data.split_documents(docs[:1], 0.999999) == (docs[:1], [])
+    assert data.split_documents(docs[:1], 1e-9) == (docs[:1], [])
 
 
 def test_local_text_sources(tmp_path):

@@ -232,22 +232,31 @@ def _unit_hash(name: str, seed: int) -> float:
     return int.from_bytes(digest, "little") / 2.0**64
 
 
+def heldout_mask(h: np.ndarray, heldout_fraction: float) -> np.ndarray:
+    """bool [n]: the documents held out, those whose hash ``h`` in [0, 1) is below the
+    fraction. Training always keeps a document: with a fraction > 0, an empty part takes the
+    document whose hash is nearest to the cut, so with >= 2 documents both parts are
+    non-empty, and a lone document is never held out."""
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    held = h < heldout_fraction
+    if heldout_fraction > 0 and len(h):
+        if held.all():
+            held[np.argmax(h)] = False
+        elif not held.any() and len(h) >= 2:
+            held[np.argmin(h)] = True
+    return held
+
+
 def split_documents(docs, heldout_fraction: float, seed: int = 0):
     """Splits (name, text) docs into (train, heldout), input order kept within each.
 
     A doc is held out iff the hash of (seed, name) is < heldout_fraction, so membership does
-    not depend on order or on the other docs. With >= 2 docs and a fraction > 0, an empty part
-    takes the doc whose hash is nearest to the cut, so both parts are non-empty.
+    not depend on order or on the other docs (``heldout_mask``: both parts non-empty with
+    >= 2 docs, a lone doc kept for training).
     """
-    if not 0.0 <= heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    h = np.array([_unit_hash(name, seed) for name, _ in docs])
-    held = h < heldout_fraction
-    if heldout_fraction > 0 and len(docs) >= 2:
-        if not held.any():
-            held[np.argmin(h)] = True
-        elif held.all():
-            held[np.argmax(h)] = False
+    held = heldout_mask(np.array([_unit_hash(name, seed) for name, _ in docs]),
+                        heldout_fraction)
     return ([d for d, x in zip(docs, held) if not x], [d for d, x in zip(docs, held) if x])
 
 

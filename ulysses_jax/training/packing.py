@@ -23,7 +23,7 @@ import hashlib
 
 import numpy as np
 
-from .data import PackedRows
+from .data import PackedRows, heldout_mask
 from .store import TokenStore, unit_hash
 
 
@@ -207,17 +207,9 @@ def dropped(store: TokenStore, ids: np.ndarray, seq_len: int, overflow: str) -> 
 
 def split_store(store: TokenStore, heldout_fraction: float, seed: int):
     """(train ids, held-out ids) of a store's documents, int64 each: a document is held out
-    iff the hash of (its name, seed) is below the fraction; with >= 2 documents and a
-    fraction > 0 both parts are non-empty (as ``data.split_documents``)."""
-    if not 0.0 <= heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    h = unit_hash(store.doc_hashes(), seed)
-    held = h < heldout_fraction
-    if heldout_fraction > 0 and len(h) >= 2:
-        if not held.any():
-            held[np.argmin(h)] = True
-        elif held.all():
-            held[np.argmax(h)] = False
+    iff the hash of (its name, seed) is below the fraction (``data.heldout_mask``: both parts
+    non-empty with >= 2 documents, a lone document kept for training)."""
+    held = heldout_mask(unit_hash(store.doc_hashes(), seed), heldout_fraction)
     return np.flatnonzero(~held), np.flatnonzero(held)
 
 
