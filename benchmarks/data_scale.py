@@ -95,7 +95,7 @@ def _measure(cmd: list[str]) -> None:
 def _open(store: str) -> None:
     """Opens ``store`` as train.py does (plan, segment bound, first batch); prints seconds."""
     sys.path.insert(0, ROOT)
-    from ulysses_jax.training.packing import store_rows
+    from ulysses_jax.data.packing import store_rows
     t0 = time.time()
     train_rows, _, _ = store_rows(store, 512, 0.02, 0)
     train_rows.segments_per_row(0, 0).max()

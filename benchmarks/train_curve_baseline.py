@@ -56,7 +56,7 @@ def make_config(args, seq: int):
 
 def load_batches(cfg, steps: int) -> list[dict]:
     """The first ``steps`` training batches, numpy [B, S] per field, as train.py builds them."""
-    from ulysses_jax.training import data as data_lib
+    from ulysses_jax.data import text as data_lib
     tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
     rows, _ = data_lib.build_rows(cfg.data.source, tokenizer, cfg.seq_len,
                                   cfg.data.heldout_fraction, cfg.seed)
@@ -86,7 +86,7 @@ def decayed_hf_names(cfg, params) -> set[str]:
 def run_jax(cfg, seq: int, params, batches) -> dict:
     """Trains on a (data=1, seq) CPU mesh from ``params``; per-step loss, grad norm, lr."""
     import jax
-    from ulysses_jax.training.data import shard_batch
+    from ulysses_jax.data.text import shard_batch
     from ulysses_jax.mesh import make_mesh
     from ulysses_jax.training.train_step import init_state, make_train_step
 

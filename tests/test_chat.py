@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from ulysses_jax.training import chat, prepare as prepare_lib
-from ulysses_jax.training.data import load_tokenizer
-from ulysses_jax.training.store import TokenStore
+from ulysses_jax.data import chat, prepare as prepare_lib
+from ulysses_jax.data.text import load_tokenizer
+from ulysses_jax.data.store import TokenStore
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}"
@@ -226,7 +226,7 @@ def test_chat_from_parquet_and_datasets_directory(tmp_path):
 def test_packed_rows_supervise_exactly_the_answers(tmp_path):
     """prepare --chat, then ChatRows: each conversation is one segment of one row, and its
     supervised targets decode to exactly its assistant answers, each with <|im_end|>."""
-    from ulysses_jax.training.packing import ChatRows
+    from ulysses_jax.data.packing import ChatRows
     rng = np.random.default_rng()
     directory = write_tokenizer_dir(tmp_path / "tok", CHATML)
     words = ["Say", " hi", " again", " the", " answer", " is", " 42", " user"]

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import need_devices
-from ulysses_jax.training import data
+from ulysses_jax.data import text as data
 from ulysses_jax.mesh import make_mesh
 
 EOS = 1_000_000  # outside the synthetic token range, so it never collides with a doc token

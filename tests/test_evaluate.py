@@ -14,7 +14,7 @@ from conftest import DEVICES, small_corpus
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.evaluate import evaluate, load, main, passkey_batch, token_losses
-from ulysses_jax.training import data as data_lib
+from ulysses_jax.data import text as data_lib
 from ulysses_jax.training.trainer import train
 
 pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",

@@ -226,7 +226,7 @@ def test_init_from_qwen3_moe_checkpoint(checkpoints, tmp_path):
     """train.py's init_from with a Qwen3-MoE checkpoint: the model comes from it, step 1's loss
     is the imported model's loss on the first batch, and the router metrics are logged."""
     from ulysses_jax.models.loss import plain_cross_entropy
-    from ulysses_jax.training import data as data_lib
+    from ulysses_jax.data import text as data_lib
     from ulysses_jax.training.trainer import train
     path = checkpoints["mixed"]
     cfg = load_config(None, ["steps=1", "seq_len=32", "batch_size=2", f"init_from={path}",

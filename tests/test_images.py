@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ulysses_jax.training import images
+from ulysses_jax.data import images
 
 # (total_num_frames, video_fps, fps, num_frames); nan for None.
 SAMPLING = [(100, 30.0, 2.0, np.nan), (7, 24.0, 2.0, np.nan), (1000, 29.97, 2.0, np.nan),

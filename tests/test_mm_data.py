@@ -11,9 +11,9 @@ from PIL import Image
 
 from test_chat import CHATML, SPECIAL, decode, supervised_runs, write_tokenizer_dir
 from ulysses_jax.data.__main__ import main as data_cli
-from ulysses_jax.training import chat, images, media, packing, prepare as prepare_lib
-from ulysses_jax.training.data import load_tokenizer
-from ulysses_jax.training.store import TokenStore
+from ulysses_jax.data import chat, images, media, packing, prepare as prepare_lib
+from ulysses_jax.data.text import load_tokenizer
+from ulysses_jax.data.store import TokenStore
 
 VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2.5-VL style: ChatML; a list content prints its text parts and, per image / video part,
@@ -364,7 +364,7 @@ def test_placeholder_in_text_without_its_media_is_refused(tmp_path, vl_tok):
     assert manifest["text_placeholders"] == {"documents": 1, "named": [held]}
     assert "1 text document(s) holding image / video" in prepare_lib.describe(manifest)
     from ulysses_jax.config import ConfigError, load_config
-    from ulysses_jax.training.vision_batches import check_store
+    from ulysses_jax.data.vision_batches import check_store
     vl = load_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
                                   "tiny-qwen2.5-vl.yaml"))
     with pytest.raises(ConfigError, match=r"1 text document\(s\) of the store hold image / "

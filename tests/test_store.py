@@ -12,8 +12,8 @@ import pytest
 
 from test_data import EOS, check_epoch, fresh_text, unique_docs
 from ulysses_jax.data.__main__ import main as data_cli
-from ulysses_jax.training import data, packing, prepare as prepare_lib
-from ulysses_jax.training.store import StoreWriter, TokenStore, name_hash, token_dtype
+from ulysses_jax.data import packing, prepare as prepare_lib, text as data
+from ulysses_jax.data.store import StoreWriter, TokenStore, name_hash, token_dtype
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

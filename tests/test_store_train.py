@@ -12,7 +12,7 @@ import pytest
 from conftest import DEVICES
 from test_chat import CHATML, write_tokenizer_dir
 from ulysses_jax.config import ConfigError, load_config
-from ulysses_jax.training.prepare import prepare
+from ulysses_jax.data.prepare import prepare
 from ulysses_jax.training.trainer import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

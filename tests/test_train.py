@@ -211,7 +211,7 @@ def test_init_from_hugging_face_checkpoint(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     import jax
     from ulysses_jax import make_mesh
-    from ulysses_jax.training import data as data_lib
+    from ulysses_jax.data import text as data_lib
     from ulysses_jax.hf import from_pretrained
     from ulysses_jax.models.loss import plain_cross_entropy
     torch.manual_seed(0)

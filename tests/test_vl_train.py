@@ -17,7 +17,7 @@ from test_mm_data import noise, vl_tok, write_jsonl  # noqa: F401  (vl_tok is a 
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.evaluate import load
-from ulysses_jax.training.store import TokenStore
+from ulysses_jax.data.store import TokenStore
 from ulysses_jax.training.trainer import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +26,7 @@ PRESET = os.path.join(ROOT, "configs", "tiny-qwen2.5-vl.yaml")
 
 @pytest.fixture
 def store(tmp_path, vl_tok):
-    from ulysses_jax.training.prepare import prepare
+    from ulysses_jax.data.prepare import prepare
     (tmp_path / "data").mkdir()
     sizes = [(56, 84), (84, 56), (112, 56), (56, 56), (84, 112), (56, 112)]
     convs = []
@@ -85,7 +85,7 @@ def test_multimodal_store_trains_evaluates_and_exports(store, tmp_path):
     st = TokenStore(path)
     doc = next(d for d in range(st.num_docs) if st.media(d))
     tokens = np.asarray(st.view(doc), np.int32)[None]
-    from ulysses_jax.training import media
+    from ulysses_jax.data import media
     pixels, grid = media.load_item(st.media(doc)[0], **media.load_options(st.manifest))
     cfg = load_config(PRESET, _overrides(path) + ["mesh.seq=1"]).model
     mm = (tokens == cfg.image_token_id).astype(np.int64)
@@ -107,7 +107,7 @@ def test_store_and_model_must_agree(store):
     patch slots (the 84 x 112 images: 6 x 8 = 48 patches); both are config errors naming
     the numbers, checked before training."""
     from ulysses_jax.config import ConfigError
-    from ulysses_jax.training.vision_batches import check_store
+    from ulysses_jax.data.vision_batches import check_store
     path, _ = store
     manifest = TokenStore(path).manifest
     good = _overrides(path) + ["mesh.seq=1"]
@@ -139,7 +139,7 @@ def test_store_patching_and_missing_placeholder_ids(store):
     with it); a store id of None (its tokenizer had no such pad: no such media) is not
     compared."""
     from ulysses_jax.config import ConfigError
-    from ulysses_jax.training.vision_batches import check_store
+    from ulysses_jax.data.vision_batches import check_store
     path, _ = store
     manifest = TokenStore(path).manifest
     cfg = load_config(PRESET, _overrides(path) + ["mesh.seq=1"])
@@ -155,7 +155,7 @@ def test_store_patching_and_missing_placeholder_ids(store):
 
 def test_default_slots_follow_the_merge_size(store):
     """C = ceil(m^2 B S / G) + one default frame, a multiple of m^2 (module docstring)."""
-    from ulysses_jax.training.vision_batches import DEFAULT_FRAME_PATCHES, vision_slots
+    from ulysses_jax.data.vision_batches import DEFAULT_FRAME_PATCHES, vision_slots
     path, _ = store
     base = _overrides(path) + ["mesh.seq=1", "data.vision_patches=0"]  # B 2, S 128, G 1
     assert vision_slots(load_config(PRESET, base)) == 4 * 2 * 128 + DEFAULT_FRAME_PATCHES
@@ -168,7 +168,7 @@ def test_batch_errors_name_the_row_and_only_overflow_blames_the_slots(store, tmp
     and media that disagree (pads without their image) or an unreadable file are the named
     row's ValueError, with no advice about the slots."""
     from ulysses_jax.config import ConfigError
-    from ulysses_jax.training import packing, vision_batches
+    from ulysses_jax.data import packing, vision_batches
     path, _ = store
     st = TokenStore(path)
     cfg = load_config(PRESET, _overrides(path) + ["mesh.seq=1"])

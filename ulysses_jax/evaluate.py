@@ -231,7 +231,7 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
 
 
 def _tokenizer(path: str | None):
-    from .training import data as data_lib
+    from .data import text as data_lib
     try:
         return data_lib.load_tokenizer(path)
     except (OSError, ValueError, ImportError) as e:
@@ -251,7 +251,7 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
     (a) without rows (its losses None)."""
     import jax
     from .mesh import make_mesh
-    from .training import data as data_lib
+    from .data import text as data_lib
     devices = list(devices or jax.devices())
     if batches < 0 or batch_size < 1:
         raise EvalError(f"--batches must be >= 0 and --batch-size >= 1, got {batches} and "

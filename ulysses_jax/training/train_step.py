@@ -21,9 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..models import vocab
 from ..config import Config
-from .data import FIELDS
+from ..data.text import FIELDS
 from .optimizer import compute_copy_mask, make_optimizer, make_schedule
-from .vision_batches import vision_shardings
+from ..data.vision_batches import vision_shardings
 from ..models.loss import chunked_cross_entropy
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder

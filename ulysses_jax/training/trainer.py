@@ -20,8 +20,8 @@ import time
 import jax
 import numpy as np
 
-from . import data as data_lib, run_data, vision_batches
-from .run_data import is_main as _is_main, log as _log
+from ..data import text as data_lib, run_data, vision_batches
+from ..data.run_data import is_main as _is_main, log as _log
 from .checkpoint import Checkpointer, SaveFailed
 from .flops import train_step_flops
 from .tb_log import TensorBoardLog, Tee

@@ -39,7 +39,7 @@ _worker: dict = {}  # per-process tokenizer and template (set by _init_worker)
 
 
 def _load(tokenizer_path: str | None, chat: bool):
-    from .data import load_tokenizer
+    from .text import load_tokenizer
     tokenizer = load_tokenizer(tokenizer_path)
     template = None
     if chat:

@@ -33,7 +33,7 @@ from ..mesh import act_spec
 from ..models import multimodal
 from ..models.vision import split_axes
 from . import images, media as media_lib
-from .data import FIELDS, BatchIterator, eval_batches
+from .text import FIELDS, BatchIterator, eval_batches
 
 # Patches of the largest frame at the processor's default max_pixels (28 x 28 x 1280 pixels).
 DEFAULT_FRAME_PATCHES = images.IMAGE_MAX_PIXELS // 14 ** 2

@@ -10,7 +10,7 @@ import os
 
 import jax
 
-from . import data as data_lib, vision_batches
+from . import text as data_lib, vision_batches
 from .packing import store_rows
 from .prepare import file_hash
 from .store import is_store

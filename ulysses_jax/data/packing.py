@@ -23,7 +23,7 @@ import hashlib
 
 import numpy as np
 
-from .data import PackedRows, heldout_mask
+from .text import PackedRows, heldout_mask
 from .store import TokenStore, unit_hash
 
 
