@@ -16,7 +16,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .models.families import FAMILIES as _FAMILY_REGISTRY, traits
+from .families import FAMILIES as _FAMILY_REGISTRY, traits
 # The model section lives in model_config.py; its names are re-exported here.
 from .model_config import (LAYER_KINDS, MIXERS, ROPE_EXACT_FROM, ROPE_TYPES,  # noqa: F401
                            ModelConfig, RopeScalingConfig, VisionConfig, model_errors,

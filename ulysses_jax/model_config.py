@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .models.families import traits
+from .families import traits
 
 LAYER_KINDS = "LG"  # local (sliding window), global
 MIXERS = "DA"  # token mixers of qwen3_next layers: D Gated DeltaNet, A full attention

@@ -33,7 +33,7 @@ from typing import Callable
 from . import memory
 from .config import Config, ConfigError, load_config, validate
 from .mesh import request_cpu_devices
-from .models.families import traits
+from .families import traits
 
 GIB = 2 ** 30
 DEFAULT_P = (1, 2, 4, 8)

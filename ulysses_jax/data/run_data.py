@@ -15,7 +15,7 @@ from .packing import store_rows
 from .prepare import file_hash
 from .store import is_store
 from ..config import Config, ConfigError
-from ..models.families import family
+from ..families import family
 
 
 def is_main() -> bool:

@@ -411,7 +411,7 @@ def compare_hf(model_path: str, seqs=(1, 2, 4), seq_len: int = 64, batch: int = 
     from flax import nnx
     from .hf import config_from_hf, from_pretrained
     from ..mesh import make_mesh
-    from ..models.families import family
+    from ..families import family
     from ..models.multimodal import prepare
 
     for p in seqs:

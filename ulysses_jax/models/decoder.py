@@ -41,7 +41,7 @@ from jax.sharding import Mesh
 from ..config import LAYER_KINDS, ModelConfig
 from ..mesh import act_spec, shard
 from . import vocab
-from .families import family
+from ..families import family
 from .layers import gathered as _gathered, norm
 from .moe import STAT_KEYS, is_moe_layer
 from .multimodal import prepare

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..config import INT32_MAX, LAYER_KINDS, ModelConfig
 from ..mesh import act_spec
-from .families import family
+from ..families import family
 from .loss import largest_divisor_at_most
 from .norms import rms_norm
 from .rope import apply_rope

@@ -35,7 +35,7 @@ from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.linear import gated_deltanet
 from ..config import INT32_MAX, ModelConfig
 from .layers import gathered as _gathered, norm
-from .families import family
+from ..families import family
 from .llama import Block
 from .rope import apply_rope
 from .norms import gated_rms_norm

@@ -27,7 +27,7 @@ from ..data.vision_batches import vision_shardings
 from ..models.loss import chunked_cross_entropy
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
-from ..models.families import family
+from ..families import family
 from ..models.expert_parallel import expert_spec
 from ..models.moe import aux_loss, is_expert_param
 

@@ -28,7 +28,7 @@ from .tb_log import TensorBoardLog, Tee
 from .resume import resolve_init_from, start_state
 from .run_dir import CONFIG, MetricsLog, RunError, WorkdirLock, make_workdir, write_config
 from ..config import Config, ConfigError, load_config, to_dict, to_yaml, validate
-from ..models.families import family
+from ..families import family
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
 from .train_step import (batch_shardings, make_eval_step, make_train_step, param_count,
