@@ -26,7 +26,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "offload")
 ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
-FAMILIES = tuple(_FAMILY_REGISTRY)  # models/families.py (a leaf module: imports nothing)
+FAMILIES = tuple(_FAMILY_REGISTRY)  # families.py (a leaf module: imports nothing)
 MOMENT_DTYPES = ("float32", "bfloat16")
 INT32_MAX = 2**31 - 1  # integer settings reach jitted code (step counter, positions) as int32
 

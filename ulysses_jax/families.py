@@ -1,22 +1,21 @@
 """The model families: the one place that says what differs between them.
 
-A family is its decoder block (one module per family: ``llama.py``, ``gemma.py``,
-``qwen3_next.py``; Qwen2.5-VL adds ``vision.py`` to the llama block) and the few traits the shared parts (``layers.py``) and the decoder read
-instead of asking ``cfg.family == ...``. This module imports nothing from the model
-package: the block class is named by "module:Class" and imported when a model is built, so
-the families can import the shared parts and the decoder can import this registry without
-an import circle. A new family is one new module and one line here.
+A family is its decoder block (one module per family under ``models/``: ``llama.py``,
+``gemma.py``, ``qwen3_next.py``; Qwen2.5-VL adds ``vision.py`` to the llama block; the blocks
+are registered in ``models/blocks.py``) and the few traits here that the config's validation,
+the shared layers (``models/layers.py``) and the decoder read instead of asking
+``cfg.family == ...``. This module imports nothing from the package, so the config at the
+bottom can validate with it. A new family is one new module, one line here and one line in
+``models/blocks.py``.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     """What the shared code needs to know about a family."""
-    block: str                      # "module:Class" under ulysses_jax.models
     one_plus_norms: bool = False    # RMSNorm scales by (1 + w), w initialised at 0
     activation: str = "silu"        # the MLP gate activation (layers.ACTIVATIONS)
     embed_scale: bool = False       # embeddings multiplied by sqrt(d_model)
@@ -26,20 +25,15 @@ class Family:
     sliding_windows: bool = True    # local layers exist (model.sliding_window)
     vision: bool = False            # a vision tower and M-RoPE (model.vision, mrope_section)
 
-    def block_class(self):
-        """The family's decoder block class (imported now)."""
-        module, name = self.block.split(":")
-        return getattr(importlib.import_module(f"ulysses_jax.models.{module}"), name)
-
 
 FAMILIES = {
-    "llama": Family("llama:Block"),
-    "gemma": Family("gemma:GemmaBlock", one_plus_norms=True, activation="gelu_tanh",
-                    embed_scale=True, experts=False),
-    "qwen3_next": Family("qwen3_next:Qwen3NextBlock", one_plus_norms=True,
-                         gated_attention=True, linear_attention=True, sliding_windows=False),
+    "llama": Family(),
+    "gemma": Family(one_plus_norms=True, activation="gelu_tanh", embed_scale=True,
+                    experts=False),
+    "qwen3_next": Family(one_plus_norms=True, gated_attention=True, linear_attention=True,
+                         sliding_windows=False),
     # Qwen2.5-VL: the Qwen2 text block, a vision tower (vision.py) and M-RoPE.
-    "qwen2_5_vl": Family("llama:Block", experts=False, sliding_windows=False, vision=True),
+    "qwen2_5_vl": Family(experts=False, sliding_windows=False, vision=True),
 }
 
 

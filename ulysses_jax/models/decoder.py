@@ -1,5 +1,5 @@
 """Flax NNX decoder with Ulysses sequence-parallel attention: embedding, the layer stack, the
-final norm and the head. Its blocks come from the family registry (``families.py``): the
+final norm and the head. Its blocks come from the block registry (``blocks.py``): the
 Llama 3 / Mistral / Qwen block (llama.py), Gemma 2 / 3 (gemma.py), Qwen3-Next (qwen3_next.py),
 each built from the shared parts in layers.py.
 
@@ -42,6 +42,7 @@ from ..config import LAYER_KINDS, ModelConfig
 from ..mesh import act_spec, shard
 from . import vocab
 from ..families import family
+from .blocks import block_class as _block_class
 from .layers import gathered as _gathered, norm
 from .moe import STAT_KEYS, is_moe_layer
 from .multimodal import prepare
@@ -126,7 +127,7 @@ class Decoder(nnx.Module):
         self.embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(
             rngs.params(), (cfg.vocab_size, cfg.d_model)))                          # [V, D]
         keys = jax.random.split(rngs.params(), cfg.n_layers)
-        block_class = family(cfg.family).block_class()
+        block_class = _block_class(cfg.family)
 
         def stack(layer_keys, kind):
             sparse, mixer = kind

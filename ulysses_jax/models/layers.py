@@ -4,7 +4,7 @@
 Letters as in decoder.py. This module imports no decoder block and no family module: the
 families (``llama.py``, ``gemma.py``, ``qwen3_next.py``) build their blocks from these parts,
 and what differs between families (norm scales of (1 + w), the MLP's activation) comes from
-the family registry (``families.py``).
+the family traits (``ulysses_jax/families.py``).
 """
 from __future__ import annotations
 
