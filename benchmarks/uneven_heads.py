@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from ulysses_jax import make_mesh, ulysses_attention  # noqa: E402
-from ulysses_jax.attention.heads import head_layout  # noqa: E402
+from ulysses_jax.head_layout import head_layout  # noqa: E402
 from ulysses_jax.hlo import collective_bytes, collective_counts  # noqa: E402
 
 CASES = [((3, 3), (4, 4), 2), ((7, 7), (8, 8), 4), ((12, 4), (16, 4), 8), ((7, 1), (8, 1), 4)]

@@ -250,7 +250,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                       f"{m.n_kv_heads}")
     chunks = cfg.ulysses.chunks
     if chunks > 1:
-        from .attention.heads import head_layout  # lazy: the config module stays import-light
+        from .head_layout import head_layout
         kv_local = (head_layout(m.n_heads, m.n_kv_heads, mesh.seq).k_local
                     if not m.n_heads % m.n_kv_heads else chunks)
         if mesh.ring > 1:

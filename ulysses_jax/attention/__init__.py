@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 from ..mesh import RING, axis_size
 from .cudnn import DEFAULT_MAX_SEGMENTS
-from .heads import HeadLayout, head_layout
+from ..head_layout import HeadLayout, head_layout
 from .kernels import local_attention, reference_attention, resolve_impl
 from .ring import hybrid_attention, inverse_zigzag_permutation, zigzag_permutation
 from .ulysses import heads_to_seq, seq_to_heads, ulysses_only_attention
