@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .families import FAMILIES as _FAMILY_REGISTRY, traits
+from .head_layout import head_layout
 # The model section lives in model_config.py; its names are re-exported here.
 from .model_config import (LAYER_KINDS, MIXERS, ROPE_EXACT_FROM, ROPE_TYPES,  # noqa: F401
                            ModelConfig, RopeScalingConfig, VisionConfig, model_errors,
@@ -243,14 +244,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         errors.append(f"seq_len {cfg.seq_len} is not divisible by mesh.seq {mesh.seq}")
     if cfg.batch_size % mesh.data:
         errors.append(f"batch_size {cfg.batch_size} is not divisible by mesh.data {mesh.data}")
-    # Heads that mesh.seq does not divide are padded (attention/heads.py); only a GQA
+    # Heads that mesh.seq does not divide are padded (head_layout.py); only a GQA
     # grouping that does not exist is an error.
     if m.n_heads % m.n_kv_heads:
         errors.append(f"model.n_heads {m.n_heads} is not divisible by model.n_kv_heads "
                       f"{m.n_kv_heads}")
     chunks = cfg.ulysses.chunks
     if chunks > 1:
-        from .head_layout import head_layout
         kv_local = (head_layout(m.n_heads, m.n_kv_heads, mesh.seq).k_local
                     if not m.n_heads % m.n_kv_heads else chunks)
         if mesh.ring > 1:

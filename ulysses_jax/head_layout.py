@@ -1,5 +1,6 @@
 """Head layouts for the exchange: which query and kv heads each of P devices attends with,
-including head counts that P does not divide.
+including head counts that P does not divide. Pure integer rules (no JAX), so the config
+validates with them; the padding itself (``pad_heads``) is the exchange's, in attention/heads.py.
 
 Letters as in models/decoder.py: N query heads, K kv heads, G = N // K query heads per kv
 head, H head dim; P the all-to-all degree (the seq axis size U on a ring mesh: the ring never
@@ -28,8 +29,6 @@ kv head copied twice. The only error left is N % K != 0, where no GQA grouping e
 from __future__ import annotations
 
 import dataclasses
-
-import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,36 +110,3 @@ def head_layout(n: int, k: int, p: int, ring: int = 1) -> HeadLayout:
             if best is None or key < best[0]:
                 best = (key, lay)
     return best[1]
-
-
-def pad_heads(q, k, v, lay: HeadLayout):
-    """Adds the layout's zero heads and kv copies, on each device's tokens.
-
-    Args:
-      q: [B, s, N, H]; k, v: [B, s, K, H].
-
-    Returns:
-      q [B, s, N', H] grouped by kv head (G' per group, the real ones first), k and v
-      [B, s, K'R, H] (each kv head's R copies adjacent). Even layouts only repeat.
-    """
-    if lay.padded:
-        b, s, _, h = q.shape
-        g = lay.n // lay.k
-        q = q.reshape(b, s, lay.k, g, h)                                   # [B, s, K, G, H]
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, lay.k_pad - lay.k), (0, lay.g_pad - g), (0, 0)))
-        q = q.reshape(b, s, lay.n_pad, h)                                  # [B, s, N', H]
-        widths = ((0, 0), (0, 0), (0, lay.k_pad - lay.k), (0, 0))
-        k, v = jnp.pad(k, widths), jnp.pad(v, widths)                      # [B, s, K', H]
-    if lay.reps > 1:
-        k = jnp.repeat(k, lay.reps, axis=2)                                # [B, s, K'R, H]
-        v = jnp.repeat(v, lay.reps, axis=2)
-    return q, k, v
-
-
-def unpad_output(out, lay: HeadLayout):
-    """[B, s, N', H] -> [B, s, N, H]: the real query heads' outputs, in their order."""
-    if not lay.padded:
-        return out
-    b, s, _, h = out.shape
-    out = out.reshape(b, s, lay.k_pad, lay.g_pad, h)[:, :, :lay.k, :lay.n // lay.k]
-    return out.reshape(b, s, lay.n, h)

@@ -62,7 +62,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from . import chunked
 
 from . import kernels
-from ..head_layout import pad_heads, unpad_output
+from .heads import pad_heads, unpad_output
 from ..mesh import DATA, RING, SEQ, axis_size, shard
 from .ulysses import _pack_qkv, _unpack_qkv, heads_to_seq, seq_to_heads, validate, variant
 

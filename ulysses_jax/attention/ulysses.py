@@ -29,7 +29,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from . import kernels
 from .chunked import check_variants
-from ..head_layout import HeadLayout, head_layout, pad_heads, unpad_output
+from ..head_layout import HeadLayout, head_layout
+from .heads import pad_heads, unpad_output
 from ..mesh import DATA, RING, SEQ, axis_size, shard
 
 
