@@ -192,7 +192,7 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
     from .export import ExportError, pick_step, read_params, run_config
     from .interop.hf import load_params
     from .models.decoder import Decoder
-    from .training.train_step import leaf_spec
+    from .models.param_layout import leaf_spec
     if os.path.isfile(os.path.join(path, "config.yaml")):
         try:
             cfg = run_config(path)

@@ -49,6 +49,7 @@ from . import hf_qwen2_5_vl, hf_qwen3_next, hf_variants
 from ..config import DTYPES, PARAM_SHARDING, ModelConfig
 from ..mesh import make_mesh
 from ..models.decoder import Decoder, stacked_layer_indices
+from ..models.param_layout import leaf_spec
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -361,14 +362,13 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
     Args:
       path: local directory with config.json and safetensors weights.
       mesh: the ("data", "seq") mesh the parameters are placed on.
-      param_sharding: "replicated" or "zero3", as ``train_step.param_spec`` lays them out.
+      param_sharding: "replicated" or "zero3", as ``models.param_layout.param_spec`` lays them out.
       dtype, max_seq_len, **overrides: as in ``config_from_hf``.
     Returns:
       (ModelConfig, params): params is the Decoder's pure dict (``nnx.to_pure_dict`` layout).
     Raises:
       ValueError: unsupported config, missing, unexpected or wrongly shaped tensors.
     """
-    from ..training.train_step import leaf_spec  # deferred: train_step pulls in optax and the loss
 
     if param_sharding not in PARAM_SHARDING:
         raise ValueError(f"param_sharding must be one of {PARAM_SHARDING}, got {param_sharding!r}")

@@ -1,4 +1,5 @@
-"""Parameter layout and the jitted sequence-parallel train step (the optimizer: optimizer.py).
+"""The jitted sequence-parallel train step (the parameter layout: models/param_layout.py; the
+optimizer: optimizer.py).
 
 The train state is a plain pytree ``{"step", "params", "opt_state"}`` (params as a nested
 dict of float32 arrays), so Orbax saves it and optax updates it with no wrappers. Parameters
@@ -28,43 +29,8 @@ from ..models.loss import chunked_cross_entropy
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
 from ..families import family
-from ..models.expert_parallel import expert_spec
-from ..models.moe import aux_loss, is_expert_param
-
-
-def param_spec(shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
-    """Replicated, or (zero3) split over all data x seq devices along the largest axis that
-    divides evenly; arrays with no such axis stay replicated."""
-    n = math.prod(mesh.shape.values())
-    if mode != "zero3" or n == 1:
-        return P()
-    axes = [i for i in sorted(range(len(shape)), key=lambda i: -shape[i]) if shape[i] % n == 0]
-    if not axes:
-        return P()
-    spec = [None] * len(shape)
-    spec[axes[0]] = tuple(mesh.axis_names)
-    return P(*spec)
-
-
-def leaf_spec(keys: tuple, shape: tuple[int, ...], mesh: Mesh, mode: str) -> P:
-    """``param_spec`` for a named parameter: expert weights (``moe.is_expert_param``) are
-    split over all devices along their expert axis in every mode (expert parallelism);
-    everything else as ``param_spec``."""
-    if is_expert_param(keys):
-        return expert_spec(len(shape), mesh)
-    return param_spec(shape, mesh, mode)
-
-
-def param_shardings(params, mesh: Mesh, mode: str, memory_kind: str | None = None):
-    """NamedSharding of every leaf of a parameter pytree (``leaf_spec``), in ``memory_kind``
-    (None: the device's)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a: NamedSharding(mesh, leaf_spec(_names(path), a.shape, mesh, mode),
-                                      memory_kind=memory_kind), params)
-
-
-def _names(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+from ..models.moe import aux_loss
+from ..models.param_layout import param_shardings
 
 
 def build_model(cfg: Config, mesh: Mesh, seed: int | None = None) -> Decoder:
