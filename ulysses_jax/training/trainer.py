@@ -24,6 +24,7 @@ from ..data import text as data_lib, run_data, vision_batches
 from ..data.run_data import is_main as _is_main, log as _log
 from .checkpoint import Checkpointer, SaveFailed
 from .flops import train_step_flops
+from .position_loss import bucket_bounds, bucket_sums, token_losses
 from .tb_log import TensorBoardLog, Tee
 from .resume import resolve_init_from, start_state
 from .run_dir import CONFIG, MetricsLog, RunError, WorkdirLock, make_workdir, write_config
@@ -159,12 +160,11 @@ def model_flops_per_device(cfg: Config) -> float:
 def _evaluate(eval_step, params, held_rows, cfg: Config, mesh,
               position_step=None) -> tuple[float | None, dict | None]:
     """Held-out loss over ``cfg.eval_batches`` batches, and (with ``position_step``,
-    ``evaluate.token_losses``) the loss by position in the document: log-spaced buckets
-    [0, 1), [1, 2), [2, 4), ... up to seq_len (``evaluate.bucket_bounds``), with token
+    ``position_loss.token_losses``) the loss by position in the document: log-spaced buckets
+    [0, 1), [1, 2), [2, 4), ... up to seq_len (``position_loss.bucket_bounds``), with token
     counts (a bucket without tokens has loss None)."""
     if held_rows is None or cfg.eval_batches < 1:
         return None, None
-    from ..evaluate import bucket_bounds, bucket_sums
     bounds = bucket_bounds(cfg.seq_len)
     sums, counts = np.zeros(len(bounds) - 1), np.zeros(len(bounds) - 1)
     total, count = 0.0, 0.0
@@ -335,7 +335,6 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
     graphdef, state, shardings, tx = layout
     step_fn = make_train_step(cfg, mesh, graphdef, tx, shardings)
     eval_fn = make_eval_step(mesh, graphdef, shardings, cfg)
-    from ..evaluate import token_losses  # per-token losses: the loss by position at each eval
     position_fn = token_losses(mesh, graphdef, cfg.model.loss_chunk,
                                prepare=params_for_compute(cfg, shardings))
     # Compile ahead of the loop: the loop runs this executable, timings exclude compilation,
