@@ -1,7 +1,8 @@
-"""The package's import graph has no circle (issue 22): every module's imports, at the top
-and inside functions, read from its source, resolved within ulysses_jax, and searched for a
-strongly connected component of more than one module. A family's block class is named in
-models/families.py and imported when a model is built, so the registry is a leaf."""
+"""The package's import graph reads bottom-up: every module's imports, at the top and inside
+functions, read from its source and resolved within ulysses_jax, form no circle (a strongly
+connected component of more than one module), and none runs from a lower layer into a higher
+one (``LAYERS``, written once here). The training loop holds no data code: no module under
+training/ imports a tokenizer, a file-format or an image library."""
 import ast
 import os
 
@@ -42,6 +43,49 @@ def _edges(mods: dict[str, str]) -> dict[str, set[str]]:
                     out.add(target)
         edges[mod] = out - {mod}
     return edges
+
+
+# The layers, bottom first. A module belongs to the layer of the longest name below that is
+# itself or one of its packages; it may import from its own layer and the ones before it.
+LAYERS = (
+    ("bottom", ("ulysses_jax.mesh", "ulysses_jax.hlo", "ulysses_jax.memory", "ulysses_jax.config",
+                "ulysses_jax.model_config", "ulysses_jax.families", "ulysses_jax.head_layout")),
+    ("attention", ("ulysses_jax.attention",)),
+    ("models", ("ulysses_jax.models",)),
+    ("interop", ("ulysses_jax.interop",)),
+    ("data", ("ulysses_jax.data",)),
+    ("training", ("ulysses_jax.training",)),
+    ("CLIs", ("ulysses_jax", "ulysses_jax.data.__main__", "ulysses_jax.evaluate",
+              "ulysses_jax.export", "ulysses_jax.plan", "ulysses_jax.plot", "ulysses_jax.compare",
+              "ulysses_jax.hf")),
+)
+# Libraries that read, tokenize or decode data: the data package's, never the loop's.
+DATA_LIBRARIES = ("tokenizers", "pyarrow", "PIL", "jinja2", "transformers")
+
+
+def _layer(mod: str, layers=LAYERS) -> int:
+    """Index of ``mod``'s layer (the longest matching name wins)."""
+    best = None
+    for i, (_, names) in enumerate(layers):
+        for name in names:
+            if mod == name or mod.startswith(name + ".") and name != "ulysses_jax":
+                if best is None or len(name) > best[0]:
+                    best = (len(name), i)
+    if mod == "ulysses_jax":
+        best = best or (0, len(layers) - 1)
+    assert best is not None, f"{mod} is in no layer of LAYERS: place it there"
+    return best[1]
+
+
+def _upward(edges: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Every import from a lower layer into a higher one, as 'a (layer) -> b (layer)'."""
+    found = []
+    for a, targets in sorted(edges.items()):
+        for b in sorted(targets):
+            la, lb = _layer(a, layers), _layer(b, layers)
+            if lb > la:
+                found.append(f"{a} ({layers[la][0]}) -> {b} ({layers[lb][0]})")
+    return found
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -87,3 +131,49 @@ def test_no_import_circle_in_the_package():
     assert len(mods) > 40 and "ulysses_jax.models.decoder" in mods
     assert "ulysses_jax.models.layers" in edges["ulysses_jax.models.decoder"]  # edges are read
     assert _cycles(edges) == []
+
+
+def test_the_layer_check_sees_an_import_up():
+    """The check itself: an import into a higher layer is found, one into a lower or the same
+    layer is not, and the longest name decides the layer."""
+    layers = (("low", ("ulysses_jax.a",)), ("high", ("ulysses_jax.b", "ulysses_jax.a.cli")))
+    assert _layer("ulysses_jax.a.x", layers) == 0 and _layer("ulysses_jax.a.cli", layers) == 1
+    assert _upward({"ulysses_jax.a.x": {"ulysses_jax.b.y"}}, layers) == [
+        "ulysses_jax.a.x (low) -> ulysses_jax.b.y (high)"]
+    assert _upward({"ulysses_jax.b.y": {"ulysses_jax.a.x"},
+                    "ulysses_jax.a.x": {"ulysses_jax.a.z"},
+                    "ulysses_jax.a.cli": {"ulysses_jax.b.y"}}, layers) == []
+
+
+def test_no_import_runs_up_a_layer():
+    mods = _modules()
+    edges = _edges(mods)
+    layer = {m: LAYERS[_layer(m)][0] for m in mods}  # every module is placed (asserts)
+    assert layer["ulysses_jax.config"] == "bottom" and layer["ulysses_jax.data.store"] == "data"
+    assert layer["ulysses_jax.data.__main__"] == "CLIs"
+    assert "ulysses_jax.families" in edges["ulysses_jax.config"]
+    assert _upward(edges) == []
+
+
+def test_the_training_loop_holds_no_data_code():
+    """No module under training/ imports a library that reads, tokenizes or decodes data."""
+    checked = 0
+    for mod, path in _modules().items():
+        if not mod.startswith("ulysses_jax.training."):
+            continue
+        checked += 1
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            bad = [n for n in names if n.split(".")[0] in DATA_LIBRARIES]
+            assert not bad, f"{mod} imports {bad}: data code belongs in ulysses_jax/data/"
+    assert checked >= 8
+
+
+def test_every_family_has_a_block():
+    """The traits (ulysses_jax/families.py) and the blocks (models/blocks.py) name the same
+    families."""
+    from ulysses_jax.families import FAMILIES
+    from ulysses_jax.models.blocks import BLOCKS
+    assert set(FAMILIES) == set(BLOCKS) and "llama" in BLOCKS
