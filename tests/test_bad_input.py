@@ -240,7 +240,7 @@ PLAN_CASES = [
     ("p_zero", ["--p", "0"], ["--p", "comma-separated positive integers"]),
     ("granularity_zero", ["--granularity", "0"], ["--granularity", "must be a positive integer"]),
     ("max_below_unit", ["--max-seq-len", "10"], ["--max-seq-len 10", "below the search unit"]),
-    # heads that P does not divide are padded (attention/heads.py); experts must divide
+    # heads that P does not divide are padded (head_layout.py); experts must divide
     ("p_experts", ["--p", "1,3", "model.num_experts=8"], ["P=3", "num_experts 8",
                                                           "not divisible by the mesh's 3"]),
     ("lr_negative", ["optimizer.lr=-1"], ["optimizer.lr", "must be positive"]),

@@ -1,4 +1,4 @@
-"""Chat masks (ulysses_jax.training.chat): golden spans for a ChatML-style and a Llama-3-style
+"""Chat masks (ulysses_jax.data.chat): golden spans for a ChatML-style and a Llama-3-style
 template, the trap of an answer equal to earlier user text, refusals, and prepare --chat."""
 import json
 

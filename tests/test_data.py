@@ -1,4 +1,4 @@
-"""Tests for ulysses_jax.training.data: tokenizers, corpora, split, packing, batches, resume, sharding."""
+"""Tests for ulysses_jax.data.text: tokenizers, corpora, split, packing, batches, resume, sharding."""
 import collections
 import json
 import sys

@@ -1,4 +1,4 @@
-"""Qwen2-VL image and video preprocessing (ulysses_jax.training.images) against transformers.
+"""Qwen2-VL image and video preprocessing (ulysses_jax.data.images) against transformers.
 
 Images: pixel values and grids must equal Qwen2VLImageProcessorPil's exactly (same Pillow
 resize, same float64 -> float32 rescale, same float32 normalisation), for every input kind.

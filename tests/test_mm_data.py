@@ -1,4 +1,4 @@
-"""Multimodal chat data (training/media.py, prepare --chat, store media, ChatRows.row_media):
+"""Multimodal chat data (data/media.py, prepare --chat, store media, ChatRows.row_media):
 token ids equal transformers' Qwen2_5_VLProcessor's, grids equal preprocess_images', videos
 from frame folders, relative paths, nothing to do / rebuild, row order, the dropping rule,
 load_item, and text-only chat stores unchanged."""

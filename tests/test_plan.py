@@ -64,7 +64,7 @@ def test_bad_input_raises_and_cli_exits_cleanly(capsys):
         plan.longest_fitting_seq_len(cfg, 0, measure=never)
     with pytest.raises(ValueError, match="below the search unit 1024"):
         plan.longest_fitting_seq_len(cfg, 1 << 30, max_seq_len=512, measure=never)
-    # A rule that depends on P (heads P does not divide are padded now, attention/heads.py):
+    # A rule that depends on P (heads P does not divide are padded now, head_layout.py):
     # experts split evenly over the devices.
     bad_p = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, seq=3),
                                 model=dataclasses.replace(cfg.model, num_experts=8))

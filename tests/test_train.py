@@ -75,7 +75,7 @@ def test_big_presets_compile_reduced(name):
     (["foo.bar=1"], "config key 'foo'"),
     (["steps=many"], "config key 'steps'"),
     (["mesh.seq=3"], "seq_len 512 is not divisible by mesh.seq 3"),
-    # Heads that mesh.seq does not divide are padded (attention/heads.py; planned below);
+    # Heads that mesh.seq does not divide are padded (head_layout.py; planned below);
     # a GQA grouping that does not exist, and head chunks a device cannot split, are refused.
     (["model.n_heads=8", "model.n_kv_heads=3"],
      "model.n_heads 8 is not divisible by model.n_kv_heads 3"),
@@ -246,7 +246,7 @@ def test_ring_mesh_loss_curve_equals_seq1(tmp_path):
 
 
 def test_ring_mesh_with_fewer_heads_than_devices_plans():
-    """A 2-head model on 8 devices: pure Ulysses pads its heads to 8 (attention/heads.py),
+    """A 2-head model on 8 devices: pure Ulysses pads its heads to 8 (head_layout.py),
     the hybrid mesh splits the sequence over a ring instead; both compile."""
     plan = dry_run(_cfg("model.n_heads=2", "model.n_kv_heads=1", "mesh.seq=8"))
     assert plan["collectives"]["all-to-all"] > 0 and plan["mesh"]["seq"] == 8

@@ -2,11 +2,12 @@
 
 Layers, each a folder: ``attention/`` (the exchange, the ring, the local kernels: everything
 that sees a whole sequence), ``models/`` (decoder families, vocabulary-parallel embedding and
-loss), ``training/`` (data, train step, checkpoints, the loop), and apart from the core
-``interop/`` (Hugging Face import/export, the PyTorch-baseline harnesses; ``ulysses_jax.hf``
-and ``ulysses_jax.compare`` keep their old paths). Beside them: ``mesh`` and ``config``
-(shared by every layer), and the command-line tools ``plan``, ``plot``, ``evaluate`` and
-``export``.
+loss), ``interop/`` (Hugging Face import/export, the PyTorch-baseline harnesses;
+``ulysses_jax.hf`` and ``ulysses_jax.compare`` keep their old paths), ``data/`` (sources, token
+stores, packing, chat, media, batches), ``training/`` (train step, checkpoints, the loop).
+Below them: ``mesh``, ``config``, ``families``, ``head_layout`` (shared by every layer, importing
+none); above them the command-line tools ``plan``, ``plot``, ``evaluate`` and ``export``.
+Imports run down only (tests/test_imports.py).
 """
 from .attention import (heads_to_seq, hybrid_attention, inverse_zigzag_permutation,
                         local_attention, reference_attention, seq_to_heads, ulysses_attention,

@@ -80,7 +80,7 @@ class DataConfig:
     chat_overflow: str = "truncate"  # chat store: a conversation longer than seq_len is
     #                                  "truncate"d to its first seq_len tokens or "drop"ped
     # Multimodal models: image patch slots per device (per group of the vision tower); 0 =
-    # enough for any batch (training/vision_batches.py).
+    # enough for any batch (data/vision_batches.py).
     vision_patches: int = 0
 
 

@@ -54,7 +54,7 @@ def passkey_batch(tokenizer, length: int, depth: float, key: int, seq_len: int) 
     filler with the needle after ``depth`` of it, the question, the answer.
 
     Returns:
-      The data.FIELDS of one row [S] (numpy); loss_mask marks the positions whose target is
+      The data.text.FIELDS of one row [S] (numpy); loss_mask marks the positions whose target is
       an answer token.
     """
     needle = tokenizer.encode(NEEDLE.format(key=key))

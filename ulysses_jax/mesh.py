@@ -40,7 +40,7 @@ def make_mesh(seq: int, data: int = -1, devices: Sequence[jax.Device] | None = N
 
     Args:
       seq: devices per Ulysses group (the all-to-all degree U; head counts it does not
-        divide are padded, attention/heads.py).
+        divide are padded, head_layout.py).
       data: data-parallel replicas; -1 uses all remaining devices.
       devices: devices to use (default: ``jax.devices()``).
       ring: ring-attention degree R; the sequence is split over R * seq devices.

@@ -5,7 +5,7 @@ Both classes have ``PackedRows``' interface (``num_rows``, ``row(index, epoch, s
 ``shard_batch`` and the trainer use them unchanged, and a resume position stays one global
 row index g (epoch g // num_rows): independent of workers, processes and mesh.
 
-* ``StoreRows`` (text stores): the pretraining rule of ``data.py`` exactly (documents, each
+* ``StoreRows`` (text stores): the pretraining rule of ``text.py`` exactly (documents, each
   ending with EOS, in a seeded per-epoch order, cut into rows that read one token past their
   end). Only the order and cumulative lengths are held per epoch (16 bytes a document).
 * ``ChatRows`` (chat stores): whole conversations per row, one segment each, placed by best
@@ -207,7 +207,7 @@ def dropped(store: TokenStore, ids: np.ndarray, seq_len: int, overflow: str) -> 
 
 def split_store(store: TokenStore, heldout_fraction: float, seed: int):
     """(train ids, held-out ids) of a store's documents, int64 each: a document is held out
-    iff the hash of (its name, seed) is below the fraction (``data.heldout_mask``: both parts
+    iff the hash of (its name, seed) is below the fraction (``text.heldout_mask``: both parts
     non-empty with >= 2 documents, a lone document kept for training)."""
     held = heldout_mask(unit_hash(store.doc_hashes(), seed), heldout_fraction)
     return np.flatnonzero(~held), np.flatnonzero(held)

@@ -1,7 +1,7 @@
 """Batches of multimodal chat data for a Qwen2.5-VL model (``model.family=qwen2_5_vl``).
 
 A batch of a store with images or videos (``store.TokenStore.media``) holds, besides the
-token fields of ``data.FIELDS``, the M-RoPE ``positions`` [B, S, 3] (replacing the [B, S]
+token fields of ``text.FIELDS``, the M-RoPE ``positions`` [B, S, 3] (replacing the [B, S]
 ones) and ``vision``: the batch's patches in the tower's slot order and the arrays that
 place them (``models.multimodal.prepare``), all computed on the host for whole rows before
 any sharding. Shapes are static: the tower has G groups (one per device when
@@ -239,7 +239,7 @@ class MediaBatchIterator(BatchIterator):
 
 
 def media_eval_batches(rows, cfg: Config, pixel_options: dict, mesh: Mesh):
-    """``data.eval_batches`` with media: global batches of the held-out rows in order."""
+    """``text.eval_batches`` with media: global batches of the held-out rows in order."""
     for b, batch in enumerate(eval_batches(rows, cfg.batch_size, cfg.eval_batches)):
         ids = range(b * cfg.batch_size, (b + 1) * cfg.batch_size)
         media = [_row_media(rows, i) if i < rows.num_rows else [] for i in ids]

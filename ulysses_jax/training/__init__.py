@@ -1,1 +1,2 @@
-"""From a config to a trained run: data packing, the train step, checkpoints, the loop."""
+"""From a config to a trained run: the train step, the optimizer, checkpoints, resume, the loop
+(its data comes from ``ulysses_jax.data``)."""

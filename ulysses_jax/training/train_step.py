@@ -85,7 +85,7 @@ def init_state(cfg: Config, mesh: Mesh, params: dict | None = None):
 
 
 def batch_shardings(mesh: Mesh, cfg: Config | None = None) -> dict:
-    """One layout for every batch field (data.FIELDS): P("data", seq axes); for a multimodal
+    """One layout for every batch field (data.text.FIELDS): P("data", seq axes); for a multimodal
     family (``cfg``) also M-RoPE positions [B, S, 3] and the ``vision`` arrays
     (``vision_batches.vision_shardings``)."""
     out = {k: NamedSharding(mesh, act_spec(mesh)) for k in FIELDS}
