@@ -90,7 +90,8 @@ class Config:
     seed: int = 0
     steps: int = 100
     seq_len: int = 256
-    batch_size: int = 8             # global batch, in sequences
+    batch_size: int = 8             # global batch per optimizer step, in sequences
+    grad_accum_steps: int = 1       # micro-batches per optimizer step (batch_size / this each)
     log_every: int = 10
     eval_every: int = 0             # 0 = only at the end
     eval_batches: int = 2
@@ -203,6 +204,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     m, mesh = cfg.model, cfg.mesh
     errors = []
     positive = {"steps": cfg.steps, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+                "grad_accum_steps": cfg.grad_accum_steps,
                 "log_every": cfg.log_every, "mesh.data": mesh.data, "mesh.seq": mesh.seq, "mesh.ring": mesh.ring,
                 "ulysses.chunks": cfg.ulysses.chunks,
                 "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
@@ -242,8 +244,18 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                           f"= 2 x {mesh.ring} x {mesh.seq} = {split} (zigzag chunks)")
     elif cfg.seq_len % mesh.seq:
         errors.append(f"seq_len {cfg.seq_len} is not divisible by mesh.seq {mesh.seq}")
-    if cfg.batch_size % mesh.data:
+    accum = cfg.grad_accum_steps
+    if accum > 1 and cfg.batch_size % (accum * mesh.data):
+        errors.append(f"batch_size {cfg.batch_size} must split into grad_accum_steps {accum} "
+                      f"micro-batches of whole rows for each of mesh.data {mesh.data} replicas: "
+                      f"it must be divisible by grad_accum_steps x mesh.data = {accum} x "
+                      f"{mesh.data} = {accum * mesh.data}")
+    elif cfg.batch_size % mesh.data:
         errors.append(f"batch_size {cfg.batch_size} is not divisible by mesh.data {mesh.data}")
+    if accum > 1 and traits(m.family).vision:
+        errors.append(f"grad_accum_steps {accum} > 1 is not supported for model.family "
+                      f"{m.family!r} yet (its vision batches are built per global batch); "
+                      f"use grad_accum_steps=1")
     # Heads that mesh.seq does not divide are padded (head_layout.py); only a GQA
     # grouping that does not exist is an error.
     if m.n_heads % m.n_kv_heads:

@@ -206,7 +206,7 @@ def usage(buffers: list[Buffer], exclude=lambda b: False,
 # Categories, from the name stack (the model's named scopes) and the state path of arguments.
 CATEGORIES = ("parameters", "optimizer state", "batch", "layer checkpoints", "attention",
               "mlp", "loss / vocabulary", "embedding", "vision tower", "layer gradients",
-              "gradients", "optimizer update", "other")
+              "gradients", "gradient accumulator", "optimizer update", "other")
 
 
 def categorize(b: Buffer, n_layers: int) -> str:
@@ -220,6 +220,8 @@ def categorize(b: Buffer, n_layers: int) -> str:
         return "batch"
     if "optimizer" in n:
         return "optimizer update"
+    if "grad_accum" in n:
+        return "gradient accumulator"  # training/accumulate.py's named scope
     if _VISION.search(n):
         return "vision tower"        # the multimodal families' tower (models/vision.py)
     backward = "transpose(" in n

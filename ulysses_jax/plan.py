@@ -186,6 +186,13 @@ def _plan_configs(args) -> tuple[Config, dict[int, Config]]:
     return cfg, per_p
 
 
+def _accum_note(cfg) -> str:
+    """The header's micro-batching: each probe compiles the accumulated step (its float32
+    gradient accumulator included)."""
+    k = cfg.grad_accum_steps
+    return "" if k == 1 else f" (grad_accum_steps={k}: micro-batches of {cfg.batch_size // k})"
+
+
 def _moe_note(m) -> str:
     """The MoE shape for the header: experts are split over all P x data devices, so each P
     also changes the experts per device (and must divide them; checked per P)."""
@@ -243,7 +250,7 @@ def main(argv=None) -> int:
     host_budget = None if args.host_memory_gb is None else int(args.host_memory_gb * GIB)
     print(f"plan: {args.config}  d_model={m.d_model} layers={m.n_layers} heads={m.n_heads}/"
           f"{m.n_kv_heads} dtype={m.dtype} remat={m.remat} param_sharding={cfg.param_sharding} "
-          f"batch_size={cfg.batch_size} mesh.data={cfg.mesh.data}{_moe_note(m)}{_mixer_note(m)}{_vision_note(cfg)} offload: checkpoints="
+          f"batch_size={cfg.batch_size}{_accum_note(cfg)} mesh.data={cfg.mesh.data}{_moe_note(m)}{_mixer_note(m)}{_vision_note(cfg)} offload: checkpoints="
           f"{m.offload_checkpoints} optimizer={cfg.optimizer.offload}; budget "
           f"{args.memory_gb:g} GiB per device"
           f"{'' if host_budget is None else f', {args.host_memory_gb:g} GiB host per device'}; "

@@ -58,6 +58,8 @@ def host_categories(cfg: Config) -> set[str]:
         out.add("layer checkpoints")
     if cfg.optimizer.offload:  # the layers' weights stream in, their gradients out
         out |= {"parameters", "optimizer state", "optimizer update", "layer gradients"}
+        if cfg.grad_accum_steps > 1:  # added to on the host (training/accumulate.py)
+            out.add("gradient accumulator")
     return out
 
 

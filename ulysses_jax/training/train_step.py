@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..models import vocab
 from ..config import Config
 from ..data.text import FIELDS
+from .accumulate import accumulated_grads
 from .optimizer import compute_copy_mask, make_optimizer, make_schedule
 from ..data.vision_batches import vision_shardings
 from ..models.loss import chunked_cross_entropy
@@ -106,8 +107,12 @@ def loss_fn(graphdef, params, batch, mesh: Mesh):
     return loss, metrics["tokens"]
 
 
-def objective(graphdef, params, batch, mesh: Mesh):
+def objective(graphdef, params, batch, mesh: Mesh, weights: tuple | None = None):
     """What training minimises, with the loss and metrics it reports.
+
+    Args:
+      weights: (w_ce, w_aux), for a micro-batch of an accumulated step (accumulate.py): the
+        objective is then w_ce x the mean next-token loss + w_aux x the router term.
 
     Returns:
       (objective, (cross-entropy, metrics)): the objective is the mean next-token loss plus,
@@ -131,13 +136,15 @@ def objective(graphdef, params, batch, mesh: Mesh):
                                                 softcap=model.cfg.final_softcap)
     metrics = {"tokens": count}
     if stats is None:
-        return loss, (loss, metrics)
+        return (loss if weights is None else weights[0] * loss), (loss, metrics)
     cfg = model.cfg
     aux = aux_loss(stats, cfg.num_experts)
     assignments = jnp.maximum(stats["tokens"] * cfg.num_experts_per_tok, 1.0)
     metrics.update(moe_aux_loss=aux, moe_load=stats["load"] / assignments,
                    moe_dropped=stats["dropped"] / assignments)
-    return loss + cfg.router_aux_loss_coef * aux, (loss, metrics)
+    if weights is None:
+        return loss + cfg.router_aux_loss_coef * aux, (loss, metrics)
+    return weights[0] * loss + weights[1] * cfg.router_aux_loss_coef * aux, (loss, metrics)
 
 
 def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callable:
@@ -164,12 +171,26 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
         updates, adamw_state = tx_adamw.update(grads, adamw_state, params)
         return optax.apply_updates(params, updates), (clip_state, adamw_state)
 
+    accum = cfg.grad_accum_steps
+    in_batch = batch_shardings(mesh, cfg)
+
+    def micro_grads(params, micro, ce_weight, aux_weight):
+        (_, reported), grads = jax.value_and_grad(
+            lambda p: objective(graphdef, p, micro, mesh, (ce_weight, aux_weight)),
+            has_aux=True)(params)
+        return reported, grads
+
     def step(state, batch):
         params = state["params"]
         if offload:
             params = _offloaded_params_for_compute(params, dtype, on_device)
-        (_, (loss, extra)), grads = jax.value_and_grad(
-            lambda p: objective(graphdef, p, batch, mesh), has_aux=True)(params)
+        if accum == 1:
+            (_, (loss, extra)), grads = jax.value_and_grad(
+                lambda p: objective(graphdef, p, batch, mesh), has_aux=True)(params)
+        else:  # grad_accum_steps micro-batches in a scan (accumulate.py)
+            loss, extra, grads = accumulated_grads(
+                micro_grads, params, batch, accum, mesh, in_batch,
+                shardings["params"] if offload else on_device, on_host=offload)
         with jax.named_scope("optimizer"):
             if offload:  # gradients to the host (the layers' are there already), update there
                 grads = jax.device_put(grads, shardings["params"])
@@ -186,7 +207,7 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **extra}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
-    return jax.jit(step, in_shardings=(shardings, batch_shardings(mesh, cfg)),
+    return jax.jit(step, in_shardings=(shardings, in_batch),
                    out_shardings=(shardings, None), donate_argnums=0)
 
 

@@ -106,6 +106,16 @@ def _abstract_batch(cfg: Config, mesh):
     return out
 
 
+def batch_line(cfg: Config) -> str:
+    """The start-up line on the batch, in sequences and tokens: per optimizer step, per
+    micro-batch (grad_accum_steps) and per data replica at a time."""
+    k, s, b = cfg.grad_accum_steps, cfg.seq_len, cfg.batch_size
+    micro = "" if k == 1 else (f" in grad_accum_steps={k} micro-batches of {b // k} "
+                               f"sequences = {b // k * s:,} tokens")
+    return (f"batch: {b} sequences = {b * s:,} tokens per optimizer step{micro}; "
+            f"{b // k // cfg.mesh.data} sequences per data replica at a time")
+
+
 def schedule_notes(cfg: Config, workdir: str) -> list[str]:
     """A line when the learning-rate schedule is not what the keys suggest: a warmup as long
     as the schedule (it is cut to one step less, and nothing decays), or a resume whose
@@ -279,6 +289,7 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
          f"{'' if held_rows is None else f', {held_rows.num_rows} held-out rows'}; "
          f"mesh data={cfg.mesh.data} x ring={cfg.mesh.ring} x seq={cfg.mesh.seq} on "
          f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices")
+    _log(batch_line(cfg))
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints,
                         save_every=cfg.checkpoint_every if cfg.checkpoint_every > 0 else None)
@@ -377,10 +388,12 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                 if step % cfg.log_every == 0 or evaluate:
                     now = time.time()
                     dt = (now - last_time) / (step - last_step)
+                    supervised = _scalar(metrics["tokens"])
                     record = {"step": step, "loss": loss, "tokens_per_sec": tokens_per_step / dt,
                               "step_time": dt, "lr": _scalar(metrics["lr"]),
                               "grad_norm": _scalar(metrics["grad_norm"]),
-                              "tokens": _scalar(metrics["tokens"])}
+                              "tokens": supervised, "step_tokens": tokens_per_step,
+                              "supervised_tokens": supervised}
                     record["flops_per_device"] = flops
                     if xla_flops:
                         record["xla_flops_per_device"] = xla_flops
