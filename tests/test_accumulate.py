@@ -250,3 +250,33 @@ def test_a_split_that_does_not_divide_is_refused(over, words):
         load_config(os.path.join(ROOT, "configs", "tiny.yaml"), over)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_resume_on_another_mesh_with_other_accumulation(store, tmp_path, capsys):
+    """Steps 1-2 with grad_accum_steps=2 on seq=4, resumed to 4 with grad_accum_steps=4 on
+    data=2 x seq=2, give the loss curve of 4 plain steps on seq=4 (1e-4: another mesh); the
+    data position advances by whole global batches. The start-up log states the batch and
+    metrics.jsonl the tokens of each optimizer step."""
+    from ulysses_jax.training.trainer import train
+    run = ["log_every=1", "eval_batches=0", "checkpoint_every=2", "steps=4",
+           "optimizer.schedule_steps=4"]
+    train(_cfg(store, *run, "mesh.seq=4", "mesh.data=1"), str(tmp_path / "ref"), progress=False)
+    train(_cfg(store, *run, "steps=2", "mesh.seq=4", "mesh.data=1", "grad_accum_steps=2"),
+          str(tmp_path / "acc"), progress=False)
+    capsys.readouterr()
+    train(_cfg(store, *run, "mesh.seq=2", "mesh.data=2", "grad_accum_steps=4"),
+          str(tmp_path / "acc"), progress=False)
+    out = capsys.readouterr()
+    assert ("batch: 8 sequences = 512 tokens per optimizer step in grad_accum_steps=4 "
+            "micro-batches of 2 sequences = 128 tokens; 1 sequence per data replica at a "
+            "time") in out.out + out.err
+    records = {}
+    for name in ("ref", "acc"):
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            records[name] = {r["step"]: r for r in map(json.loads, f)}
+    assert sorted(records["acc"]) == sorted(records["ref"]) == [1, 2, 3, 4]
+    for step, r in records["ref"].items():
+        a = records["acc"][step]
+        assert _rel(r["loss"], a["loss"]) <= 1e-4, (step, r["loss"], a["loss"])
+        assert a["step_tokens"] == 8 * 64 and a["supervised_tokens"] == r["supervised_tokens"]
+        assert 0 < a["supervised_tokens"] < a["step_tokens"]

@@ -109,6 +109,9 @@ TRAIN_CASES = [
     ("dtype_choice", ["model.dtype=float8"], ["model.dtype", "must be one of float32"]),
     ("seq_not_divisible", ["mesh.seq=3"], ["mesh.seq 3", "not divisible"]),
     ("too_many_devices", ["mesh.data=2", "batch_size=4"], ["mesh.data 2", "only 8 are available"]),
+    ("accum_split", ["batch_size=6", "grad_accum_steps=4"],
+     ["batch_size 6", "grad_accum_steps 4", "grad_accum_steps x mesh.data = 4 x 1 = 4"]),
+    ("accum_zero", ["grad_accum_steps=0"], ["grad_accum_steps must be positive, got 0"]),
     # numbers
     ("lr_negative", ["optimizer.lr=-0.1"], ["optimizer.lr", "must be positive, got -0.1"]),
     ("lr_nan", ["optimizer.lr=nan"], ["optimizer.lr", "must be a finite number, got nan"]),

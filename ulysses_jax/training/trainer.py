@@ -112,8 +112,9 @@ def batch_line(cfg: Config) -> str:
     k, s, b = cfg.grad_accum_steps, cfg.seq_len, cfg.batch_size
     micro = "" if k == 1 else (f" in grad_accum_steps={k} micro-batches of {b // k} "
                                f"sequences = {b // k * s:,} tokens")
+    per_replica = b // k // cfg.mesh.data
     return (f"batch: {b} sequences = {b * s:,} tokens per optimizer step{micro}; "
-            f"{b // k // cfg.mesh.data} sequences per data replica at a time")
+            f"{per_replica} sequence{'s' * (per_replica != 1)} per data replica at a time")
 
 
 def schedule_notes(cfg: Config, workdir: str) -> list[str]:
