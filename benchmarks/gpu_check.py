@@ -25,6 +25,10 @@ finishes (a timeout keeps what ran); a failing section records its error and the
                    documents, batch 1, bf16, AdamW step included, 8k and 32k tokens, each
                    remat policy in --remat; tokens/s, step time, MFU from the model's FLOPs
                    (training/flops.py), XLA's FLOPs beside it, peak bytes in use.
+  accumulation     the same preset at 8k: one optimizer step over 4 micro-batches of one row
+                   (grad_accum_steps=4) beside the plain step on one row and on all four at
+                   once: time per step, tokens/s, peak bytes; loss and gradient norm against
+                   the all-at-once step's (rows with different supervised counts; 1e-2).
   transformers     transformers' LlamaForCausalLM of the same shape (bf16, SDPA, gradient
                    checkpointing, forward+backward, no optimizer): tokens/s and peak memory.
   longest_8b       the longest sequence whose compiled 8B step fits this GPU (planner search;
@@ -363,6 +367,66 @@ def _throughput(smoke: bool, remat: list[str], steps: int = 5) -> dict:
     return out
 
 
+def _accumulation(smoke: bool, steps: int = 3, k: int = 4) -> dict:
+    """One optimizer step of the 1B preset at 8k over k micro-batches of one row
+    (grad_accum_steps=k, batch_size=k) beside the plain step on one of those rows and the
+    plain step on all k rows at once: time per optimizer step, tokens/s, peak bytes in use,
+    and the accumulated step's loss and gradient norm against the all-at-once step's on the
+    same global batch (bf16: within 1e-2)."""
+    import jax
+    import numpy as np
+    from ulysses_jax.config import load_config
+    from ulysses_jax.training.train_step import init_state, make_train_step
+    from ulysses_jax.training.trainer import build_mesh
+
+    s = 512 if smoke else 8192
+    rng = np.random.default_rng(0)
+    rows = []
+    for r in range(k):
+        toks = rng.integers(0, 512 if smoke else 128256, (1, s + 1)).astype(np.int32)
+        seg, pos = _packed_segments(s, 4, seed=s + r)
+        mask = np.ones((1, s), np.float32)
+        mask[0, :-1][seg[0, 1:] != seg[0, :-1]] = 0
+        mask[0, : (r * s) // (2 * k)] = 0  # rows with different supervised counts
+        rows.append({"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": mask,
+                     "segment_ids": seg, "positions": pos})
+    batches = {n: np.concatenate([r[n] for r in rows]) for n in rows[0]}
+    out = {}
+    for key, b, accum in (("plain_micro", 1, 1), ("accumulated", k, k), ("plain_global", k, 1)):
+        over = [f"seq_len={s}", f"batch_size={b}", f"grad_accum_steps={accum}", "mesh.data=1",
+                "mesh.seq=1", "param_sharding=replicated", "model.remat=save_dots",
+                "model.max_segments=8"]
+        if smoke:
+            over += ["model.n_layers=1", "model.d_model=64", "model.ffn_dim=128",
+                     "model.vocab_size=512", "model.head_dim=8", "model.dtype=float32"]
+        try:
+            cfg = load_config(os.path.join(ROOT, "configs", "llama-1b-32k.yaml"), over)
+            mesh = build_mesh(cfg)
+            graphdef, state, sh, tx = init_state(cfg, mesh)
+            batch = {n: v[:b] for n, v in batches.items()}
+            compiled = make_train_step(cfg, mesh, graphdef, tx, sh).lower(state, batch).compile()
+            first, m = compiled(state, batch)  # the first step from the same initial state
+            first_metrics = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
+            state = first
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, m = compiled(state, batch)
+            jax.block_until_ready(m["loss"])
+            dt = (time.perf_counter() - t0) / steps
+            stats = jax.devices()[0].memory_stats() or {}
+            out[key] = {"step_s": dt, "tokens_per_sec": b * s / dt, **first_metrics,
+                        "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+            del state, first, compiled
+        except Exception as e:  # noqa: BLE001 - out of memory, say
+            out[key] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        print(key, json.dumps(out[key])[:300], flush=True)
+    acc, glob = out.get("accumulated", {}), out.get("plain_global", {})
+    if "loss" in acc and "loss" in glob:
+        out["rel_err"] = {m: abs(acc[m] - glob[m]) / abs(glob[m]) for m in ("loss", "grad_norm")}
+        out["ok"] = all(v <= 1e-2 for v in out["rel_err"].values())
+    return out
+
+
 def _transformers(smoke: bool, steps: int = 5) -> dict:
     import torch
     import transformers
@@ -621,7 +685,7 @@ def _qwen2_5_vl(smoke: bool, repeats: int = 3) -> dict:
 
 
 SECTIONS = ("env", "attention_bf16", "packed_attention", "window_attention", "throughput",
-            "transformers", "longest_8b", "offload_8b", "qwen3_next", "qwen2_5_vl", "pytest")
+            "accumulation", "transformers", "longest_8b", "offload_8b", "qwen3_next", "qwen2_5_vl", "pytest")
 
 
 def main():
@@ -657,6 +721,7 @@ def main():
         "packed_attention": lambda: _packed_attention(args.smoke),
         "window_attention": lambda: _window_attention(args.smoke),
         "throughput": lambda: _throughput(args.smoke, args.remat.split(",")),
+        "accumulation": lambda: _accumulation(args.smoke),
         "transformers": lambda: _transformers(args.smoke),
         "longest_8b": lambda: _longest_8b(args.smoke),
         "offload_8b": lambda: _offload_8b(args.smoke, args.offload_seq_len),
