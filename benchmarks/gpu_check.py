@@ -475,7 +475,7 @@ def _longest_8b(smoke: bool) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     budget = int(stats.get("bytes_limit", 139 * 2 ** 30))
     over = ["mesh.data=1", "mesh.seq=1", "param_sharding=replicated", "model.remat=full",
-            "model.mlp_chunk=2048"]
+            "model.mlp_chunk=2048", "batch_size=1", "grad_accum_steps=1"]  # one sequence
     if smoke:
         over += ["model.n_layers=1", "model.d_model=64", "model.ffn_dim=128", "model.n_heads=8",
                  "model.n_kv_heads=2", "model.head_dim=8", "model.vocab_size=512"]

@@ -255,10 +255,11 @@ def test_a_split_that_does_not_divide_is_refused(over, words):
 def test_resume_on_another_mesh_with_other_accumulation(store, tmp_path, capsys):
     """Steps 1-2 with grad_accum_steps=2 on seq=4, resumed to 4 with grad_accum_steps=4 on
     data=2 x seq=2, give the loss curve of 4 plain steps on seq=4 (1e-4: another mesh); the
-    data position advances by whole global batches. The start-up log states the batch and
+    data position advances by whole global batches; the held-out loss (its batches a
+    micro-batch at a time) is the plain run's. The start-up log states the batch and
     metrics.jsonl the tokens of each optimizer step."""
     from ulysses_jax.training.trainer import train
-    run = ["log_every=1", "eval_batches=0", "checkpoint_every=2", "steps=4",
+    run = ["log_every=1", "eval_batches=1", "checkpoint_every=2", "steps=4",
            "optimizer.schedule_steps=4"]
     train(_cfg(store, *run, "mesh.seq=4", "mesh.data=1"), str(tmp_path / "ref"), progress=False)
     train(_cfg(store, *run, "steps=2", "mesh.seq=4", "mesh.data=1", "grad_accum_steps=2"),
@@ -280,3 +281,5 @@ def test_resume_on_another_mesh_with_other_accumulation(store, tmp_path, capsys)
         assert _rel(r["loss"], a["loss"]) <= 1e-4, (step, r["loss"], a["loss"])
         assert a["step_tokens"] == 8 * 64 and a["supervised_tokens"] == r["supervised_tokens"]
         assert 0 < a["supervised_tokens"] < a["step_tokens"]
+    # the held-out loss at the end: the same rows, evaluated a micro-batch at a time
+    assert _rel(records["ref"][4]["eval_loss"], records["acc"][4]["eval_loss"]) <= 1e-4

@@ -110,11 +110,11 @@ def batch_line(cfg: Config) -> str:
     """The start-up line on the batch, in sequences and tokens: per optimizer step, per
     micro-batch (grad_accum_steps) and per data replica at a time."""
     k, s, b = cfg.grad_accum_steps, cfg.seq_len, cfg.batch_size
-    micro = "" if k == 1 else (f" in grad_accum_steps={k} micro-batches of {b // k} "
-                               f"sequences = {b // k * s:,} tokens")
-    per_replica = b // k // cfg.mesh.data
-    return (f"batch: {b} sequences = {b * s:,} tokens per optimizer step{micro}; "
-            f"{per_replica} sequence{'s' * (per_replica != 1)} per data replica at a time")
+    seqs = lambda n: f"{n} sequence{'s' * (n != 1)}"  # noqa: E731
+    micro = "" if k == 1 else (f" in grad_accum_steps={k} micro-batches of {seqs(b // k)} = "
+                               f"{b // k * s:,} tokens")
+    return (f"batch: {seqs(b)} = {b * s:,} tokens per optimizer step{micro}; "
+            f"{seqs(b // k // cfg.mesh.data)} per data replica at a time")
 
 
 def schedule_notes(cfg: Config, workdir: str) -> list[str]:
@@ -170,10 +170,10 @@ def model_flops_per_device(cfg: Config) -> float:
 
 def _evaluate(eval_step, params, held_rows, cfg: Config, mesh,
               position_step=None) -> tuple[float | None, dict | None]:
-    """Held-out loss over ``cfg.eval_batches`` batches, and (with ``position_step``,
-    ``position_loss.token_losses``) the loss by position in the document: log-spaced buckets
-    [0, 1), [1, 2), [2, 4), ... up to seq_len (``position_loss.bucket_bounds``), with token
-    counts (a bucket without tokens has loss None)."""
+    """Held-out loss over ``cfg.eval_batches`` batches (a micro-batch at a time), and (with
+    ``position_step``, ``position_loss.token_losses``) the loss by position in the document:
+    log-spaced buckets [0, 1), [1, 2), [2, 4), ... up to seq_len (``bucket_bounds``), with
+    token counts (a bucket without tokens has loss None)."""
     if held_rows is None or cfg.eval_batches < 1:
         return None, None
     bounds = bucket_bounds(cfg.seq_len)
@@ -182,10 +182,11 @@ def _evaluate(eval_step, params, held_rows, cfg: Config, mesh,
     if family(cfg.model.family).vision:
         batches = vision_batches.media_eval_batches(held_rows, cfg, run_data.pixel_options(held_rows),
                                                     mesh)
-    else:
+    else:  # the same rows, one micro-batch at a time (grad_accum_steps)
+        k = cfg.grad_accum_steps
         batches = (data_lib.shard_batch(batch, mesh, order=token_order(cfg))
-                   for batch in data_lib.eval_batches(held_rows, cfg.batch_size,
-                                                      cfg.eval_batches))
+                   for batch in data_lib.eval_batches(held_rows, cfg.batch_size // k,
+                                                      cfg.eval_batches * k))
     for sharded in batches:
         loss, n = eval_step(params, sharded)
         total += _scalar(loss) * _scalar(n)
