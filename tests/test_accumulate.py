@@ -122,6 +122,44 @@ def test_accumulation_equals_one_global_batch(store, mesh):
     assert checked > 10
 
 
+QWEN3_NEXT = ["--config", "configs/tiny-qwen3-next.yaml", "model.n_layers=2",
+              "model.mixer_pattern=DA",
+              "model.d_model=32", "model.moe_ffn_dim=16", "model.moe_shared_ffn_dim=16",
+              "model.router_aux_loss_coef=0.0"]  # the router loss: the MoE test below
+OPTIONS = {
+    "remat_full_offload_checkpoints": ["mesh.seq=2", "mesh.data=2", "model.remat=full",
+                                       "model.offload_checkpoints=true"],
+    "save_dots_tiled_mlp_bf16_moments": ["mesh.seq=2", "mesh.data=1", "model.remat=save_dots",
+                                         "model.mlp_chunk=16",
+                                         "optimizer.moment_dtype=bfloat16"],
+    "qwen3_next_experts": [*QWEN3_NEXT, "mesh.seq=2", "mesh.data=2"],
+    "raw_text": ["data.source=RAW", "mesh.seq=4", "mesh.data=1"],
+}
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_every_option_trains_the_same_with_accumulation(store, option, tmp_path):
+    """grad_accum_steps=2 against 1 with the other memory options, a Qwen3-Next model
+    (DeltaNet layers, experts over the devices) and a raw text source: the same loss and
+    gradient norm (1e-6) on the same global batches."""
+    over = list(OPTIONS[option])
+    preset = "tiny.yaml"
+    if over[0] == "--config":
+        preset, over = os.path.basename(over[1]), over[2:]
+    if "data.source=RAW" in over:
+        (tmp_path / "a.txt").write_text(" ".join(str(i) for i in range(3000)))
+        (tmp_path / "b.txt").write_text("short")
+        over[over.index("data.source=RAW")] = f"data.source={tmp_path}/*.txt"
+    else:
+        over.append(f"data.source={store}")
+    path = os.path.join(ROOT, "configs", preset)
+    (ref, _), (got, _) = (_train(load_config(path, SMALL + over + [f"grad_accum_steps={k}"]))
+                          for k in (1, 2))
+    for r, g in zip(ref, got, strict=True):
+        assert _rel(r["loss"], g["loss"]) <= 1e-6, (r, g)
+        assert _rel(r["grad_norm"], g["grad_norm"]) <= 1e-6, (r, g)
+
+
 def test_the_store_makes_a_per_micro_batch_mean_fail(store):
     """The check above can fail: on these batches the mean of the micro-batches' mean losses
     (what averaging per micro-batch gives) is off the global batch's loss by far more than
