@@ -174,7 +174,8 @@ def _free_port():
 
 
 def test_two_processes_match_one(tmp_path):
-    """2 processes x 4 CPU devices (gloo) give the loss curve of 1 process x 8 devices."""
+    """2 processes x 4 CPU devices (gloo), the global batch in 2 micro-batches
+    (grad_accum_steps), give the loss curve of 1 process x 8 devices stepping it at once."""
     over = [*SMALL, "steps=4", "mesh.seq=4", "mesh.data=2", "batch_size=4",
             "checkpoint_every=2", "eval_batches=0"]
     train(_cfg(*over[len(SMALL):]), str(tmp_path / "one"), progress=False)
@@ -183,7 +184,7 @@ def test_two_processes_match_one(tmp_path):
     procs = [subprocess.Popen(
         [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--workdir",
          str(tmp_path / "two"), "--no-progress", "--coordinator", f"127.0.0.1:{port}",
-         "--num-processes", "2", "--process-id", str(i), *over],
+         "--num-processes", "2", "--process-id", str(i), *over, "grad_accum_steps=2"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
