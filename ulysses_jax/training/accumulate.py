@@ -69,6 +69,7 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
       params: what ``loss_and_grad`` differentiates (closed over by the scan).
       batch: the global batch, field -> [B, ...].
       k: micro-batches (``grad_accum_steps``).
+      mesh, batch_shardings: the mesh and the batch fields' layouts (``micro_batches``).
       grad_shardings: pytree of NamedSharding like ``params``: the accumulator's layout
         (ZeRO-3 sharded where the parameters are).
       on_host: the accumulator lives in host memory and is added to there

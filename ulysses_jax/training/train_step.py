@@ -148,7 +148,9 @@ def objective(graphdef, params, batch, mesh: Mesh, weights: tuple | None = None)
 
 
 def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callable:
-    """Jitted ``step(state, batch) -> (state, metrics)``; the old state is donated."""
+    """Jitted ``step(state, batch) -> (state, metrics)``; the old state is donated. With
+    ``grad_accum_steps`` k > 1 the batch's k micro-batches run one at a time in a scan
+    (accumulate.py) and the optimizer updates once, with their accumulated gradient."""
     schedule = make_schedule(cfg.optimizer, cfg.steps)
 
     offload = cfg.optimizer.offload
