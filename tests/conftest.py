@@ -43,6 +43,10 @@ if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", "1") != "0":
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # Programs whose loop collectives a read-back executable would not order (deadlocks and
+    # crashes, ulysses_jax/compile_cache.py) are compiled fresh in every test instead.
+    from ulysses_jax.compile_cache import fence
+    fence(warn=False)
 
 
 def pytest_unconfigure(config):

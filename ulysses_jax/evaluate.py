@@ -319,6 +319,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from .mesh import request_cpu_devices
     request_cpu_devices(max(args.mesh_seq, 1))  # a CPU machine: as many devices as asked
+    from .compile_cache import fence
+    fence()  # CPU programs the persistent cache cannot read back safely stay out of it
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         result = evaluate(args.path, seq_len=args.seq_len, mesh_seq=args.mesh_seq,
