@@ -16,7 +16,9 @@ rewrites earlier turns (e.g. drops reasoning of past answers) is refused, since 
 model would be trained on then differs from what it sees at inference.
 
 Text is tokenized piece by piece (prompt pieces and answer pieces separately), so no token
-straddles a span boundary: a token is either wholly supervised or not.
+straddles a span boundary: a token is either wholly supervised or not. Each piece is encoded
+as inside the whole text (``pieces.py``): a SentencePiece-style tokenizer that prepends a space
+to what it encodes does not get one at the start of every piece.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import os
 from typing import Sequence
 
 import numpy as np
+
+from .pieces import encode_pieces
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -202,7 +206,7 @@ def encode_conversation(tokenizer, template: ChatTemplate, messages: Sequence[di
     if len(text) > cuts[-1]:
         cuts.append(len(text))
         flags.append(0)
-    pieces = tokenizer.encode_batch([text[a:b] for a, b in zip(cuts[:-1], cuts[1:])])
+    pieces = encode_pieces(tokenizer, [text[a:b] for a, b in zip(cuts[:-1], cuts[1:])])
     if expand is not None:
         pieces = [expand(p) for p in pieces]
     tokens = np.concatenate(pieces).astype(np.int32)
