@@ -93,7 +93,8 @@ class ChatTemplate:
 
     @classmethod
     def from_dir(cls, path: str) -> "ChatTemplate":
-        """From ``path/tokenizer_config.json`` (or ``path/chat_template.jinja``)."""
+        """From ``path/chat_template.jinja``, else ``path/tokenizer_config.json``'s
+        ``chat_template`` (transformers' order: the file wins when both are there)."""
         config_path = os.path.join(path, "tokenizer_config.json")
         config = {}
         if os.path.isfile(config_path):
@@ -101,7 +102,7 @@ class ChatTemplate:
                 config = json.load(f)
         template = config.get("chat_template")
         jinja_path = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja_path):
+        if os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
