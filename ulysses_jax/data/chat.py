@@ -54,13 +54,18 @@ class ChatTemplate:
     Args:
       template: the jinja2 source.
       special: values for the template's variables such as ``bos_token`` and ``eos_token``.
-      where: names the template's origin in errors (its tokenizer directory).
+      where: names the template's origin in errors (its tokenizer directory, file or format).
+
+    Attributes:
+      variables: the names the template reads that it does not set (``messages``,
+        ``bos_token``, ...).
     """
 
     def __init__(self, template: str, special: dict | None = None,
                  where: str = "chat template"):
         import jinja2
         import jinja2.ext
+        import jinja2.meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -86,6 +91,9 @@ class ChatTemplate:
         self.source = template
         try:
             self._template = env.from_string(template)
+            # The names it reads that no tag sets: which special values it needs.
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(
+                env.parse(template)))
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"{where}: the chat template does not parse (line {e.lineno}: "
                              f"{e.message})") from None
@@ -110,7 +118,9 @@ class ChatTemplate:
                             None)
         if not isinstance(template, str):
             raise ValueError(f"{path} has no chat template: chat data needs a tokenizer "
-                             f"directory whose tokenizer_config.json has a \"chat_template\"")
+                             f"directory whose tokenizer_config.json has a \"chat_template\" "
+                             f"(or a chat_template.jinja beside it), or --chat-template (a "
+                             f"jinja file, or a format name such as chatml)")
         special = {k: _special(config.get(k)) for k in
                    ("bos_token", "eos_token", "pad_token", "unk_token")}
         return cls(template, special, where=path)
