@@ -119,11 +119,12 @@ def load(directory: str, given: str | None, tokenizer) -> tuple[ChatTemplate, di
     template = ChatTemplate(source, special, where=what)
     for key in SPECIAL_KEYS:
         if key in template.variables and not special[key]:
-            source_of = (f"{directory} has no tokenizer_config.json" if config is None else
-                         f"{directory}/tokenizer_config.json has no \"{key}\"")
+            why, fix = ((f"{directory} has no tokenizer_config.json",
+                         f"write one there with \"{key}\"") if config is None else
+                        (f"{directory}/tokenizer_config.json has no \"{key}\"",
+                         f"add \"{key}\" to it"))
             raise ValueError(f"{what} renders {key}, but the tokenizer cannot supply it: "
-                             f"{source_of}; add \"{key}\" to the tokenizer_config.json, or use "
-                             f"a template that does not use it")
+                             f"{why}; {fix}, or use a template that does not render it")
     for marker in MARKERS.get(origin.get("name"), ()):
         n = len(tokenizer.encode(marker))
         if n != 1:
