@@ -230,3 +230,43 @@ def test_cli_errors(tmp_path, capsys):
     assert "chat template from format zephyr" in capsys.readouterr().out
     manifest = TokenStore(str(tmp_path / "z")).manifest
     assert manifest["chat_template"]["special"]["eos_token"] == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("case", ["replaced", "base"])
+def test_export_template_renders_as_the_store(tmp_path, case):
+    """The files an export writes beside the copied tokenizer files: transformers'
+    AutoTokenizer then renders the store's own template, text and ids, whether it replaced the
+    directory's template (whose config key is rewritten) or the directory had no
+    tokenizer_config.json at all (one is written, with the EOS the template rendered)."""
+    import shutil
+    transformers = pytest.importorskip("transformers")
+    if case == "replaced":
+        directory, given = write_tokenizer_dir(tmp_path / "tok", LLAMA3, eos="<|eot_id|>"), "chatml"
+    else:
+        directory, given = _base_dir(tmp_path), "zephyr"
+    convs = (TRAP, TRAP[1:3])
+    store_dir = str(tmp_path / "s")
+    manifest, _ = prepare([_write_chats(tmp_path / "c.jsonl", convs)], store_dir, directory,
+                          chat=True, progress=False, chat_template=given)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # what export copies
+        if os.path.exists(os.path.join(directory, name)):
+            shutil.copy(os.path.join(directory, name), out)
+    written = chat_templates.export_template(store_dir, manifest, str(out))
+    assert written == ["chat_template.jinja", "tokenizer_config.json"]
+    assert (out / "chat_template.jinja").read_text() == chat_templates.FORMATS[given]
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    if case == "replaced":
+        assert config["chat_template"] == chat_templates.FORMATS["chatml"]
+    else:
+        assert config["eos_token"] == "<|endoftext|>" and "chat_template" not in config
+    ref = transformers.AutoTokenizer.from_pretrained(str(out))
+    stored, store = chat_templates.stored_template(store_dir, manifest), TokenStore(store_dir)
+    for d, conv in enumerate(convs):
+        assert ref.apply_chat_template(conv, tokenize=False) == stored.render(conv)
+        assert ref.apply_chat_template(conv, tokenize=True, return_dict=False) == \
+            store.doc(d).tolist()
+    # Written once, a second call changes nothing more.
+    assert chat_templates.export_template(store_dir, manifest, str(out)) == \
+        ["chat_template.jinja"]

@@ -182,3 +182,39 @@ def stored_template(store_dir: str, manifest: dict) -> ChatTemplate | None:
                          f"{manifest.get('template_sha256')} (edited since prepare); prepare "
                          f"the store again")
     return template
+
+
+def export_template(store_dir: str, manifest: dict, out_dir: str) -> list[str]:
+    """Makes the tokenizer files in ``out_dir`` (already copied from the store's tokenizer
+    directory, if it had them) render as the store was rendered.
+
+    Writes ``out_dir/chat_template.jinja`` from the store's copy (hash-checked), which
+    transformers prefers to a tokenizer_config.json "chat_template"; a "chat_template" key
+    in ``out_dir/tokenizer_config.json`` is rewritten to the same text, so that readers of
+    the key agree; special values the template rendered that the config lacks (a base
+    directory's EOS) are added to it, or written to a new one
+    (``"tokenizer_class": "PreTrainedTokenizerFast"``, which reads tokenizer.json as is).
+
+    Returns:
+      The names written (empty for a store without a copy of its template).
+    Raises:
+      ValueError: the store's copy is gone or edited (``stored_template``).
+    """
+    template = stored_template(store_dir, manifest)
+    if template is None:
+        return []
+    with open(os.path.join(out_dir, STORED), "w", encoding="utf-8", newline="") as f:
+        f.write(template.source)
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    config = _read_config(out_dir)
+    new = dict(config) if config is not None else {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if "chat_template" in new:
+        new["chat_template"] = template.source
+    for key, value in template.special.items():
+        if value and not _special(new.get(key)):
+            new[key] = value
+    if new == config:
+        return [STORED]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(new, f, indent=2, ensure_ascii=False)
+    return [STORED, "tokenizer_config.json"]
