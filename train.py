@@ -141,6 +141,8 @@ def _main(args) -> int:
     cache_before = jax.config.jax_enable_compilation_cache
     if dump:  # a program read from a compilation cache is not compiled, so XLA dumps nothing
         jax.config.update("jax_enable_compilation_cache", False)
+    from ulysses_jax.compile_cache import fence
+    fence()  # CPU programs the persistent cache cannot read back safely stay out of it
     if args.coordinator or _launched_by_scheduler():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if args.coordinator:

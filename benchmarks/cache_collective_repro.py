@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", help="persistent compilation cache directory (default: none)")
     ap.add_argument("--runs", type=int, default=50, help="executions of the program")
+    ap.add_argument("--fence", action="store_true",
+                    help="install ulysses_jax.compile_cache.fence() first (the fix)")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs must be at least 1, got {args.runs}")
@@ -50,6 +52,9 @@ def main(argv=None) -> int:
         jax.config.update("jax_compilation_cache_dir", args.cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if args.fence:
+        from ulysses_jax.compile_cache import fence
+        fence(warn=False)
     from ulysses_jax import make_mesh
     from ulysses_jax.config import load_config
     from ulysses_jax.data.text import shard_batch
@@ -74,7 +79,8 @@ def main(argv=None) -> int:
         elif not ((losses == first[0]).all() and (preds == first[1]).all()):
             print(f"run {i}: results differ from the first run's", file=sys.stderr)
             return 1
-    print("ok", float(first[0].mean()), flush=True)
+    from ulysses_jax.compile_cache import kept_out
+    print("ok", float(first[0].mean()), "kept out of the cache:", sorted(kept_out()), flush=True)
     return 0
 
 

@@ -43,6 +43,10 @@ if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", "1") != "0":
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # Programs whose loop collectives a read-back executable would not order (deadlocks and
+    # crashes, ulysses_jax/compile_cache.py) are compiled fresh in every test instead.
+    from ulysses_jax.compile_cache import fence
+    fence(warn=False)
 
 
 def pytest_unconfigure(config):
@@ -123,3 +127,49 @@ def small_corpus(path, n=16, chars=3000):
                 path, os.path.basename(f)[:-3] + ".txt"), "w", encoding="utf-8") as dst:
             dst.write(src.read(chars))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def chat_store_run(tmp_path_factory):
+    """(run dir, chat token store, its tokenizer directory): a tiny model trained 2 steps
+    (seq_len 128, mesh.seq=2) from a chat store prepared with a small BPE tokenizer (ChatML
+    template) and data.tokenizer unset, as docs/DATA.md allows; 20% of the conversations held
+    out; a checkpoint and an eval (1 batch of 2 rows) at step 2. For evaluate and export."""
+    from test_store_train import _cfg, _chat_store
+    from ulysses_jax.training.trainer import train
+    tmp = tmp_path_factory.mktemp("chat_store_run")
+    store, tok_dir = _chat_store(tmp)
+    cfg = _cfg(store, "seq_len=128", "steps=2", "mesh.seq=2", "mesh.data=1", "eval_every=2",
+               "checkpoint_every=2", "data.heldout_fraction=0.2", "log_tensorboard=false")
+    assert cfg.data.tokenizer is None
+    train(cfg, str(tmp / "run"), progress=False)
+    return str(tmp / "run"), store, tok_dir
+
+
+def relocated_store_run(run, store, tok_dir, dest):
+    """A copy under ``dest`` of a store run (``chat_store_run``) whose config.yaml names a
+    copy of its store, whose manifest records a copy of the tokenizer directory: tests change
+    or remove the copied tokenizer files. The checkpoints are a link to the run's.
+
+    Returns:
+      (run copy, store copy, tokenizer directory copy), paths.
+    """
+    import json
+    dest = str(dest)
+    new_tok, new_store, new_run = (os.path.join(dest, d) for d in ("tok", "store", "run"))
+    shutil.copytree(tok_dir, new_tok)
+    shutil.copytree(store, new_store)
+    with open(os.path.join(new_store, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["tokenizer"]["path"] == os.path.abspath(tok_dir)
+    manifest["tokenizer"]["path"] = new_tok
+    with open(os.path.join(new_store, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    os.makedirs(new_run)
+    os.symlink(os.path.join(run, "checkpoints"), os.path.join(new_run, "checkpoints"))
+    with open(os.path.join(run, "config.yaml")) as f:
+        text = f.read()
+    assert f"source: {store}\n" in text
+    with open(os.path.join(new_run, "config.yaml"), "w") as f:
+        f.write(text.replace(f"source: {store}\n", f"source: {new_store}\n"))
+    return new_run, new_store, new_tok

@@ -1,7 +1,10 @@
 """python -m ulysses_jax.evaluate: the same loss by position and passkey results on 1 and 4
 sequence devices; per-token losses and greedy predictions equal those of the unsharded
 model's full logits; eval.json / eval.png; the trainer logs the loss by position at each
-eval; bad inputs exit 2 with a message."""
+eval; a run from a token store is read with the store's tokenizer and its own held-out rows;
+a byte-level export evaluates as its run; --heldout-fraction 1 holds out all of --data; bad
+inputs exit 2 with a message."""
+import glob
 import json
 import os
 
@@ -10,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import DEVICES, small_corpus
+from conftest import DEVICES, relocated_store_run, small_corpus
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
-from ulysses_jax.evaluate import evaluate, load, main, passkey_batch
+from ulysses_jax.evaluate import NEEDLE, evaluate, load, main, passkey_batch
 from ulysses_jax.training.position_loss import token_losses
 from ulysses_jax.data import text as data_lib
 from ulysses_jax.training.trainer import train
@@ -117,9 +120,120 @@ def test_trainer_logs_the_loss_by_position_at_each_eval(run):
     (["{run}", "--seq-len", "256", "--lengths", "20"], ["passkey lengths must be in ["]),
     (["{run}", "--step", "9"], ["step 9 is not a checkpoint", "steps 4"]),
     (["{run}", "--depths", "1.5"], ["depths are fractions in [0, 1], got [1.5]"]),
+    (["{run}", "--heldout-fraction", "1.5"], ["held-out fraction must be in [0, 1], got 1.5"]),
+    (["{run}", "--heldout-fraction", "1"],
+     ["--heldout-fraction 1 holds out every document, but the run trained on its data.source",
+      "pass --data"]),
 ])
 def test_bad_input_exits_2_with_a_message(run, tmp_path, capsys, args, words):
     assert main([a.format(tmp=tmp_path, run=run) for a in args] + ["--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    for word in words:
+        assert word in err, err
+
+
+def _nan(values):
+    """A loss_by_position "loss" list with None (an empty bucket) as nan, to compare."""
+    return [np.nan if v is None else v for v in values]
+
+
+def test_heldout_fraction_one_holds_out_all_of_data(run):
+    """--data FILE --heldout-fraction 1: every next-token pair of the file is evaluated (its
+    byte count: the run is byte-level), none left for a training part."""
+    source = load_config(os.path.join(run, "config.yaml")).data.source
+    one = sorted(glob.glob(os.path.join(source, "*.txt")))[0]
+    with open(one, encoding="utf-8", errors="replace") as f:
+        pairs = len(data_lib.ByteTokenizer().encode(f.read()))
+    result = evaluate(run, **dict(GRID, batches=100, batch_size=4, lengths=[256],
+                                  depths=[0.5]), data=one, heldout_fraction=1)
+    lp = result["loss_by_position"]
+    assert lp["heldout_fraction"] == 1 and lp["batches"] == -(-(-(-pairs // 256)) // 4)
+    assert sum(lp["tokens"]) == pairs > 256
+
+
+def test_byte_level_export_evaluates_as_its_run(run, tmp_path, capsys):
+    """A byte-level run's export has no tokenizer.json: evaluate reads it with the byte
+    tokenizer (vocab_size 257) and says so, with the run's numbers; another vocabulary
+    without a tokenizer.json is refused."""
+    from ulysses_jax.export import export_run
+    out = str(tmp_path / "hf")
+    assert export_run(run, out, progress=False)["tokenizer_files"] == []
+    source = load_config(os.path.join(run, "config.yaml")).data.source
+    grid = dict(GRID, mesh_seq=2, batches=1, lengths=[256], depths=[0.5], data=source,
+                heldout_fraction=0.25)
+    ours, exported = evaluate(run, **grid), evaluate(out, **grid)
+    assert ours["tokenizer"] == "bytes"
+    assert exported["tokenizer"].startswith(f"bytes ({out} has no tokenizer.json and "
+                                            f"vocab_size 257")
+    assert exported["loss_by_position"]["tokens"] == ours["loss_by_position"]["tokens"]
+    assert sum(ours["loss_by_position"]["tokens"]) > 0
+    np.testing.assert_allclose(_nan(exported["loss_by_position"]["loss"]),
+                               _nan(ours["loss_by_position"]["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(exported["passkey"]["answer_loss"],
+                               ours["passkey"]["answer_loss"], rtol=1e-5)
+    with open(os.path.join(out, "config.json")) as f:
+        hf = json.load(f)
+    os.makedirs(tmp_path / "other")
+    with open(tmp_path / "other" / "config.json", "w") as f:
+        json.dump(dict(hf, vocab_size=300), f)
+    assert main([str(tmp_path / "other"), "--seq-len", "256", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer.json" in err and "vocab_size 300 is not the byte tokenizer's 257" \
+        in err, err
+
+
+def test_store_run_uses_the_store_tokenizer_and_its_heldout_rows(chat_store_run):
+    """A run from a chat token store with data.tokenizer unset: evaluate reads the store's
+    tokenizer (not bytes) and, without --data, the conversations training held out, packed
+    as training packs them: the trainer's loss by position at the checkpoint's step again."""
+    run, store, tok_dir = chat_store_run
+    tok_file = os.path.join(tok_dir, "tokenizer.json")
+    store_tok = data_lib.load_tokenizer(tok_dir)
+    loaded = load(run, make_mesh(seq=1, data=1, devices=jax.devices()[:1]))
+    assert loaded.tokenizer.vocab_size == store_tok.vocab_size > 257
+    text = NEEDLE.format(key=12345)
+    np.testing.assert_array_equal(loaded.tokenizer.encode(text), store_tok.encode(text))
+    assert loaded.tokenizer_file == tok_file
+    result = evaluate(run, mesh_seq=2, batches=1, batch_size=2, lengths=[128], depths=[0.5],
+                      trials=1, progress=False)
+    assert result["tokenizer"] == f"{tok_file} (the tokenizer of the store {store})"
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        logged = [r for r in map(json.loads, f) if "eval_loss" in r][-1]
+    assert logged["step"] == 2
+    lp, want = result["loss_by_position"], logged["heldout_loss_by_position"]
+    assert lp["source"] == store and lp["heldout_fraction"] == 0.2
+    assert lp["bounds"] == want["bounds"] and lp["tokens"] == want["tokens"]
+    assert sum(lp["tokens"]) > 0
+    np.testing.assert_allclose(_nan(lp["loss"]), _nan(want["loss"]), rtol=1e-5)
+
+
+def test_a_store_of_another_tokenizer_is_refused_as_data(run, chat_store_run, capsys):
+    """--data STORE must have been prepared with the model's tokenizer: a byte-level run
+    does not read a BPE chat store's ids as bytes."""
+    store, tok_dir = chat_store_run[1:]
+    assert main([run, "--data", store, "--seq-len", "256", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert (f"error: held-out data {store!r}: the store was prepared with the tokenizer "
+            f"{tok_dir} (sha256 ") in err and "but the model's is bytes" in err, err
+
+
+@pytest.mark.parametrize("change, words", [
+    ("edit", ["the run's data.source: the store", "has changed since", "sha256"]),
+    ("remove", ["the run's data.source: the store", "which no longer exists"]),
+])
+def test_store_run_with_a_changed_tokenizer_is_refused(chat_store_run, tmp_path, capsys,
+                                                       change, words):
+    from ulysses_jax.data.run_data import store_tokenizer
+    run, store, tok = relocated_store_run(*chat_store_run, tmp_path)
+    tok_file = os.path.join(tok, "tokenizer.json")
+    assert store_tokenizer(store) == tok_file  # the copy as it was prepared: accepted
+    if change == "edit":
+        with open(tok_file, "a") as f:
+            f.write("\n")
+    else:
+        os.remove(tok_file)
+    assert main([run, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
     for word in words:

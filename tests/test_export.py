@@ -1,14 +1,16 @@
 """python -m ulysses_jax.export: a run started from a Llama-3.1-shaped Hugging Face checkpoint
 (llama3 RoPE scaling, its own tokenizer), trained a few steps, exported; transformers loads
 the export (model and tokenizer) with the same scaling and our logits on the trained
-weights. Bad inputs exit 2 with a message."""
+weights. A run from a chat token store exports the store's tokenizer and chat template.
+Bad inputs exit 2 with a message."""
+import filecmp
 import json
 import os
 
 import numpy as np
 import pytest
 
-from conftest import DEVICES, small_corpus
+from conftest import DEVICES, relocated_store_run, small_corpus
 
 torch = pytest.importorskip("torch", reason="torch is not installed (requirements-baseline.txt)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -191,3 +193,72 @@ def test_parameters_are_read_layer_by_layer(run):
             np.testing.assert_array_equal(x[i], whole[keys][i])
         with pytest.raises(IndexError):
             x[len(x)]
+
+
+def test_chat_store_run_exports_the_store_tokenizer_and_chat_template(chat_store_run, tmp_path,
+                                                                       capsys):
+    """A run from a chat store with data.tokenizer unset: the export holds the store's
+    tokenizer files, transformers' apply_chat_template renders as the store was rendered,
+    and evaluate on the export (the store as --data) gives the run's numbers."""
+    from ulysses_jax.evaluate import evaluate
+    from ulysses_jax.data.chat import ChatTemplate
+    run, store, tok_dir = chat_store_run
+    out = str(tmp_path / "hf")
+    assert export_main([run, "--out", out, "--no-progress"]) == 0
+    assert (f"tokenizer files: tokenizer.json, tokenizer_config.json (the tokenizer and chat "
+            f"template of the chat store {store})") in capsys.readouterr().out
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert filecmp.cmp(os.path.join(out, name), os.path.join(tok_dir, name), shallow=False)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "system", "content": "Say hi"},
+                {"role": "user", "content": "the answer"},
+                {"role": "assistant", "content": "is 42"}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    assert text == ChatTemplate.from_dir(tok_dir).render(messages)
+    assert text.startswith("<|im_start|>system\nSay hi<|im_end|>")
+    assert tok(text, add_special_tokens=False)["input_ids"] == tokenizers.Tokenizer.from_file(
+        os.path.join(tok_dir, "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert tok.eos_token == "<|im_end|>"
+    grid = dict(seq_len=128, mesh_seq=2, batches=1, batch_size=2, lengths=[128], depths=[0.5],
+                trials=1, progress=False)
+    ours = evaluate(run, **grid)
+    exported = evaluate(out, data=store, heldout_fraction=0.2, **grid)
+    assert exported["tokenizer"] == os.path.join(out, "tokenizer.json")
+    assert exported["loss_by_position"]["tokens"] == ours["loss_by_position"]["tokens"]
+    assert sum(ours["loss_by_position"]["tokens"]) > 0
+    nan = lambda xs: [np.nan if x is None else x for x in xs]  # noqa: E731
+    np.testing.assert_allclose(nan(exported["loss_by_position"]["loss"]),
+                               nan(ours["loss_by_position"]["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(exported["passkey"]["answer_loss"],
+                               ours["passkey"]["answer_loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("change, words", [
+    ("template", ["is a chat store rendered with the chat template of hash",
+                  "restore its tokenizer_config.json"]),
+    ("tokenizer", ["has changed since; restore it or prepare the store again"]),
+])
+def test_chat_store_run_with_a_changed_tokenizer_is_refused(chat_store_run, tmp_path, capsys,
+                                                            change, words):
+    """Nothing is written when the store's tokenizer or chat template is no longer the one
+    it was prepared with (an export would serve another template than the run trained on)."""
+    run, _, tok = relocated_store_run(*chat_store_run, tmp_path)
+    if change == "template":
+        path = os.path.join(tok, "tokenizer_config.json")
+        with open(path) as f:
+            config = json.load(f)
+        before = config["chat_template"]
+        config["chat_template"] = before.replace("'\\n'", "'\\n\\n'")
+        assert config["chat_template"] != before
+        with open(path, "w") as f:
+            json.dump(config, f)
+    else:
+        with open(os.path.join(tok, "tokenizer.json"), "a") as f:
+            f.write("\n")
+    out = str(tmp_path / "o")
+    assert export_main([run, "--out", out, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the run's data.source") and "Traceback" not in err
+    for word in words:
+        assert word in err, err
+    assert not os.path.exists(out)

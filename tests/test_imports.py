@@ -49,7 +49,8 @@ def _edges(mods: dict[str, str]) -> dict[str, set[str]]:
 # itself or one of its packages; it may import from its own layer and the ones before it.
 LAYERS = (
     ("bottom", ("ulysses_jax.mesh", "ulysses_jax.hlo", "ulysses_jax.memory", "ulysses_jax.config",
-                "ulysses_jax.model_config", "ulysses_jax.families", "ulysses_jax.head_layout")),
+                "ulysses_jax.model_config", "ulysses_jax.families", "ulysses_jax.head_layout",
+                "ulysses_jax.compile_cache")),
     ("attention", ("ulysses_jax.attention",)),
     ("models", ("ulysses_jax.models",)),
     ("interop", ("ulysses_jax.interop",)),

@@ -12,9 +12,15 @@ greedy prediction of every token come from chunks of each device's tokens
 (a) Held-out loss by position: the mean next-token loss of the tokens whose position in their
     document falls in each bucket [0, 1), [1, 2), [2, 4), ..., [S/2, S) (log-spaced), over
     ``--batches`` batches of held-out rows: the run's own (its data.source, tokenizer, seed
-    and held-out fraction at length S), or for a Hugging Face directory the held-out split
-    (``--heldout-fraction``, default 0.02) of ``--data`` (default the stdlib corpus) with its
-    tokenizer.json.
+    and held-out fraction at length S; from a token store the documents training held out,
+    packed as training packs them), or for a Hugging Face directory the held-out split
+    (``--heldout-fraction``, default 0.02) of ``--data`` (default the stdlib corpus).
+    ``--data`` may be text files or a token store (one prepared with the model's tokenizer);
+    ``--heldout-fraction 1`` holds out all of it (not allowed for a run's own data.source).
+    The tokenizer: a run's data.tokenizer, or for a run from a token store the tokenizer its
+    manifest records (the file must still have the recorded hash); a Hugging Face
+    directory's tokenizer.json, or the byte tokenizer when it has none and its vocab_size is
+    257 (an export of a byte-level run).
 (b) Passkey retrieval: a random 5-digit number stated once at a depth (fraction of the
     filler before it) in filler text, the whole prompt of L tokens followed by the question
     and the number again as the answer. A prompt counts as retrieved when the model's greedy
@@ -36,6 +42,8 @@ import os
 import sys
 
 import numpy as np
+
+from .data.store import is_store
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
           "again. ")
@@ -94,16 +102,22 @@ def default_lengths(seq_len: int, shortest: int) -> list[int]:
 
 @dataclasses.dataclass
 class Loaded:
-    """A model on the mesh: its graphdef and params, its ModelConfig, tokenizer, and where
-    its held-out data come from."""
+    """A model on the mesh: its graphdef and params, its ModelConfig, tokenizer (and the
+    tokenizer.json it was read from, None for bytes; ``tokenizer_note`` says which), and where
+    its held-out data come from (``run_data``: the run's own data.source, whose training
+    split must be left out)."""
     graphdef: object
     params: dict
     model: object
     tokenizer: object
+    tokenizer_file: str | None
+    tokenizer_note: str
     source: str
     heldout_fraction: float
     seed: int
     default_seq_len: int | None
+    chat_overflow: str = "truncate"
+    run_data: bool = False
 
 
 def load(path: str, mesh, step: int | None = None) -> Loaded:
@@ -114,6 +128,7 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
     from .export import ExportError, pick_step, read_params, run_config
     from .interop.hf import load_params
     from .models.decoder import Decoder
+    from .data.run_data import store_tokenizer
     from .models.param_layout import leaf_spec
     if os.path.isfile(os.path.join(path, "config.yaml")):
         try:
@@ -121,6 +136,15 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
             step = pick_step(path, step)
         except ExportError as e:
             raise EvalError(str(e)) from None
+        tok_file = cfg.data.tokenizer
+        if is_store(cfg.data.source):  # the store knows its tokenizer (training needs none)
+            try:
+                tok_file = store_tokenizer(cfg.data.source, cfg.data.tokenizer)
+            except ValueError as e:
+                raise EvalError(f"the run's data.source: {e}") from None
+        tokenizer = _tokenizer(tok_file)
+        note = (tok_file or "bytes") + (f" (the tokenizer of the store {cfg.data.source})"
+                                         if is_store(cfg.data.source) else "")
         model = cfg.model
         params = {}
         for keys, x in read_params(path, step):  # one parameter at a time onto the mesh
@@ -129,27 +153,81 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
                 node = node.setdefault(int(k) if k.isdigit() else k, {})
             spec = leaf_spec(keys, x.shape, mesh, cfg.param_sharding)
             node[keys[-1]] = jax.device_put(x, NamedSharding(mesh, spec))
-        tokenizer = _tokenizer(cfg.data.tokenizer)
         source, fraction, seed = cfg.data.source, cfg.data.heldout_fraction, cfg.seed
-        seq_len = cfg.seq_len
+        seq_len, overflow, run_data = cfg.seq_len, cfg.data.chat_overflow, True
     elif os.path.isfile(os.path.join(path, "config.json")):
-        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            raise EvalError(f"{path} has no tokenizer.json (needed for held-out text and the "
-                            f"passkey prompts)")
+        tok_file = note = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_file):  # checked before the (maybe large) weights load
+            tok_file, note = None, _byte_export(path)
         try:
             model, params = load_params(path, mesh)
         except ValueError as e:
             raise EvalError(f"{path}: {e}") from None
-        tokenizer = _tokenizer(path)
+        tokenizer = _tokenizer(tok_file)
         source, fraction, seed, seq_len = "stdlib", 0.02, 0, None
+        overflow, run_data = "truncate", False
     else:
         raise EvalError(f"{path} is neither a training run (config.yaml) nor a Hugging Face "
                         f"model directory (config.json)")
     abstract = nnx.eval_shape(lambda: Decoder(model, mesh=mesh, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, params)
-    return Loaded(graphdef, nnx.to_pure_dict(state), model, tokenizer, source, fraction, seed,
-                  seq_len)
+    return Loaded(graphdef, nnx.to_pure_dict(state), model, tokenizer, tok_file, note, source,
+                  fraction, seed, seq_len, overflow, run_data)
+
+
+def _byte_export(path: str) -> str:
+    """Why a Hugging Face directory without tokenizer.json is read with the byte tokenizer
+    (an export of a byte-level run: config.json's vocab_size is the byte vocabulary's 257);
+    EvalError for any other vocabulary."""
+    from .data.text import ByteTokenizer
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        vocab = hf.get("vocab_size", (hf.get("text_config") or {}).get("vocab_size"))
+    except (OSError, ValueError, AttributeError) as e:
+        raise EvalError(f"{path}/config.json is not readable: {e}") from None
+    if vocab != ByteTokenizer.vocab_size:
+        raise EvalError(f"{path} has no tokenizer.json (needed for held-out text and the "
+                        f"passkey prompts), and its vocab_size {vocab} is not the byte "
+                        f"tokenizer's {ByteTokenizer.vocab_size}: copy the model's "
+                        f"tokenizer.json into it")
+    return (f"bytes ({path} has no tokenizer.json and vocab_size {vocab}: an export of a "
+            f"byte-level run)")
+
+
+def heldout_rows(loaded: Loaded, source: str, seq_len: int, fraction: float):
+    """The held-out rows of ``source`` at ``seq_len`` (None when none are held out).
+
+    A token store gives the rows training holds out (the same split of its documents by
+    ``loaded.seed`` and ``fraction``, packed the same way, ``packing.py``), and must have
+    been prepared with the tokenizer in use; text files and "stdlib" are split, tokenized
+    and packed as training does (``data.build_rows``). A fraction of 1 holds out every
+    document. Raises EvalError naming the source.
+    """
+    from .data import text as data_lib
+    from .data.packing import heldout_store_rows
+    from .data.prepare import file_hash
+    from .data.store import TokenStore
+    try:
+        if is_store(source):
+            want = TokenStore(source).manifest["tokenizer"]
+            have = file_hash(loaded.tokenizer_file) if loaded.tokenizer_file else "bytes"
+            if have != want["sha256"]:
+                raise ValueError(f"the store was prepared with the tokenizer "
+                                 f"{want['path'] or 'bytes'} (sha256 {want['sha256']}...), "
+                                 f"but the model's is {loaded.tokenizer_note}"
+                                 + (f" (sha256 {have}...)" if loaded.tokenizer_file else ""))
+            return heldout_store_rows(source, seq_len, fraction, loaded.seed,
+                                      loaded.chat_overflow)
+        if fraction < 1:
+            return data_lib.build_rows(source, loaded.tokenizer, seq_len, fraction,
+                                       loaded.seed)[1]
+        docs = data_lib.load_documents(source)
+        return data_lib.PackedRows(data_lib.tokenize(docs, loaded.tokenizer), seq_len,
+                                   loaded.tokenizer.eos_id, shuffle=False)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"held-out data {source!r}: {e}") from None
 
 
 def _tokenizer(path: str | None):
@@ -170,7 +248,7 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
 
     ``data`` / ``heldout_fraction`` replace the held-out source and fraction (default: the
     run's; for a Hugging Face directory the stdlib corpus and 0.02); a fraction of 0 leaves
-    (a) without rows (its losses None)."""
+    (a) without rows (its losses None), one of 1 holds out all of ``data`` (``heldout_rows``)."""
     import jax
     from .mesh import make_mesh
     from .data import text as data_lib
@@ -186,8 +264,12 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
     loaded = load(path, mesh, step)
     source = data or loaded.source
     fraction = loaded.heldout_fraction if heldout_fraction is None else heldout_fraction
-    if not 0 <= fraction < 1:
-        raise EvalError(f"the held-out fraction must be in [0, 1), got {fraction}")
+    if not 0 <= fraction <= 1:
+        raise EvalError(f"the held-out fraction must be in [0, 1], got {fraction}")
+    if fraction == 1 and loaded.run_data and not data:
+        raise EvalError("--heldout-fraction 1 holds out every document, but the run trained "
+                        f"on its data.source {source!r}: pass --data with documents the run "
+                        f"did not train on (a fraction of 1 is for those), or a fraction < 1")
     seq_len = seq_len or loaded.default_seq_len
     if not seq_len:
         raise EvalError("--seq-len is needed for a Hugging Face directory")
@@ -216,11 +298,7 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
         losses, preds = fn(loaded.params, data_lib.shard_batch(batch, mesh))
         return np.asarray(losses), np.asarray(preds)
 
-    try:
-        _, held = data_lib.build_rows(source, loaded.tokenizer, seq_len, fraction,
-                                      loaded.seed)
-    except (OSError, ValueError) as e:
-        raise EvalError(f"held-out data {source!r}: {e}") from None
+    held = heldout_rows(loaded, source, seq_len, fraction)
     cells = [(L, d) for L in lengths for d in depths for _ in range(trials)]
     cells = [(L, d, int(k)) for (L, d), k in zip(cells, keys[:len(cells)])]
     held_batches = list(data_lib.eval_batches(held, batch_size, batches)) if held else []
@@ -250,6 +328,7 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
     bar.close()
     return {
         "model": os.path.abspath(path), "seq_len": seq_len, "mesh_seq": mesh_seq,
+        "tokenizer": loaded.tokenizer_note,
         "loss_by_position": {
             "bounds": bounds, "tokens": counts.astype(int).tolist(),
             "loss": [float(s / c) if c else None for s, c in zip(sums, counts)],
@@ -303,9 +382,11 @@ def parse_args(argv=None):
     p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
     p.add_argument("--batches", type=int, default=4, help="held-out batches (default 4)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per batch")
-    p.add_argument("--data", help="held-out source (default: the run's; stdlib for HF dirs)")
+    p.add_argument("--data", help="held-out source: text files or a token store (default: "
+                                  "the run's; stdlib for HF dirs)")
     p.add_argument("--heldout-fraction", type=float,
-                   help="documents held out (default: the run's; 0.02 for HF dirs)")
+                   help="documents held out, in [0, 1]; 1 = all of --data (default: the "
+                        "run's; 0.02 for HF dirs)")
     p.add_argument("--lengths", type=int, nargs="+", help="passkey prompt lengths")
     p.add_argument("--depths", type=float, nargs="+", help="needle depths in [0, 1]")
     p.add_argument("--trials", type=int, default=2, help="passkeys per (length, depth)")
@@ -319,6 +400,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from .mesh import request_cpu_devices
     request_cpu_devices(max(args.mesh_seq, 1))  # a CPU machine: as many devices as asked
+    from .compile_cache import fence
+    fence()  # CPU programs the persistent cache cannot read back safely stay out of it
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         result = evaluate(args.path, seq_len=args.seq_len, mesh_seq=args.mesh_seq,
@@ -335,6 +418,7 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=2)
     plot(result, os.path.join(out, "eval.png"))
     lp, pk = result["loss_by_position"], result["passkey"]
+    print(f"tokenizer: {result['tokenizer']}")
     print("held-out loss by position (bucket start: loss): " + ", ".join(
         f"{lo}: {v:.3f}" for lo, v in zip(lp["bounds"], lp["loss"]) if v is not None))
     print(f"passkey accuracy, lengths {pk['lengths']} x depths {pk['depths']}: "

@@ -8,8 +8,11 @@ run trained it) and the parameters of checkpoint RUN_DIR/checkpoints/<step> (def
 newest), and writes HF_DIR/config.json (``hf.config_to_hf``: the scaling as
 ``rope_parameters``), the weights as safetensors shards of at most ``--max-shard-gb`` each
 (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with
-``model.safetensors.index.json``) and the tokenizer files of the run (``data.tokenizer``'s
-directory, else ``init_from``).
+``model.safetensors.index.json``) and the tokenizer files of the run: ``data.tokenizer``'s
+directory, for a run from a token store the directory of the tokenizer its manifest records
+(checked against the recorded hashes of tokenizer.json and, for a chat store, of the chat
+template, so that ``apply_chat_template`` renders what the run trained on), else
+``init_from``'s.
 
 Memory: the parameters are read from the Orbax checkpoint straight into host numpy arrays
 (the optimizer state is never read, no accelerator is needed), one layer of one parameter at
@@ -19,7 +22,8 @@ else one whole parameter at a time (an Orbax partial restore: all layers of one 
 the host holds one layer (or parameter) plus one shard (``--max-shard-gb``).
 
 Exit codes: 0 written; 2 a bad input (no such run, no checkpoint, step not found, bad dtype,
-output directory not empty), with a one-line ``error: ...`` and no traceback.
+output directory not empty, a token store's tokenizer or chat template changed since it was
+prepared), with a one-line ``error: ...`` and no traceback; nothing is written then.
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ from typing import Iterator
 import numpy as np
 
 EXPORT_DTYPES = ("float32", "bfloat16")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 # config.json keys of the init_from checkpoint that name tokens; kept so that generation
 # stops where the original model stops.
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -208,7 +213,8 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
 
     Returns:
       A summary: ``step``, ``files`` (the safetensors files), ``tensors``, ``bytes``,
-      ``tokenizer_files`` (copied), ``rope_parameters``.
+      ``tokenizer_files`` (copied), ``tokenizer_source`` (``run_tokenizer``),
+      ``rope_parameters``.
     Raises:
       ExportError: a bad run directory, step, dtype or output directory.
     """
@@ -224,6 +230,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ExportError(f"--out {out_dir} is not an empty directory; pass a new or empty one "
                           f"(an export never overwrites files)")
+    tokenizer, tokenizer_source = run_tokenizer(cfg)  # before anything is written
     try:
         hf = config_to_hf(cfg.model, arch, max_position_embeddings=cfg.seq_len)
     except ValueError as e:
@@ -270,9 +277,10 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": file_of}, f, indent=2,
                       sort_keys=True)
-    copied = _copy_tokenizer(cfg, out_dir)
+    copied = _copy_tokenizer(cfg, tokenizer, out_dir)
     return {"step": step, "files": files, "tensors": len(sizes), "bytes": total,
-            "tokenizer_files": copied, "rope_parameters": hf.get("rope_parameters") or
+            "tokenizer_files": copied, "tokenizer_source": tokenizer_source,
+            "rope_parameters": hf.get("rope_parameters") or
             (hf.get("text_config") or {}).get("rope_parameters")}  # multimodal: the decoder's
 
 
@@ -286,15 +294,57 @@ def _token_ids(init_from: str | None) -> dict:
     return {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
 
 
-def _copy_tokenizer(cfg, out_dir: str) -> list[str]:
-    """Copies the run's tokenizer (``data.tokenizer``: a tokenizer.json or a directory with
-    one; init_from's when the run did not name one, as resume.resolve_init_from sets it), the
-    other TOKENIZER_FILES beside it (else init_from's) and init_from's
-    generation_config.json. Returns the names copied."""
-    tok = cfg.data.tokenizer
-    if tok and os.path.isdir(tok):
-        tok = os.path.join(tok, "tokenizer.json")
-    found = {"tokenizer.json": tok if tok and os.path.isfile(tok) else None}
+def run_tokenizer(cfg) -> tuple[str | None, str]:
+    """The run's tokenizer.json and a phrase saying where it comes from.
+
+    ``data.tokenizer`` (a tokenizer.json or a directory with one; init_from's when the run did
+    not name one, as resume.resolve_init_from sets it); for a run from a token store the one
+    the store was prepared with (``run_data.store_tokenizer``: data.tokenizer or the
+    manifest's, with the recorded hash), and for a chat store its directory must still hold
+    the chat template the store was rendered with (``template_sha256``). None for bytes.
+
+    Raises:
+      ExportError: the store's tokenizer or chat template is gone or has changed.
+    """
+    from .data.run_data import store_tokenizer
+    from .data.store import TokenStore, is_store
+    source = cfg.data.source
+    if not is_store(source):
+        tok = cfg.data.tokenizer
+        if tok and os.path.isdir(tok):
+            tok = os.path.join(tok, "tokenizer.json")
+        if tok and os.path.isfile(tok):
+            return tok, f"data.tokenizer {cfg.data.tokenizer}"
+        return None, (f"data.tokenizer {cfg.data.tokenizer} has no tokenizer.json"
+                      if cfg.data.tokenizer else "a byte-level run has no tokenizer file")
+    try:
+        tok = store_tokenizer(source, cfg.data.tokenizer)
+        want = TokenStore(source).manifest.get("template_sha256")
+    except ValueError as e:
+        raise ExportError(f"the run's data.source: {e}") from None
+    if tok is None:
+        return None, f"the store {source} is byte-level: no tokenizer file"
+    if not want:
+        return tok, f"the tokenizer of the store {source}"
+    from .data.chat import ChatTemplate
+    directory = os.path.dirname(tok)
+    try:
+        got = ChatTemplate.from_dir(directory).hash
+    except (OSError, ValueError) as e:
+        got = f"none ({e})"
+    if got != want:
+        raise ExportError(f"the run's data.source {source!r} is a chat store rendered with "
+                          f"the chat template of hash {want}, but {directory}'s is {got}: "
+                          f"restore its tokenizer_config.json (or chat_template.jinja) or "
+                          f"prepare the store again")
+    return tok, f"the tokenizer and chat template of the chat store {source}"
+
+
+def _copy_tokenizer(cfg, tok: str | None, out_dir: str) -> list[str]:
+    """Copies the run's tokenizer.json ``tok`` (``run_tokenizer``), the other
+    TOKENIZER_FILES beside it (else init_from's) and init_from's generation_config.json.
+    Returns the names copied."""
+    found = {"tokenizer.json": tok}
     dirs = [d for d in (os.path.dirname(tok) if tok else None, cfg.init_from) if d]
     for name in TOKENIZER_FILES[1:]:
         found[name] = next((os.path.join(d, name) for d in dirs
@@ -344,7 +394,8 @@ def main(argv=None) -> int:
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tok = ", ".join(summary["tokenizer_files"]) or "none (a byte-level run has no tokenizer file)"
+    tok = (f"{', '.join(summary['tokenizer_files'])} ({summary['tokenizer_source']})"
+           if summary["tokenizer_files"] else f"none ({summary['tokenizer_source']})")
     print(f"exported step {summary['step']} of {args.run_dir} to {args.out}: "
           f"{summary['tensors']} tensors, {summary['bytes'] / 2 ** 30:.2f} GiB in "
           f"{len(summary['files'])} file(s); RoPE {summary['rope_parameters']}; "

@@ -139,3 +139,69 @@ def executed_collectives(hlo_text: str) -> dict:
             if own[name][op] and name in branch_comps:
                 out["in_conditional"].append(op)
     return out
+
+
+# ------------------------------------------------------- collective order across loop bodies
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_CALLEE_ATTRS = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|"
+                           r"false_computation)=%[\w.\-]+|branch_computations=\{[^}]*\}")
+
+
+def unordered_loop_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
+    """Pairs of collective steps in one computation that only a shared communicator orders.
+
+    A "collective step" is a collective op, or a while / conditional / call whose callees run
+    one. XLA:CPU runs the steps of a computation concurrently where no data dependency orders
+    them, and keeps the collectives of all devices in one order by making every collective
+    step use one communicator resource. An executable deserialized from the persistent
+    compilation cache (jaxlib 0.10) gives each loop body a resource of its own, so a loop
+    holding collectives and a collective beside it lose that order: devices then enter
+    different collectives (a deadlock) or two collectives with one rendezvous key (a crash).
+    Only pairs in which a loop (or branch, or call) is one side lose their order; pairs that
+    data dependencies order are safe either way.
+
+    Returns:
+      (computation, step, step) for every unordered pair with a nested side; [] when the
+      program is safe to read back.
+    """
+    order, bodies, _ = _computations(hlo_text)
+    reaches = set()                              # computations that run a collective
+    pairs = []
+    for name in order:                           # callees first
+        deps, steps = {}, []
+        for line in bodies[name].splitlines():
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            rest = m.group("rest")
+            callees = {c for _, c in _CALL.findall(rest)}
+            for group in _BRANCHES.findall(rest):
+                callees |= set(re.findall(r"%([\w.\-]+)", group))
+            operands = set(re.findall(r"%([\w.\-]+)", _CALLEE_ATTRS.sub("", rest)))
+            deps[m.group("name")] = operands
+            if _OP.search(line):
+                steps.append((m.group("name"), False))
+            elif callees & reaches:
+                steps.append((m.group("name"), True))
+        if steps:
+            reaches.add(name)
+        if not any(nested for _, nested in steps) or len(steps) < 2:
+            continue
+        ancestors = {step: _ancestors(step, deps) for step, _ in steps}
+        for i, (a, nested_a) in enumerate(steps):
+            for b, nested_b in steps[i + 1:]:
+                if (nested_a or nested_b) and a not in ancestors[b] and b not in ancestors[a]:
+                    pairs.append((name, a, b))
+    return pairs
+
+
+def _ancestors(name: str, deps: dict[str, set[str]]) -> set[str]:
+    """Every instruction ``name`` depends on through its operands (in its computation)."""
+    seen, todo = set(), [name]
+    while todo:
+        for d in deps.get(todo.pop(), ()):
+            if d in deps and d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen

@@ -213,6 +213,30 @@ def split_store(store: TokenStore, heldout_fraction: float, seed: int):
     return np.flatnonzero(~held), np.flatnonzero(held)
 
 
+def heldout_store_rows(path: str, seq_len: int, fraction: float, seed: int = 0,
+                       overflow: str = "truncate"):
+    """The held-out rows of the store at ``path`` as ``store_rows`` makes them (the same
+    documents and packing), or None when none are held out; a ``fraction`` of 1 holds out
+    every document (for evaluation: nothing is left to train on).
+
+    Raises:
+      ValueError: an unreadable store, a fraction outside [0, 1], or (chat) every held-out
+        conversation is dropped for its length.
+    """
+    store = TokenStore(path)
+    ids = (np.arange(store.num_docs, dtype=np.int64) if fraction == 1 else
+           split_store(store, fraction, seed)[1])
+    if not len(ids):
+        return None
+    if not store.chat:
+        return StoreRows(store, ids, seq_len, shuffle=False)
+    if dropped(store, ids, seq_len, overflow).all():
+        raise ValueError(f"all {len(ids)} held-out conversations are longer than seq_len "
+                         f"{seq_len} and dropped (data.chat_overflow {overflow!r}, or images "
+                         f"or videos, which are never truncated)")
+    return ChatRows(store, ids, seq_len, seed, shuffle=False, overflow=overflow)
+
+
 def store_rows(path: str, seq_len: int, heldout_fraction: float = 0.0, seed: int = 0,
                overflow: str = "truncate"):
     """(train rows, held-out rows or None, notes to log) of the store at ``path``."""

@@ -61,14 +61,11 @@ def _load_store(cfg: Config):
                           f"{manifest['vocab_size']} ids but model.vocab_size is "
                           f"{cfg.model.vocab_size}; set model.vocab_size to at least "
                           f"{manifest['vocab_size']}")
-    if cfg.data.tokenizer is not None:
-        path = cfg.data.tokenizer
-        path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(path) or file_hash(path) != manifest["tokenizer"]["sha256"]:
-            raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} is not the tokenizer the "
-                              f"store {cfg.data.source!r} was prepared with "
-                              f"({manifest['tokenizer']['path'] or 'bytes'}); unset "
-                              f"data.tokenizer or prepare the store again")
+    if cfg.data.tokenizer is not None:  # training reads only tokens: no tokenizer needed
+        try:
+            store_tokenizer(cfg.data.source, cfg.data.tokenizer)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if family(cfg.model.family).vision:
         vision_batches.check_store(cfg, manifest)
     elif manifest.get("media"):
@@ -78,6 +75,49 @@ def _load_store(cfg: Config):
     for note in notes:
         log(f"data: {note}")
     return train_rows, held_rows
+
+
+def store_tokenizer(source: str, tokenizer: str | None = None) -> str | None:
+    """The tokenizer.json a token store was prepared with, as training resolves it:
+    ``tokenizer`` (data.tokenizer: a tokenizer.json or a directory holding one) when given,
+    else the path the store's manifest records; the file must still have the manifest's hash.
+
+    Args:
+      source: a token store directory (data.source).
+      tokenizer: data.tokenizer, or None.
+    Returns:
+      The tokenizer.json's path, or None for a store prepared with the byte tokenizer
+      (``data_lib.load_tokenizer(None)``).
+    Raises:
+      ValueError: the store is unreadable, ``tokenizer`` is not the store's tokenizer, or
+        the recorded file is gone or has changed since the store was prepared.
+    """
+    from .store import TokenStore
+    recorded = TokenStore(source).manifest["tokenizer"]
+    if tokenizer is not None:
+        path = _tokenizer_file(tokenizer)
+        if not os.path.isfile(path) or file_hash(path) != recorded["sha256"]:
+            raise ValueError(f"data.tokenizer {tokenizer!r} is not the tokenizer the store "
+                             f"{source!r} was prepared with ({recorded['path'] or 'bytes'}); "
+                             f"unset data.tokenizer or prepare the store again")
+        return path
+    if recorded["path"] is None:
+        return None
+    path = _tokenizer_file(recorded["path"])
+    if not os.path.isfile(path):
+        raise ValueError(f"the store {source!r} was prepared with the tokenizer {path}, which "
+                         f"no longer exists; put it back (sha256 {recorded['sha256']}...) or "
+                         f"prepare the store again")
+    got = file_hash(path)
+    if got != recorded["sha256"]:
+        raise ValueError(f"the store {source!r} was prepared with the tokenizer {path} of "
+                         f"sha256 {recorded['sha256']}, but that file now has {got}: it has "
+                         f"changed since; restore it or prepare the store again")
+    return path
+
+
+def _tokenizer_file(path: str) -> str:
+    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
 
 
 def pixel_options(rows) -> dict:

@@ -1,0 +1,116 @@
+"""The persistent-cache fence (ulysses_jax/compile_cache.py, issue 29): which compiled programs
+lose the order of their collectives when read back from JAX's persistent compilation cache
+(hlo.unordered_loop_collectives), and that the fenced cache neither writes nor runs them.
+
+The crash itself: ``benchmarks/cache_collective_repro.py --cache DIR`` (a 2-device CPU
+program, the held-out loss-by-position program of a tiny decoder) aborts or segfaults on every
+run that reads DIR back without the fence; the subprocess tests below run it with the fence.
+"""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import DEVICES, cli_env, need_devices
+from ulysses_jax.compile_cache import unsafe_pairs
+from ulysses_jax.hlo import unordered_loop_collectives
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPRO = os.path.join(ROOT, "benchmarks", "cache_collective_repro.py")
+
+
+def _compiled(body, n_out: int):
+    """``body(a, b)`` under shard_map on 2 devices, compiled; a, b: [8, 16] split by rows."""
+    mesh = jax.make_mesh((2,), ("x",), devices=need_devices(2))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
+                              out_specs=(P("x"),) * n_out))
+    rng = np.random.default_rng(0)
+    a, b = (jax.device_put(rng.standard_normal((8, 16), np.float32), NamedSharding(mesh, P("x")))
+            for _ in range(2))
+    return f.lower(a, b).compile()
+
+
+def _loop(a):
+    """A loop whose body all-gathers: a: [4, 16] -> [1, 16]."""
+    def step(i, c):
+        g = jax.lax.all_gather(a * (i + 1).astype(a.dtype), "x", tiled=True)  # [8, 16]
+        return c + jnp.tanh(g).sum(0)
+    start = jax.lax.pcast(jnp.zeros(a.shape[1:], a.dtype), ("x",), to="varying")
+    return jax.lax.fori_loop(0, 3, step, start)[None]
+
+
+def test_a_loop_collective_beside_an_independent_collective_is_found():
+    compiled = _compiled(lambda a, b: (_loop(a), jax.lax.psum_scatter(b, "x", tiled=True)), 2)
+    pairs = unordered_loop_collectives(compiled.as_text())
+    assert len(pairs) == 1, pairs
+    _, one, other = pairs[0]
+    assert sorted(x.split(".")[0] for x in (one, other)) == ["reduce_scatter", "while"], pairs
+    assert unsafe_pairs(compiled.runtime_executable()) == pairs
+
+
+def test_collectives_ordered_by_data_are_safe():
+    # the reduce-scatter reads the loop's result, so every device runs the loop first
+    def ordered(a, b):
+        r = _loop(a)                                                   # [1, 16]
+        return r, jax.lax.psum_scatter(b + r, "x", tiled=True)
+    assert unordered_loop_collectives(_compiled(ordered, 2).as_text()) == []
+    # collectives without a loop keep their shared order when read back
+    plain = _compiled(lambda a, b: (jax.lax.psum_scatter(a, "x", tiled=True),
+                                    jax.lax.psum_scatter(jnp.sin(b), "x", tiled=True)), 2)
+    assert "while" not in plain.as_text()
+    assert unordered_loop_collectives(plain.as_text()) == []
+
+
+def test_the_loss_by_position_program_is_found():
+    """The program of the crash (issue 29): its embedding loop (all-gather, reduce-scatter per
+    chunk) and the all-gather of the positions beside it."""
+    need_devices(2)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from cache_collective_repro import SMALL
+    from ulysses_jax import make_mesh
+    from ulysses_jax.config import load_config
+    from ulysses_jax.training.position_loss import token_losses
+    from ulysses_jax.training.train_step import init_state
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL)
+    mesh = make_mesh(seq=2, data=1, devices=DEVICES[:2])
+    graphdef, state, _, _ = init_state(cfg, mesh)
+    b, s = cfg.batch_size, cfg.seq_len
+    batch = {k: jax.ShapeDtypeStruct((b, s), np.float32 if k == "loss_mask" else np.int32,
+                                     sharding=NamedSharding(mesh, P("data", "seq")))
+             for k in ("tokens", "targets", "positions", "segment_ids", "loss_mask")}
+    fn = token_losses(mesh, graphdef, cfg.model.loss_chunk)
+    pairs = unordered_loop_collectives(fn.lower(state["params"], batch).compile().as_text())
+    assert any("while" in a or "while" in b for _, a, b in pairs), pairs
+
+
+def _repro(cache, *extra):
+    return subprocess.run([sys.executable, REPRO, "--cache", str(cache), "--fence", *extra],
+                          capture_output=True, text=True, timeout=300,
+                          env=cli_env(JAX_PLATFORMS="cpu"))
+
+
+@pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="the CPU runtime's cache")
+def test_fenced_cache_keeps_the_program_out_and_reads_back_without_crashing(tmp_path):
+    """A fenced process does not write the loss-by-position program; an unfenced one does; a
+    fenced process reading that cache drops it, compiles it fresh and runs it 30 times with
+    equal results (an unfenced reading process aborts or segfaults there)."""
+    fenced_write = _repro(tmp_path, "--runs", "1")
+    assert fenced_write.returncode == 0, fenced_write.stderr[-2000:]
+    assert "kept out of the cache: ['jit_run']" in fenced_write.stdout
+    cached = os.listdir(tmp_path)
+    assert any(f.startswith("jit_init") for f in cached), cached  # the cache is in use
+    assert not any(f.startswith("jit_run") for f in cached), cached
+    unfenced_write = subprocess.run([sys.executable, REPRO, "--cache", str(tmp_path), "--runs",
+                                     "1"], capture_output=True, text=True, timeout=300,
+                                    env=cli_env(JAX_PLATFORMS="cpu"))
+    assert unfenced_write.returncode == 0, unfenced_write.stderr[-2000:]
+    assert any(f.startswith("jit_run") for f in os.listdir(tmp_path))
+    fenced_read = _repro(tmp_path, "--runs", "30")
+    assert fenced_read.returncode == 0, fenced_read.stderr[-2000:]
+    assert "kept out of the cache: ['jit_run']" in fenced_read.stdout
+    assert fenced_read.stdout.split()[:2] == fenced_write.stdout.split()[:2]  # "ok", the loss

@@ -1,0 +1,117 @@
+"""JAX's persistent compilation cache on CPU devices: programs it cannot read back safely stay out.
+
+An XLA:CPU executable runs the steps of a computation concurrently wherever no data dependency
+orders them, and keeps every device's collectives in one order by making all collective steps
+share one communicator resource (a loop that holds collectives counts as a collective step).
+jaxlib 0.10's serialized CPU executable loses that sharing: on deserialization each loop body
+gets a resource of its own, so a loop with collectives and a collective beside it no longer
+wait for each other. Read back from the cache, such a program deadlocks (one device in the
+loop's all-gather, the other in the collective beside it) or crashes (two collectives with one
+rendezvous key at once: "Check failed: id < num_threads", heap corruption). Compiled fresh it
+runs. ``hlo.unordered_loop_collectives`` finds the pairs that lose their order;
+``benchmarks/cache_collective_repro.py`` shows the crash.
+
+``fence()`` keeps those programs out of the cache on the CPU backend: they are not written, and
+an entry read back is dropped and compiled again. Other programs, and every program on other
+backends, use the cache as before. train.py, the evaluate CLI and the test suite install it.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+from .hlo import unordered_loop_collectives
+
+_lock = threading.Lock()
+_installed = False
+_kept_out: dict[str, list] = {}     # program name -> its unordered pairs
+_warn = True
+
+
+class CacheFenceWarning(UserWarning):
+    """A program compiled fresh instead of read from (or written to) the persistent cache."""
+
+
+def unsafe_pairs(executable) -> list[tuple[str, str, str]]:
+    """The collective steps of a compiled executable that a read-back copy would not order
+    (``hlo.unordered_loop_collectives``); [] for a program that is safe to cache."""
+    text = "\n".join(m.to_string() for m in executable.hlo_modules())
+    return unordered_loop_collectives(text)
+
+
+def kept_out() -> dict[str, list]:
+    """Programs this process kept out of the cache: name -> the unordered pairs found."""
+    with _lock:
+        return dict(_kept_out)
+
+
+def _keep_out(name: str, pairs: list) -> None:
+    with _lock:
+        first = name not in _kept_out
+        _kept_out[name] = pairs
+    if first and _warn:
+        comp, a, b = pairs[0]
+        warnings.warn(
+            f"{name} is compiled fresh, not taken from the persistent compilation cache: on CPU "
+            f"devices an executable read back from it loses the order of collectives that "
+            f"run in loops ({a} and {b} in {comp}, {len(pairs)} pair(s)), which deadlocks or "
+            f"crashes (docs/TRAINING.md, 'Compilation cache')", CacheFenceWarning, stacklevel=2)
+
+
+def fence(warn: bool = True) -> bool:
+    """Keeps CPU programs with loop collectives the cache cannot order out of JAX's persistent
+    compilation cache (this process, from now on; installing twice is harmless).
+
+    Args:
+      warn: a ``CacheFenceWarning`` the first time each program is kept out.
+
+    Returns:
+      True when the fence is in place; False when this JAX keeps its cache elsewhere, in which
+      case the persistent cache is turned off for CPU runs instead (only effective before the
+      first compile).
+    """
+    global _installed, _warn
+    _warn = warn
+    with _lock:
+        if _installed:
+            return True
+        try:
+            from jax._src import compilation_cache as cache
+            get, put = cache.get_executable_and_time, cache.put_executable_and_time
+        except (ImportError, AttributeError):
+            return _cache_off_on_cpu(warn)
+
+        def get_checked(cache_key, compile_options, backend, executable_devices):
+            executable, compile_time = get(cache_key, compile_options, backend,
+                                           executable_devices)
+            if executable is not None and backend.platform == "cpu":
+                pairs = unsafe_pairs(executable)
+                if pairs:
+                    _keep_out(executable.hlo_modules()[0].name, pairs)
+                    return None, None
+            return executable, compile_time
+
+        def put_checked(cache_key, module_name, executable, backend, compile_time):
+            if backend.platform == "cpu":
+                pairs = unsafe_pairs(executable)
+                if pairs:
+                    _keep_out(module_name, pairs)
+                    return None
+            return put(cache_key, module_name, executable, backend, compile_time)
+
+        cache.get_executable_and_time = get_checked
+        cache.put_executable_and_time = put_checked
+        _installed = True
+    return True
+
+
+def _cache_off_on_cpu(warn: bool) -> bool:
+    import jax
+    if jax.default_backend() == "cpu" and jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_enable_compilation_cache", False)
+        if warn:
+            warnings.warn("the persistent compilation cache is off for this CPU run: this JAX "
+                          "version offers no place to keep unsafe programs out of it "
+                          "(docs/TRAINING.md, 'Compilation cache')", CacheFenceWarning,
+                          stacklevel=2)
+    return False
