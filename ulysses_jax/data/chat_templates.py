@@ -139,10 +139,10 @@ def load(directory: str, given: str | None, tokenizer) -> tuple[ChatTemplate, di
 
 
 def describe_origin(origin: dict) -> str:
-    """``tokenizer``, ``format chatml`` or ``file /abs/path.jinja``."""
+    """``the tokenizer``, ``format chatml`` or ``file /abs/path.jinja``."""
     kind = origin.get("origin", "tokenizer")
-    return {"format": f"format {origin.get('name')}",
-            "file": f"file {origin.get('path')}"}.get(kind, kind)
+    return {"format": f"format {origin.get('name')}", "file": f"file {origin.get('path')}",
+            "tokenizer": "the tokenizer"}.get(kind, kind)
 
 
 def write_stored(store_dir: str, template: ChatTemplate) -> None:
