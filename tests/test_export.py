@@ -122,13 +122,17 @@ def test_transformers_loads_the_trained_export(run):
     np.testing.assert_allclose(theirs, ours, atol=1e-5 * scale, rtol=1e-4)
 
 
-def test_older_step_and_bfloat16(run, tmp_path):
+def test_older_step_and_bfloat16(run, tmp_path, capsys):
     """--step 2 --dtype bfloat16: one file (no index) holding step 2's weights rounded to
-    bf16, as transformers loads them."""
+    bf16, as transformers loads them. The run trained on text with a tokenizer that has no
+    chat template: the export has none and says so."""
     run_dir, _, _ = run
     out = str(tmp_path / "bf16")
     assert export_main([run_dir, "--out", out, "--step", "2", "--dtype", "bfloat16",
                         "--no-progress"]) == 0
+    assert "; chat template: none: the run trained without a chat template" in \
+        capsys.readouterr().out
+    assert not os.path.exists(os.path.join(out, "chat_template.jinja"))
     assert sorted(f for f in os.listdir(out) if "safetensors" in f) == ["model.safetensors"]
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, (1, 32))
@@ -207,7 +211,7 @@ def test_chat_store_run_exports_the_store_tokenizer_and_chat_template(chat_store
     assert export_main([run, "--out", out, "--no-progress"]) == 0
     assert (f"tokenizer files: tokenizer.json, tokenizer_config.json, chat_template.jinja (the "
             f"tokenizer of the chat store {store} and the chat template it keeps, from the "
-            f"tokenizer)") in capsys.readouterr().out
+            f"tokenizer); chat template: chat_template.jinja") in capsys.readouterr().out
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert filecmp.cmp(os.path.join(out, name), os.path.join(tok_dir, name), shallow=False)
     assert filecmp.cmp(os.path.join(out, "chat_template.jinja"),

@@ -218,6 +218,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     Returns:
       A summary: ``step``, ``files`` (the safetensors files), ``tensors``, ``bytes``,
       ``tokenizer_files`` (copied), ``tokenizer_source`` (``run_tokenizer``),
+      ``chat_template`` (where the export's template is, or why it has none),
       ``rope_parameters``.
     Raises:
       ExportError: a bad run directory, step, dtype or output directory.
@@ -285,6 +286,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     copied += [n for n in _store_template(cfg, out_dir) if n not in copied]
     return {"step": step, "files": files, "tensors": len(sizes), "bytes": total,
             "tokenizer_files": copied, "tokenizer_source": tokenizer_source,
+            "chat_template": _template_note(out_dir),
             "rope_parameters": hf.get("rope_parameters") or
             (hf.get("text_config") or {}).get("rope_parameters")}  # multimodal: the decoder's
 
@@ -384,6 +386,19 @@ def _store_template(cfg, out_dir: str) -> list[str]:
     return export_template(cfg.data.source, TokenStore(cfg.data.source).manifest, out_dir)
 
 
+def _template_note(out_dir: str) -> str:
+    """Where the exported tokenizer's chat template is, or that it has none."""
+    if os.path.isfile(os.path.join(out_dir, "chat_template.jinja")):
+        return "chat_template.jinja"
+    config = os.path.join(out_dir, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config, encoding="utf-8") as f:
+            if json.load(f).get("chat_template"):
+                return "in tokenizer_config.json"
+    return ("none: the run trained without a chat template and its tokenizer has none, so "
+            "apply_chat_template refuses (docs/DATA.md, 'Bring a template')")
+
+
 def _bar(total: int, enabled: bool):
     from tqdm import tqdm  # disabled: update and close do nothing
     return tqdm(total=total, desc="export", unit="tensor", dynamic_ncols=True,
@@ -425,7 +440,7 @@ def main(argv=None) -> int:
     print(f"exported step {summary['step']} of {args.run_dir} to {args.out}: "
           f"{summary['tensors']} tensors, {summary['bytes'] / 2 ** 30:.2f} GiB in "
           f"{len(summary['files'])} file(s); RoPE {summary['rope_parameters']}; "
-          f"tokenizer files: {tok}")
+          f"tokenizer files: {tok}; chat template: {summary['chat_template']}")
     return 0
 
 
