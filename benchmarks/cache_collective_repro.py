@@ -6,16 +6,25 @@ results are read; compiled fresh it runs.
     python benchmarks/cache_collective_repro.py --cache DIR --runs 1    # compiles, writes DIR
     python benchmarks/cache_collective_repro.py --cache DIR --runs 50   # reads DIR back
     python benchmarks/cache_collective_repro.py --runs 50               # no cache
+    python benchmarks/cache_collective_repro.py --cache DIR --runs 50 --fence   # the fix
 
 Each run executes the program ``--runs`` times on one batch and checks that every result
 equals the first; "ok" and the mean loss at the end. XLA_FLAGS are the suite's CPU flags
 (tests/conftest.py: LLVM optimisations off, the older loop emitters), with 2 devices.
 
-Seen on 2026-12-02 (jax/jaxlib 0.10.2, the 2-core CPU machine): the writing run "ok"; four
-reading runs all died: one abort ("Termination timeout for `all gather RendezvousKey{...
-op_id=1}`" on one device thread while the other waits in `reduce scatter ... op_id=1` of the
-same run id), three without a message (exit 139, SIGSEGV, where the exit code was read); two
-runs without the cache "ok". Not fixed yet: see issue 29.
+Seen on 2026-12-02 (jax/jaxlib 0.10.2, the 2-core CPU machine): the writing run "ok"; every
+reading run died (4 of 4 in one session, 3 of 3 in the next): aborts ("Termination timeout for
+`all gather RendezvousKey{... op_id=1}`" on one device thread while the other waits in `reduce
+scatter ... op_id=1` of the same run id) and deaths without a message (exit 139, SIGSEGV);
+runs without the cache "ok".
+
+The cause: the read-back executable no longer orders the program's embedding loop (an
+all-gather and a reduce-scatter per chunk) against the all-gather of the segment ids beside it
+(attention's, hoisted out of the layer loop by XLA)
+(``hlo.unordered_loop_collectives``; docs/TRAINING.md, "Compilation cache"). With ``--fence``
+(``ulysses_jax.compile_cache.fence()``) the program is kept out of the cache: written with the
+fence, read back with it, or written without it and read back with it, every run was "ok"
+(2026-12-02, 3 + 2 runs); the last line names the programs kept out.
 """
 from __future__ import annotations
 

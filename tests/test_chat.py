@@ -321,3 +321,17 @@ def test_special_tokens_are_part_of_the_inputs(tmp_path):
     assert built and manifest2["template_sha256"] != manifest["template_sha256"]
     first = TokenStore(str(tmp_path / "s")).doc(0)[0]
     assert first == load_tokenizer(directory)._tok.token_to_id("<|endoftext|>")
+
+
+def test_template_file_wins_over_the_config_key_as_in_transformers(tmp_path):
+    """A directory with both a tokenizer_config.json "chat_template" and a chat_template.jinja
+    renders with the file, as transformers does (an export writes both)."""
+    transformers = pytest.importorskip("transformers")
+    directory = write_tokenizer_dir(tmp_path / "tok", LLAMA3)
+    (tmp_path / "tok" / "chat_template.jinja").write_text(CHATML)
+    ours = chat.ChatTemplate.from_dir(directory)
+    assert ours.source == CHATML
+    ref = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
+    assert ours.render(TRAP, True) == ref.apply_chat_template(
+        TRAP, tokenize=False, add_generation_prompt=True)
+    assert ours.render(TRAP, True).startswith("<|im_start|>system")

@@ -122,13 +122,17 @@ def test_transformers_loads_the_trained_export(run):
     np.testing.assert_allclose(theirs, ours, atol=1e-5 * scale, rtol=1e-4)
 
 
-def test_older_step_and_bfloat16(run, tmp_path):
+def test_older_step_and_bfloat16(run, tmp_path, capsys):
     """--step 2 --dtype bfloat16: one file (no index) holding step 2's weights rounded to
-    bf16, as transformers loads them."""
+    bf16, as transformers loads them. The run trained on text with a tokenizer that has no
+    chat template: the export has none and says so."""
     run_dir, _, _ = run
     out = str(tmp_path / "bf16")
     assert export_main([run_dir, "--out", out, "--step", "2", "--dtype", "bfloat16",
                         "--no-progress"]) == 0
+    assert "; chat template: none: the run trained without a chat template" in \
+        capsys.readouterr().out
+    assert not os.path.exists(os.path.join(out, "chat_template.jinja"))
     assert sorted(f for f in os.listdir(out) if "safetensors" in f) == ["model.safetensors"]
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, (1, 32))
@@ -205,10 +209,13 @@ def test_chat_store_run_exports_the_store_tokenizer_and_chat_template(chat_store
     run, store, tok_dir = chat_store_run
     out = str(tmp_path / "hf")
     assert export_main([run, "--out", out, "--no-progress"]) == 0
-    assert (f"tokenizer files: tokenizer.json, tokenizer_config.json (the tokenizer and chat "
-            f"template of the chat store {store})") in capsys.readouterr().out
+    assert (f"tokenizer files: tokenizer.json, tokenizer_config.json, chat_template.jinja (the "
+            f"tokenizer of the chat store {store} and the chat template it keeps, from the "
+            f"tokenizer); chat template: chat_template.jinja") in capsys.readouterr().out
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert filecmp.cmp(os.path.join(out, name), os.path.join(tok_dir, name), shallow=False)
+    assert filecmp.cmp(os.path.join(out, "chat_template.jinja"),
+                       os.path.join(store, "chat_template.jinja"), shallow=False)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     messages = [{"role": "system", "content": "Say hi"},
                 {"role": "user", "content": "the answer"},
@@ -234,16 +241,30 @@ def test_chat_store_run_exports_the_store_tokenizer_and_chat_template(chat_store
 
 
 @pytest.mark.parametrize("change, words", [
-    ("template", ["is a chat store rendered with the chat template of hash",
-                  "restore its tokenizer_config.json"]),
+    ("store copy", ["chat_template.jinja is not the template the store was rendered with",
+                    "prepare the store again"]),
+    ("template, no store copy", ["is a chat store rendered with the chat template of hash",
+                                 "restore its tokenizer_config.json"]),
     ("tokenizer", ["has changed since; restore it or prepare the store again"]),
 ])
 def test_chat_store_run_with_a_changed_tokenizer_is_refused(chat_store_run, tmp_path, capsys,
                                                             change, words):
     """Nothing is written when the store's tokenizer or chat template is no longer the one
-    it was prepared with (an export would serve another template than the run trained on)."""
-    run, _, tok = relocated_store_run(*chat_store_run, tmp_path)
-    if change == "template":
+    it was prepared with (an export would serve another template than the run trained on):
+    the store's own copy of its template edited; for a store without one (prepared before
+    stores kept it), its tokenizer directory's template changed."""
+    run, store, tok = relocated_store_run(*chat_store_run, tmp_path)
+    if change == "store copy":
+        with open(os.path.join(store, "chat_template.jinja"), "a") as f:
+            f.write("{# edited #}")
+    elif change == "template, no store copy":
+        manifest_path = os.path.join(store, "manifest.json")
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        del manifest["chat_template"]
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f)
+        os.remove(os.path.join(store, "chat_template.jinja"))
         path = os.path.join(tok, "tokenizer_config.json")
         with open(path) as f:
             config = json.load(f)
@@ -262,3 +283,46 @@ def test_chat_store_run_with_a_changed_tokenizer_is_refused(chat_store_run, tmp_
     for word in words:
         assert word in err, err
     assert not os.path.exists(out)
+
+
+def test_chat_store_run_exports_the_template_the_store_keeps(chat_store_run, tmp_path, capsys):
+    """A store prepared with --chat-template chatml (not the tokenizer's template), whose
+    tokenizer directory's template changed since: the export writes the store's own template,
+    rewrites the copied tokenizer_config.json's stale "chat_template" to it, and transformers'
+    AutoTokenizer renders the store's conversations to the store's text and tokens."""
+    from ulysses_jax.data import chat_templates
+    from ulysses_jax.data.prepare import prepare
+    from ulysses_jax.data.store import TokenStore
+    run, store, tok = relocated_store_run(*chat_store_run, tmp_path)
+    with open(os.path.join(store, "manifest.json")) as f:
+        sources = json.load(f)["sources"]
+    manifest, built = prepare(sources, store, tok, chat=True, force=True, progress=False,
+                              chat_template="chatml")
+    assert built and manifest["chat_template"]["origin"] == "format"
+    path = os.path.join(tok, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    stale = config["chat_template"].replace("'\\n'", "'\\n\\n'")
+    assert stale != config["chat_template"]
+    with open(path, "w") as f:
+        json.dump(config | {"chat_template": stale}, f)
+    out = str(tmp_path / "hf")
+    assert export_main([run, "--out", out, "--no-progress"]) == 0
+    assert "and the chat template it keeps, from format chatml" in capsys.readouterr().out
+    chatml = chat_templates.FORMATS["chatml"]
+    with open(os.path.join(out, "chat_template.jinja")) as f:
+        assert f.read() == chatml
+    with open(os.path.join(out, "tokenizer_config.json")) as f:
+        assert json.load(f)["chat_template"] == chatml
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    ours = chat_templates.stored_template(store, manifest)
+    with open(sources[0]) as f:
+        convs = [json.loads(line)["messages"] for line in f][:5]
+    docs = TokenStore(store)
+    checked = 0
+    for d, conv in enumerate(convs):
+        assert hf_tok.apply_chat_template(conv, tokenize=False) == ours.render(conv)
+        assert hf_tok.apply_chat_template(conv, tokenize=True, return_dict=False) == \
+            docs.doc(d).tolist()
+        checked += 1
+    assert checked == 5

@@ -206,7 +206,8 @@ def test_rerun_is_a_noop_and_a_touched_image_rebuilds(tmp_path, vl_tok):
     assert built and prep(src, tmp_path / "s", vl_tok) == (manifest, False)
     assert sorted(os.listdir(tmp_path / "s")) == sorted(
         ["manifest.json", "offsets.bin", "doc_hash.bin", "tokens-00000.bin",
-         "weights-00000.bin", "media.jsonl", "media_offsets.bin", "media_inputs.json"])
+         "weights-00000.bin", "media.jsonl", "media_offsets.bin", "media_inputs.json",
+         "chat_template.jinja"])
     with pytest.raises(ValueError, match="other pixel options: image_max_pixels"):
         prep(src, tmp_path / "s", vl_tok, image_max_pixels=28 * 28 * 4)
     st = os.stat(a)
@@ -308,15 +309,15 @@ def test_template_that_drops_images_is_refused(tmp_path, vl_tok):
 
 
 def test_text_only_chat_store_unchanged(tmp_path, vl_tok):
-    """No media: the store has exactly the files and tokens it always had, and other pixel
-    options change nothing (nothing to do)."""
+    """No media: the store has exactly the files and tokens of a text-only chat store (and its
+    template's copy), and other pixel options change nothing (nothing to do)."""
     from test_chat import TRAP
     src = write_jsonl(tmp_path / "c.jsonl", [TRAP, TRAP[1:3]])
     manifest, built = prep(src, tmp_path / "s", vl_tok)
     assert built and "media" not in manifest
     assert sorted(os.listdir(tmp_path / "s")) == sorted(
         ["manifest.json", "offsets.bin", "doc_hash.bin", "tokens-00000.bin",
-         "weights-00000.bin"])
+         "weights-00000.bin", "chat_template.jinja"])
     store, tok = TokenStore(str(tmp_path / "s")), load_tokenizer(vl_tok)
     template = chat.ChatTemplate.from_dir(vl_tok)
     for d, conv in enumerate([TRAP, TRAP[1:3]]):

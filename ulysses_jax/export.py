@@ -10,9 +10,13 @@ newest), and writes HF_DIR/config.json (``hf.config_to_hf``: the scaling as
 (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with
 ``model.safetensors.index.json``) and the tokenizer files of the run: ``data.tokenizer``'s
 directory, for a run from a token store the directory of the tokenizer its manifest records
-(checked against the recorded hashes of tokenizer.json and, for a chat store, of the chat
-template, so that ``apply_chat_template`` renders what the run trained on), else
-``init_from``'s.
+(checked against the recorded hash of tokenizer.json), else ``init_from``'s. A chat store's
+own copy of its template (``STORE/chat_template.jinja``, checked against ``template_sha256``)
+becomes HF_DIR/chat_template.jinja, with tokenizer_config.json made to agree
+(``data.chat_templates.export_template``), so that ``apply_chat_template`` renders what the
+run trained on, also when the template was given to prepare (``--chat-template``) rather than
+the tokenizer's; a store prepared before stores kept their template needs its tokenizer
+directory's template to still have that hash.
 
 Memory: the parameters are read from the Orbax checkpoint straight into host numpy arrays
 (the optimizer state is never read, no accelerator is needed), one layer of one parameter at
@@ -214,6 +218,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     Returns:
       A summary: ``step``, ``files`` (the safetensors files), ``tensors``, ``bytes``,
       ``tokenizer_files`` (copied), ``tokenizer_source`` (``run_tokenizer``),
+      ``chat_template`` (where the export's template is, or why it has none),
       ``rope_parameters``.
     Raises:
       ExportError: a bad run directory, step, dtype or output directory.
@@ -278,8 +283,10 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
             json.dump({"metadata": {"total_size": total}, "weight_map": file_of}, f, indent=2,
                       sort_keys=True)
     copied = _copy_tokenizer(cfg, tokenizer, out_dir)
+    copied += [n for n in _store_template(cfg, out_dir) if n not in copied]
     return {"step": step, "files": files, "tensors": len(sizes), "bytes": total,
             "tokenizer_files": copied, "tokenizer_source": tokenizer_source,
+            "chat_template": _template_note(out_dir),
             "rope_parameters": hf.get("rope_parameters") or
             (hf.get("text_config") or {}).get("rope_parameters")}  # multimodal: the decoder's
 
@@ -300,8 +307,10 @@ def run_tokenizer(cfg) -> tuple[str | None, str]:
     ``data.tokenizer`` (a tokenizer.json or a directory with one; init_from's when the run did
     not name one, as resume.resolve_init_from sets it); for a run from a token store the one
     the store was prepared with (``run_data.store_tokenizer``: data.tokenizer or the
-    manifest's, with the recorded hash), and for a chat store its directory must still hold
-    the chat template the store was rendered with (``template_sha256``). None for bytes.
+    manifest's, with the recorded hash). A chat store's own copy of its template must still
+    have the recorded ``template_sha256`` (it is what the export writes); a store without a
+    copy (prepared before stores kept one) needs its directory's template to have it. None
+    for bytes.
 
     Raises:
       ExportError: the store's tokenizer or chat template is gone or has changed.
@@ -319,14 +328,23 @@ def run_tokenizer(cfg) -> tuple[str | None, str]:
                       if cfg.data.tokenizer else "a byte-level run has no tokenizer file")
     try:
         tok = store_tokenizer(source, cfg.data.tokenizer)
-        want = TokenStore(source).manifest.get("template_sha256")
+        manifest = TokenStore(source).manifest
+        want = manifest.get("template_sha256")
     except ValueError as e:
         raise ExportError(f"the run's data.source: {e}") from None
     if tok is None:
         return None, f"the store {source} is byte-level: no tokenizer file"
     if not want:
         return tok, f"the tokenizer of the store {source}"
-    from .data.chat import ChatTemplate
+    from .data.chat_templates import describe_origin, stored_template
+    try:
+        own = stored_template(source, manifest)
+    except ValueError as e:
+        raise ExportError(f"the run's data.source: {e}") from None
+    if own is not None:  # the store's copy is what the run trained on: it is exported
+        return tok, (f"the tokenizer of the chat store {source} and the chat template it "
+                     f"keeps, from {describe_origin(manifest['chat_template'])}")
+    from .data.chat import ChatTemplate  # a store without a copy: its directory's must do
     directory = os.path.dirname(tok)
     try:
         got = ChatTemplate.from_dir(directory).hash
@@ -356,6 +374,29 @@ def _copy_tokenizer(cfg, tok: str | None, out_dir: str) -> list[str]:
         if path:
             shutil.copyfile(path, os.path.join(out_dir, name))
     return [name for name, path in found.items() if path]
+
+
+def _store_template(cfg, out_dir: str) -> list[str]:
+    """For a run from a chat store that keeps its template: writes it (and a tokenizer_config
+    .json that agrees) into ``out_dir``; returns the names written."""
+    from .data.chat_templates import export_template
+    from .data.store import TokenStore, is_store
+    if not is_store(cfg.data.source):
+        return []
+    return export_template(cfg.data.source, TokenStore(cfg.data.source).manifest, out_dir)
+
+
+def _template_note(out_dir: str) -> str:
+    """Where the exported tokenizer's chat template is, or that it has none."""
+    if os.path.isfile(os.path.join(out_dir, "chat_template.jinja")):
+        return "chat_template.jinja"
+    config = os.path.join(out_dir, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config, encoding="utf-8") as f:
+            if json.load(f).get("chat_template"):
+                return "in tokenizer_config.json"
+    return ("none: the run trained without a chat template and its tokenizer has none, so "
+            "apply_chat_template refuses (docs/DATA.md, 'Bring a template')")
 
 
 def _bar(total: int, enabled: bool):
@@ -399,7 +440,7 @@ def main(argv=None) -> int:
     print(f"exported step {summary['step']} of {args.run_dir} to {args.out}: "
           f"{summary['tensors']} tensors, {summary['bytes'] / 2 ** 30:.2f} GiB in "
           f"{len(summary['files'])} file(s); RoPE {summary['rope_parameters']}; "
-          f"tokenizer files: {tok}")
+          f"tokenizer files: {tok}; chat template: {summary['chat_template']}")
     return 0
 
 

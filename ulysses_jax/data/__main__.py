@@ -1,7 +1,7 @@
 """python -m ulysses_jax.data prepare|show: build a token store; look at a packed row.
 
-    prepare SRC [SRC ...] --out DIR [--tokenizer PATH] [--chat] [--text-key text]
-            [--messages-key messages] [--workers N] [--force]
+    prepare SRC [SRC ...] --out DIR [--tokenizer PATH] [--chat [--chat-template FILE|NAME]]
+            [--text-key text] [--messages-key messages] [--workers N] [--force]
             [--image-min-pixels N] [--image-max-pixels N] [--video-min-pixels N]
             [--video-max-pixels N] [--video-fps F]
     show DIR --seq-len S --row N [--json] [--seed 0] [--heldout-fraction 0.02]
@@ -33,7 +33,12 @@ def _parser():
     pr.add_argument("--tokenizer", help="tokenizer.json or a Hugging Face tokenizer directory "
                     "(default: bytes)")
     pr.add_argument("--chat", action="store_true", help="records are conversations "
-                    "(assistant-only loss); needs --tokenizer with a chat_template")
+                    "(assistant-only loss); needs --tokenizer with a chat_template, or "
+                    "--chat-template")
+    pr.add_argument("--chat-template", metavar="FILE|NAME", help="with --chat: render with "
+                    "this jinja file, or the format chatml, llama3 or zephyr, instead of the "
+                    "tokenizer's own template (special values such as eos_token still come "
+                    "from the tokenizer directory); the store keeps a copy")
     pr.add_argument("--text-key", default="text", help="field of a text record (default text)")
     pr.add_argument("--messages-key", default="messages",
                     help="field of a conversation's message list (default messages)")
@@ -76,7 +81,8 @@ def _prepare(args) -> int:
                               image_min_pixels=args.image_min_pixels,
                               image_max_pixels=args.image_max_pixels,
                               video_min_pixels=args.video_min_pixels,
-                              video_max_pixels=args.video_max_pixels, video_fps=args.video_fps)
+                              video_max_pixels=args.video_max_pixels, video_fps=args.video_fps,
+                              chat_template=args.chat_template)
     if built:
         print(f"wrote {args.out}: {describe(manifest)} in {manifest['seconds']:.1f} s")
     else:

@@ -16,7 +16,9 @@ rewrites earlier turns (e.g. drops reasoning of past answers) is refused, since 
 model would be trained on then differs from what it sees at inference.
 
 Text is tokenized piece by piece (prompt pieces and answer pieces separately), so no token
-straddles a span boundary: a token is either wholly supervised or not.
+straddles a span boundary: a token is either wholly supervised or not. Each piece is encoded
+as inside the whole text (``pieces.py``): a SentencePiece-style tokenizer that prepends a space
+to what it encodes does not get one at the start of every piece.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import os
 from typing import Sequence
 
 import numpy as np
+
+from .pieces import encode_pieces
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -50,13 +54,18 @@ class ChatTemplate:
     Args:
       template: the jinja2 source.
       special: values for the template's variables such as ``bos_token`` and ``eos_token``.
-      where: names the template's origin in errors (its tokenizer directory).
+      where: names the template's origin in errors (its tokenizer directory, file or format).
+
+    Attributes:
+      variables: the names the template reads that it does not set (``messages``,
+        ``bos_token``, ...).
     """
 
     def __init__(self, template: str, special: dict | None = None,
                  where: str = "chat template"):
         import jinja2
         import jinja2.ext
+        import jinja2.meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -82,6 +91,9 @@ class ChatTemplate:
         self.source = template
         try:
             self._template = env.from_string(template)
+            # The names it reads that no tag sets: which special values it needs.
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(
+                env.parse(template)))
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"{where}: the chat template does not parse (line {e.lineno}: "
                              f"{e.message})") from None
@@ -89,7 +101,8 @@ class ChatTemplate:
 
     @classmethod
     def from_dir(cls, path: str) -> "ChatTemplate":
-        """From ``path/tokenizer_config.json`` (or ``path/chat_template.jinja``)."""
+        """From ``path/chat_template.jinja``, else ``path/tokenizer_config.json``'s
+        ``chat_template`` (transformers' order: the file wins when both are there)."""
         config_path = os.path.join(path, "tokenizer_config.json")
         config = {}
         if os.path.isfile(config_path):
@@ -97,7 +110,7 @@ class ChatTemplate:
                 config = json.load(f)
         template = config.get("chat_template")
         jinja_path = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja_path):
+        if os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
@@ -105,7 +118,9 @@ class ChatTemplate:
                             None)
         if not isinstance(template, str):
             raise ValueError(f"{path} has no chat template: chat data needs a tokenizer "
-                             f"directory whose tokenizer_config.json has a \"chat_template\"")
+                             f"directory whose tokenizer_config.json has a \"chat_template\" "
+                             f"(or a chat_template.jinja beside it), or --chat-template (a "
+                             f"jinja file, or a format name such as chatml)")
         special = {k: _special(config.get(k)) for k in
                    ("bos_token", "eos_token", "pad_token", "unk_token")}
         return cls(template, special, where=path)
@@ -202,7 +217,7 @@ def encode_conversation(tokenizer, template: ChatTemplate, messages: Sequence[di
     if len(text) > cuts[-1]:
         cuts.append(len(text))
         flags.append(0)
-    pieces = tokenizer.encode_batch([text[a:b] for a, b in zip(cuts[:-1], cuts[1:])])
+    pieces = encode_pieces(tokenizer, [text[a:b] for a, b in zip(cuts[:-1], cuts[1:])])
     if expand is not None:
         pieces = [expand(p) for p in pieces]
     tokens = np.concatenate(pieces).astype(np.int32)

@@ -7,7 +7,9 @@ At most two chunks per worker are in flight, so memory stays flat however large 
 
 The store is built in ``OUT.tmp-PID`` beside OUT and renamed to OUT at the end: a killed
 prepare leaves no half store (a later prepare removes leftovers of dead processes). Running
-again with the same inputs (paths, sizes, mtimes, options, tokenizer, template) does nothing.
+again with the same inputs (paths, sizes, mtimes, options, tokenizer, chat template and where
+a ``--chat-template`` came from) does nothing. A chat store keeps a copy of its template
+(``chat_templates.py``).
 
 Chat data may hold images and videos (``media.py``): workers find their grids from file
 headers and expand the placeholders; the store then gets a media sidecar, and "the same
@@ -27,6 +29,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from . import chat_templates
 from . import media as media_lib
 from . import sources as sources_lib
 from .chat import ChatTemplate, NoSupervision
@@ -38,23 +41,31 @@ MAX_NAMED = 5  # bad conversations named in an error, of all counted
 _worker: dict = {}  # per-process tokenizer and template (set by _init_worker)
 
 
-def _load(tokenizer_path: str | None, chat: bool):
+def _load(tokenizer_path: str | None, chat: bool, chat_template: str | None = None):
+    """(tokenizer, chat template or None, the template's origin or None)."""
     from .text import load_tokenizer
+    if chat_template is not None and not chat:
+        raise ValueError(f"--chat-template {chat_template} needs --chat: a chat template "
+                         f"renders conversations (records with a messages list), and without "
+                         f"--chat the records are text documents")
     tokenizer = load_tokenizer(tokenizer_path)
-    template = None
-    if chat:
-        if tokenizer_path is None:
-            raise ValueError("--chat needs --tokenizer: a Hugging Face tokenizer directory "
-                             "whose tokenizer_config.json has a chat_template")
-        directory = tokenizer_path if os.path.isdir(tokenizer_path) else \
-            os.path.dirname(tokenizer_path)
-        template = ChatTemplate.from_dir(directory)
-    return tokenizer, template
+    if not chat:
+        return tokenizer, None, None
+    if tokenizer_path is None:
+        raise ValueError("--chat needs --tokenizer: a Hugging Face tokenizer directory "
+                         "(with a chat_template, or give --chat-template)")
+    directory = tokenizer_path if os.path.isdir(tokenizer_path) else \
+        os.path.dirname(tokenizer_path)
+    template, origin = chat_templates.load(directory, chat_template, tokenizer)
+    return tokenizer, template, origin
 
 
-def _init_worker(tokenizer_path, chat, media_options):
+def _init_worker(tokenizer_path, template_args, media_options):
+    """``template_args``: (source, special values) of the chat template, None for text."""
+    from .text import load_tokenizer
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
-    _worker["tokenizer"], _worker["template"] = _load(tokenizer_path, chat)
+    _worker["tokenizer"] = load_tokenizer(tokenizer_path)
+    _worker["template"] = ChatTemplate(*template_args) if template_args else None
     _worker["media"] = media_lib.MediaOptions(**media_options)
     _worker["pads"] = media_lib.placeholder_ids(_worker["tokenizer"], False, False, "")
 
@@ -160,10 +171,22 @@ def _media_change(out: str, old: dict, fp: str, options: dict) -> str | None:
     return None
 
 
+def _template_change(old: dict, template, origin) -> str | None:
+    """Why a store ``old`` is not this prepare's, if its chat template is what changed."""
+    if template is None or old.get("kind") != "chat":
+        return None
+    if old.get("template_sha256") != template.hash:
+        return (f"another chat template: template_sha256 {old.get('template_sha256')} -> "
+                f"{template.hash}")
+    was = chat_templates.describe_origin(old.get("chat_template") or {})
+    now = chat_templates.describe_origin(origin)
+    return f"the same chat template from elsewhere: {was} -> {now}" if was != now else None
+
+
 def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: bool = False,
             text_key: str = "text", messages_key: str = "messages", workers: int = 1,
             force: bool = False, progress: bool = True,
-            shard_tokens: int = 1 << 30, *,
+            shard_tokens: int = 1 << 30, *, chat_template: str | None = None,
             image_min_pixels: int = media_lib.images_lib.IMAGE_MIN_PIXELS,
             image_max_pixels: int = media_lib.images_lib.IMAGE_MAX_PIXELS,
             video_min_pixels: int = media_lib.images_lib.VIDEO_MIN_PIXELS,
@@ -173,7 +196,10 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
 
     Args:
       tokenizer: None for bytes, or a tokenizer.json / Hugging Face tokenizer directory
-        (with ``chat``, the directory's tokenizer_config.json gives the chat template).
+        (with ``chat``, the directory's tokenizer_config.json gives the chat template and
+        the special values it renders).
+      chat_template: with ``chat``, a jinja file or a format name (``chat_templates.FORMATS``)
+        to render with instead of the directory's template (``chat_templates.load``).
       workers: tokenizer processes; 1 tokenizes in this process.
       force: replace ``out`` when it holds a store of other inputs.
       shard_tokens: tokens per shard file (tests use small ones).
@@ -196,8 +222,8 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     media_opts = media_lib.MediaOptions(image_min_pixels, image_max_pixels, video_min_pixels,
                                         video_max_pixels, float(video_fps))
     pixel_options = media_opts.as_dict()
+    tok, template, origin = _load(tokenizer, chat, chat_template)
     paths = sources_lib.expand_sources(srcs)
-    tok, template = _load(tokenizer, chat)
     if tokenizer is not None:
         tok_file = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) \
             else tokenizer
@@ -207,6 +233,8 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     options = {"chat": chat, "key": messages_key if chat else text_key,
                "tokenizer": tok_info["sha256"], "eos_id": tok.eos_id,
                "template": template.hash if template else None}
+    if origin and origin["origin"] != "tokenizer":  # absent otherwise: older stores stay current
+        options["template_origin"] = origin
     fp = sources_lib.fingerprint(paths, options)
     if os.path.exists(out):
         if not is_store(out):  # --force replaces stores only: a typo must not delete a corpus
@@ -222,7 +250,8 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
             why = _media_change(out, old, fp, pixel_options)
             same = why is None
         else:
-            why, same = None, old.get("fingerprint") == fp
+            same = old.get("fingerprint") == fp
+            why = _template_change(old, template, origin) if not same else None
         if same:
             return old, False
         if not force:
@@ -239,9 +268,12 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     bar = _bar(progress)
     t0 = time.time()
     try:
+        if template is not None:  # the store keeps the template it is rendered with (export)
+            chat_templates.write_stored(tmp, template)
         records = sources_lib.iter_records(paths, text_key, messages_key, chat)
-        for docs, bad_names, padded_names in _encoded(_chunks(records), tokenizer, chat,
-                                                      workers, pixel_options):
+        template_args = (template.source, template.special) if template else None
+        for docs, bad_names, padded_names in _encoded(_chunks(records), tokenizer,
+                                                      template_args, workers, pixel_options):
             for h, ids, weights, items, inputs in docs:
                 writer.add(ids, h, weights, items)
                 media_inputs.update(inputs)
@@ -257,6 +289,8 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
         if writer.num_docs == 0:
             raise ValueError(f"the sources {list(srcs)} hold no non-empty document")
         extra = {}
+        if template is not None:
+            extra["chat_template"] = chat_templates.manifest_entry(template, origin)
         if padded:  # fine for a text model; check_store refuses the store for a multimodal one
             extra["text_placeholders"] = {"documents": len(padded), "named": padded[:MAX_NAMED]}
         if writer.has_media:
@@ -293,16 +327,16 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
         bar.close()
 
 
-def _encoded(chunks, tokenizer: str | None, chat: bool, workers: int, media_options: dict):
+def _encoded(chunks, tokenizer: str | None, template_args, workers: int, media_options: dict):
     """Encoded chunks in input order, ``workers`` processes, at most 2 chunks each in flight."""
     if workers <= 1:
-        _init_worker(tokenizer, chat, media_options)
+        _init_worker(tokenizer, template_args, media_options)
         for chunk in chunks:
             yield _encode_chunk(chunk)
         return
     # spawn, not fork: the parent may have started JAX's threads (forking them can deadlock)
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, _init_worker, (tokenizer, chat, media_options)) as pool:
+    with ctx.Pool(workers, _init_worker, (tokenizer, template_args, media_options)) as pool:
         pending = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -325,6 +359,9 @@ def describe(manifest: dict) -> str:
             f"{len(manifest['shards'])} shard(s)")
     if manifest["kind"] == "chat":
         line += f", {manifest['num_supervised']} supervised tokens"
+        if "chat_template" in manifest:
+            line += (f", chat template from "
+                     f"{chat_templates.describe_origin(manifest['chat_template'])}")
     if "media" in manifest:
         line += (f", {manifest['media']['num_images']} images, "
                  f"{manifest['media']['num_videos']} videos")

@@ -11,6 +11,8 @@ Layout of a store directory (written by ``prepare.py``)::
                          shards laid end to end; no document spans two shards
     doc_hash.bin         uint64 [num_docs]: a hash of each document's name (file:line), which
                          the held-out split uses, so membership does not depend on order
+    chat_template.jinja  chat only: the chat template the conversations were rendered with
+                         (manifest "chat_template": where it came from, the special values)
     media.jsonl          chat stores with images / videos only: one JSON list per document of
                          its media items in token order ([] for none; see ``TokenStore.media``)
     media_offsets.bin    int64 [num_docs + 1]: byte offsets of the lines of media.jsonl

@@ -6,7 +6,8 @@ logged step (each step once; the same scalars as TensorBoard event files, ``tb_l
 ``config.yaml`` the resolved config, ``train.lock`` keeps a second run out (``run_dir.py``).
 A run resumes from its newest checkpoint that restores, also on a different mesh (the state
 is restored straight into the new layout; ``resume.py``). ``data.source`` may name a token
-store (``store.py``), which is memory-mapped, not loaded.
+store (``store.py``), which is memory-mapped, not loaded. On CPU devices a run that cannot fit
+in the host's RAM is refused before the state is built (``host_memory.py``).
 SIGTERM or SIGINT during training saves a checkpoint and returns; a non-finite loss stops the
 run before anything is saved after it.
 """
@@ -23,6 +24,7 @@ import numpy as np
 from ..data import text as data_lib, run_data, vision_batches
 from ..data.run_data import is_main as _is_main, log as _log
 from .checkpoint import Checkpointer, SaveFailed
+from . import host_memory
 from .flops import train_step_flops
 from .position_loss import bucket_bounds, bucket_sums, token_losses
 from .tb_log import TensorBoardLog, Tee
@@ -245,8 +247,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
       A summary dict: ``status`` ("done", "preempted"), ``step``, ``loss``, ``eval_loss``.
 
     Raises:
-      ConfigError: a config that cannot run on these devices, or cannot resume this
-        workdir's checkpoints (then nothing in the workdir is changed).
+      ConfigError: a config that cannot run on these devices (or, on CPU devices, in this
+        machine's memory), or cannot resume this workdir's checkpoints (then nothing in the
+        workdir is changed).
       RunError: the workdir is in use by another run, every checkpoint is damaged, or a
         write failed (disk full); the checkpoints before the failure are intact.
       TrainingDiverged: the loss became NaN or infinite (the last checkpoint is left intact).
@@ -296,6 +299,8 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints,
                         save_every=cfg.checkpoint_every if cfg.checkpoint_every > 0 else None)
     try:
+        host_memory.check(cfg, mesh, reads_init_from=bool(cfg.init_from)
+                          and ckpt.latest_step() is None)
         start, (graphdef, state, shardings, tx), note = start_state(cfg, mesh, ckpt, batches)
         _log(note)
         # Only now: a refused resume leaves the config that describes the checkpoints.
