@@ -326,3 +326,62 @@ def test_chat_store_run_exports_the_template_the_store_keeps(chat_store_run, tmp
             docs.doc(d).tolist()
         checked += 1
     assert checked == 5
+
+
+# A template file for a base model's tokenizer (its tokenizer_config.json has none): turns as
+# "role:\ncontent<eos>\n", the answer supervised up to and including its <eos>. No token
+# merges across an answer's boundary here, so the store's ids are also those of the whole
+# rendered text (docs/DATA.md: prepare encodes prompts and answers apart).
+BASE_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}{{ eos_token }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}assistant:\n{% endif %}")
+
+
+def test_base_checkpoint_trains_on_chat_with_a_given_template_and_exports_it(tmp_path, capsys):
+    """The base-model recipe of docs/DATA.md: a checkpoint whose tokenizer has no chat
+    template, a template file given to prepare --chat, train.py init_from, export: the export
+    carries that template, and transformers' apply_chat_template on the export gives the
+    store's text and token ids of every conversation."""
+    from ulysses_jax.data import chat_templates
+    from ulysses_jax.data.__main__ import main as data_main
+    from ulysses_jax.data.store import TokenStore
+    base = write_hf_checkpoint(str(tmp_path / "base"))
+    assert not os.path.exists(os.path.join(base, "chat_template.jinja"))
+    with open(os.path.join(base, "tokenizer_config.json")) as f:
+        assert "chat_template" not in json.load(f)
+    with open(tmp_path / "turns.jinja", "w") as f:
+        f.write(BASE_TEMPLATE)
+    rng = np.random.default_rng()
+    words = ["the", " answer", " is", " forty", " two", " say", " hi", " again"]
+    say = lambda n: "".join(rng.choice(words, int(n)))  # noqa: E731
+    convs = [[{"role": "user", "content": say(rng.integers(1, 6))},
+              {"role": "assistant", "content": say(rng.integers(1, 8))}] for _ in range(24)]
+    with open(tmp_path / "chat.jsonl", "w") as f:
+        f.writelines(json.dumps({"messages": c}) + "\n" for c in convs)
+    store = str(tmp_path / "store")
+    assert data_main(["prepare", str(tmp_path / "chat.jsonl"), "--out", store, "--tokenizer",
+                      base, "--chat", "--chat-template", str(tmp_path / "turns.jinja"),
+                      "--no-progress"]) == 0
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        "seq_len=64", "batch_size=2", "mesh.seq=2", "steps=2", "log_every=1", "eval_batches=0",
+        "checkpoint_every=2", "model.loss_chunk=16", f"init_from={base}",
+        f"data.source={store}"])
+    train(cfg, str(tmp_path / "run"), progress=False)
+    out = str(tmp_path / "hf")
+    capsys.readouterr()
+    assert export_main([str(tmp_path / "run"), "--out", out, "--no-progress"]) == 0
+    assert "chat template: chat_template.jinja" in capsys.readouterr().out
+    with open(os.path.join(out, "chat_template.jinja")) as f:
+        assert f.read() == BASE_TEMPLATE
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    manifest = TokenStore(store).manifest
+    ours = chat_templates.stored_template(store, manifest)
+    docs = TokenStore(store)
+    assert docs.manifest["num_docs"] == len(convs)
+    checked = 0
+    for d, conv in enumerate(convs):
+        text = hf_tok.apply_chat_template(conv, tokenize=False)
+        assert text == ours.render(conv) and text.endswith(f"{hf_tok.eos_token}\n")
+        assert hf_tok.apply_chat_template(conv, tokenize=True, return_dict=False) == \
+            docs.doc(d).tolist()
+        checked += 1
+    assert checked == len(convs)
