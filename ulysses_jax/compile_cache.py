@@ -17,6 +17,7 @@ backends, use the cache as before. train.py, the evaluate CLI and the test suite
 """
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 
@@ -81,28 +82,37 @@ def fence(warn: bool = True) -> bool:
         except (ImportError, AttributeError):
             return _cache_off_on_cpu(warn)
 
-        def get_checked(cache_key, compile_options, backend, executable_devices):
-            executable, compile_time = get(cache_key, compile_options, backend,
-                                           executable_devices)
-            if executable is not None and backend.platform == "cpu":
+        # Arguments bound by name: the wrappers pass everything through unchanged, also
+        # where a JAX version adds parameters.
+        get_sig, put_sig = inspect.signature(get), inspect.signature(put)
+
+        def get_checked(*args, **kwargs):
+            executable, compile_time = get(*args, **kwargs)
+            if executable is not None and _on_cpu(get_sig, args, kwargs):
                 pairs = unsafe_pairs(executable)
                 if pairs:
                     _keep_out(executable.hlo_modules()[0].name, pairs)
                     return None, None
             return executable, compile_time
 
-        def put_checked(cache_key, module_name, executable, backend, compile_time):
-            if backend.platform == "cpu":
-                pairs = unsafe_pairs(executable)
+        def put_checked(*args, **kwargs):
+            if _on_cpu(put_sig, args, kwargs):
+                bound = put_sig.bind(*args, **kwargs).arguments
+                pairs = unsafe_pairs(bound["executable"])
                 if pairs:
-                    _keep_out(module_name, pairs)
+                    _keep_out(bound.get("module_name", "a program"), pairs)
                     return None
-            return put(cache_key, module_name, executable, backend, compile_time)
+            return put(*args, **kwargs)
 
         cache.get_executable_and_time = get_checked
         cache.put_executable_and_time = put_checked
         _installed = True
     return True
+
+
+def _on_cpu(signature, args, kwargs) -> bool:
+    backend = signature.bind(*args, **kwargs).arguments.get("backend")
+    return getattr(backend, "platform", None) == "cpu"
 
 
 def _cache_off_on_cpu(warn: bool) -> bool:
