@@ -64,7 +64,8 @@ def fence(warn: bool = True) -> bool:
     compilation cache (this process, from now on; installing twice is harmless).
 
     Args:
-      warn: a ``CacheFenceWarning`` the first time each program is kept out.
+      warn: a ``CacheFenceWarning`` the first time each program is kept out (the first call's
+        choice stands: the test suite installs it quietly before train.py's ``main`` does).
 
     Returns:
       True when the fence is in place; False when this JAX keeps its cache elsewhere, in which
@@ -72,10 +73,10 @@ def fence(warn: bool = True) -> bool:
       first compile).
     """
     global _installed, _warn
-    _warn = warn
     with _lock:
         if _installed:
             return True
+        _warn = warn
         try:
             from jax._src import compilation_cache as cache
             get, put = cache.get_executable_and_time, cache.put_executable_and_time
