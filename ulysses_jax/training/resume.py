@@ -73,6 +73,8 @@ def resolve_init_from(cfg: Config, notes: list[str] | None = None, *,
                     os.path.join(cfg.init_from, "config.json")) else "")
         raise ConfigError(f"init_from {cfg.init_from!r}: {e}{hint}") from None
     model, changed = rope_overrides(cfg.model, model)
+    # The checkpoint is the base; adapters (model.lora) are the run's own.
+    model = dataclasses.replace(model, lora=cfg.model.lora)
     notes.extend(f"init_from: {line}" for line in changed)
     data = cfg.data
     tokenizer_json = os.path.join(cfg.init_from, "tokenizer.json")
