@@ -241,7 +241,7 @@ def test_init_from_resume_keeps_base_bitwise(checkpoints, tmp_path):
     loaded = dict(zip(_paths(loaded), jax.tree.leaves(_host(loaded))))
     saved = dict(read_params(str(tmp_path / "full"), 4))
     adapters = [k for k in saved if lora.is_adapter(k)]
-    assert len(adapters) == 2 * 4 and set(saved) == set(loaded) | set(adapters)
+    assert len(adapters) == 2 * 7 and set(saved) == set(loaded) | set(adapters)
     for keys, x in loaded.items():
         assert np.array_equal(saved[keys], x), keys
     assert any(np.any(saved[k] != 0) for k in adapters if k[-1].endswith("_b"))
