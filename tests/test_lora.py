@@ -216,35 +216,96 @@ def test_steps_train_only_adapters():
     assert changed == len(trained_paths)
 
 
-@pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="trainer tests run on fake CPU devices")
-def test_init_from_resume_keeps_base_bitwise(checkpoints, tmp_path):
-    """train.py's loop from a Hugging Face base (init_from): a run stopped at step 2 and
-    resumed to 4 equals one run of 4 steps, and the final checkpoint's frozen weights are
-    bitwise the ones loaded."""
-    from ulysses_jax.export import read_params
+@pytest.fixture(scope="module")
+def lora_runs(checkpoints, tmp_path_factory):
+    """train.py's loop on the Qwen3 base (init_from) with adapters: "full", 4 steps in one
+    go, and "split", stopped after step 2 and resumed to 4. Returns the runs' parent dir."""
+    if DEVICES[0].platform != "cpu":
+        pytest.skip("trainer tests run on fake CPU devices")
     from ulysses_jax.training.trainer import train
-    path = checkpoints["qwen3"][0]
-    over = TRAIN + [f"init_from={path}", "checkpoint_every=2", "optimizer.schedule_steps=4"]
+    root = tmp_path_factory.mktemp("lora_runs")
+    over = TRAIN + [f"init_from={checkpoints['qwen3'][0]}", "checkpoint_every=2",
+                    "optimizer.schedule_steps=4", "optimizer.lr=0.01"]
     cfg = lambda steps: load_config(os.path.join(ROOT, "configs", "tiny.yaml"),  # noqa: E731
                                     over + [f"steps={steps}"])
-    train(cfg(4), str(tmp_path / "full"), progress=False)
-    train(cfg(2), str(tmp_path / "split"), progress=False)
-    train(cfg(4), str(tmp_path / "split"), progress=False)
+    train(cfg(4), str(root / "full"), progress=False)
+    train(cfg(2), str(root / "split"), progress=False)
+    train(cfg(4), str(root / "split"), progress=False)
+    return root
+
+
+def test_init_from_resume_keeps_base_bitwise(checkpoints, lora_runs):
+    """A run stopped at step 2 and resumed to 4 equals one run of 4 steps, and the final
+    checkpoint's frozen weights are bitwise the ones loaded from the base."""
+    from ulysses_jax.export import read_params
     losses = {}
     for run in ("full", "split"):
-        with open(tmp_path / run / "metrics.jsonl") as f:
+        with open(lora_runs / run / "metrics.jsonl") as f:
             losses[run] = [json.loads(line)["loss"] for line in f]
     assert len(losses["full"]) == 4 and losses["split"] == losses["full"], losses
 
     mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
-    _, loaded = load_params(path, mesh)
+    _, loaded = load_params(checkpoints["qwen3"][0], mesh)
     loaded = dict(zip(_paths(loaded), jax.tree.leaves(_host(loaded))))
-    saved = dict(read_params(str(tmp_path / "full"), 4))
+    saved = dict(read_params(str(lora_runs / "full"), 4))
     adapters = [k for k in saved if lora.is_adapter(k)]
     assert len(adapters) == 2 * 7 and set(saved) == set(loaded) | set(adapters)
     for keys, x in loaded.items():
         assert np.array_equal(saved[keys], x), keys
     assert any(np.any(saved[k] != 0) for k in adapters if k[-1].endswith("_b"))
+
+
+def test_export_adapter_loads_in_peft_and_merged(checkpoints, lora_runs, tmp_path):
+    """The run's adapters exported as a peft directory: peft.PeftModel.from_pretrained on the
+    base gives our logits; --merge gives weights transformers loads with the same logits."""
+    from ulysses_jax.export import export_adapter, export_run, read_params, run_config
+    run = str(lora_runs / "full")
+    summary = export_adapter(run, str(tmp_path / "adapter"))
+    assert summary["tensors"] == 2 * 2 * 7
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        conf = json.load(f)
+    assert conf["base_model_name_or_path"] == checkpoints["qwen3"][0]
+    assert (conf["r"], conf["lora_alpha"], conf["use_rslora"]) == (4, 8.0, False)
+    assert sorted(conf["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    export_run(run, str(tmp_path / "merged"), merge=True, progress=False)
+
+    cfg = run_config(run).model
+    mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
+    params = {}
+    for keys, x in read_params(run, 4):
+        node = params
+        for k in keys[:-1]:
+            node = node.setdefault(int(k) if k.isdigit() else k, {})
+        node[keys[-1]] = jnp.asarray(x)
+    tokens = _batch(3)["tokens"] % cfg.vocab_size
+    ours = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
+
+    def hf(path):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation="eager", dtype=torch.float32).eval()
+
+    with torch.no_grad():
+        tok = torch.from_numpy(tokens).long()
+        peft_model = peft.PeftModel.from_pretrained(hf(checkpoints["qwen3"][0]),
+                                                    str(tmp_path / "adapter")).eval()
+        via_peft = peft_model(tok).logits.numpy()
+        via_merge = hf(str(tmp_path / "merged"))(tok).logits.numpy()
+    assert _rel(via_peft, ours) <= TOL, _rel(via_peft, ours)
+    assert _rel(via_merge, ours) <= TOL, _rel(via_merge, ours)
+
+
+def test_export_cli_writes_an_adapter_and_refuses_what_it_cannot(lora_runs, tmp_path,
+                                                                    capsys):
+    from ulysses_jax.export import ExportError, export_run, main
+    run = str(lora_runs / "full")
+    assert main([run, "--out", str(tmp_path / "cli"), "--step", "2"]) == 0
+    assert sorted(os.listdir(tmp_path / "cli")) == ["adapter_config.json",
+                                                    "adapter_model.safetensors"]
+    assert "exported the LoRA adapters of step 2" in capsys.readouterr().out
+    with pytest.raises(ExportError, match="trained LoRA adapters"):
+        export_run(run, str(tmp_path / "x"), progress=False)
 
 
 @pytest.mark.parametrize("over,match", [

@@ -95,26 +95,9 @@ def adapter_config(cfg: ModelConfig, base_model: str | None) -> dict:
             "modules_to_save": None, "inference_mode": True, "init_lora_weights": True}
 
 
-def merged(cfg: ModelConfig, params: dict) -> dict:
-    """The parameters with each adapter merged into its weight, W + s A B (host float32),
-    and the adapter leaves dropped: the tree of a model without LoRA."""
-    s = lora.scaling(cfg.lora)
-    weights = {**lora.ATTENTION, **lora.MLP}
-
-    def walk(node: dict) -> dict:
-        out = {k: walk(v) for k, v in node.items() if isinstance(v, dict)}
-        for k, v in node.items():
-            if isinstance(v, dict) or str(k).startswith(lora.PREFIX):
-                continue
-            out[k] = np.asarray(jax.device_get(v), np.float32)
-        for target, (attr, _) in weights.items():
-            name_a, name_b = lora.names(target)
-            if name_a in node:
-                a = np.asarray(jax.device_get(node[name_a]), np.float32)   # [L, in..., R]
-                b = np.asarray(jax.device_get(node[name_b]), np.float32)   # [L, R, out...]
-                ab = np.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
-                               b.reshape(b.shape[0], b.shape[1], -1))
-                out[attr] = out[attr] + s * ab.reshape(out[attr].shape)
-        return out
-
-    return walk(params)
+def merge_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """W + s A B for stacked layers: w [L, in..., out...], a [L, in..., R], b [L, R, out...]
+    (float32 host arrays) -> the merged weight, shaped like w."""
+    ab = np.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
+                   b.reshape(b.shape[0], b.shape[1], -1))                      # [L, in, out]
+    return np.asarray(w, np.float32) + scale * ab.reshape(w.shape)
