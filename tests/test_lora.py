@@ -266,6 +266,14 @@ def test_init_from_resume_keeps_base_bitwise(checkpoints, lora_runs):
     assert any(np.any(saved[k] != 0) for k in adapters if k[-1].endswith("_b"))
 
 
+def test_resume_with_other_adapters_is_refused(checkpoints, lora_runs):
+    from ulysses_jax.training.trainer import train
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), TRAIN + [
+        f"init_from={checkpoints['qwen3'][0]}", "steps=6", "model.lora.rank=8"])
+    with pytest.raises(ConfigError, match=r"model.lora.rank 4 there, 8 now"):
+        train(cfg, str(lora_runs / "full"), progress=False)
+
+
 def test_export_adapter_loads_in_peft_and_merged(checkpoints, lora_runs, tmp_path):
     """The run's adapters exported as a peft directory: peft.PeftModel.from_pretrained on the
     base gives our logits; --merge gives weights transformers loads with the same logits."""
@@ -317,6 +325,36 @@ def test_export_cli_writes_an_adapter_and_refuses_what_it_cannot(lora_runs, tmp_
     assert "exported the LoRA adapters of step 2" in capsys.readouterr().out
     with pytest.raises(ExportError, match="trained LoRA adapters"):
         export_run(run, str(tmp_path / "x"), progress=False)
+
+
+def test_token_chunked_mlp_equals_unchunked():
+    """model.mlp_chunk (TiledMLP: the adapters travel through its shard_map and custom
+    backward with the weights): loss and adapter gradients equal the unchunked model's."""
+    mesh = make_mesh(seq=2, data=1, devices=need_devices(2))
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), TRAIN).model
+    batch = {k: np.concatenate([v % cfg.vocab_size if v.dtype == np.int32 else v] * 2, axis=1)
+             for k, v in _batch(5).items()}
+    batch["positions"] = np.broadcast_to(np.arange(2 * S, dtype=np.int32), (B, 2 * S)).copy()
+    batch = {k: jax.device_put(v, batch_shardings(mesh)[k]) for k, v in batch.items()}
+    results = []
+    for chunk in (0, 8):
+        c = dataclasses.replace(cfg, mlp_chunk=chunk, attn_impl="xla")
+        graphdef, state = nnx.split(Decoder(c, mesh=mesh, rngs=nnx.Rngs(0)))
+        params = nnx.to_pure_dict(state)
+        # Nonzero B everywhere (the same draws for both models).
+        rng = np.random.default_rng(5)
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
+            if str(p[-1].key).endswith("_b") else x, params)
+        trained = lora.trainable_params(params, c.lora)
+        (loss, _), grads = jax.jit(jax.value_and_grad(
+            lambda t: objective(graphdef, lora.overlay(params, t), batch, mesh),
+            has_aux=True))(trained)
+        results.append((float(loss), _host(grads)))
+    (l0, g0), (l1, g1) = results
+    assert abs(l0 - l1) <= 1e-5 * abs(l0)
+    for path, a, b in zip(_paths(g0), jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        assert _rel(b, a) <= 1e-4, path
 
 
 @pytest.mark.parametrize("over,match", [

@@ -27,7 +27,9 @@ RUNTIME_FIELDS = ("dtype", "remat", "attn_impl", "loss_chunk", "vocab_parallel",
 DATA_KEYS = ("seed", "seq_len", "data.source", "data.tokenizer", "data.heldout_fraction",
              "data.chat_overflow")
 SHAPE_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
-                   if f.name not in RUNTIME_FIELDS)
+                   if f.name not in RUNTIME_FIELDS) + (
+    # LoRA's adapters, and which parameters carry optimizer state (model.lora)
+    "model.lora.rank", "model.lora.targets", "model.lora.trainable")
 
 
 def _runtime_options(cfg: Config) -> dict:
