@@ -183,10 +183,11 @@ def _paths(tree) -> list[tuple]:
 def test_steps_train_only_adapters():
     """A few steps on one batch: the loss falls, the adapters (and the norms named in
     model.lora.trainable) move, every frozen tensor stays bitwise what it was, in bf16
-    storage (model.lora.base_dtype), and the optimizer holds state for trained leaves only."""
+    storage (model.lora.base_dtype), and the optimizer holds state for trained leaves only;
+    with ZeRO-3 and two accumulated micro-batches (the accumulator: trained leaves only)."""
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), TRAIN + [
         "optimizer.lr=0.01", "steps=4", "model.lora.trainable=[norms]",
-        "model.lora.base_dtype=bfloat16"])
+        "model.lora.base_dtype=bfloat16", "param_sharding=zero3", "grad_accum_steps=2"])
     mesh = make_mesh(seq=2, data=1, devices=need_devices(2))
     graphdef, state, shardings, tx = init_state(cfg, mesh)
     before = _host(state["params"])
