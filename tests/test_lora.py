@@ -26,7 +26,7 @@ from ulysses_jax.interop.peft import adapter_tensors, with_adapters
 from ulysses_jax.models import lora
 from ulysses_jax.models.decoder import Decoder
 from ulysses_jax.training.train_step import (batch_shardings, init_state, make_train_step,
-                                             objective)
+                                             objective, param_line)
 
 torch = pytest.importorskip("torch", reason="torch is needed for the peft reference")
 transformers = pytest.importorskip("transformers", reason="transformers is needed")
@@ -162,7 +162,6 @@ def test_matches_peft(checkpoints, name):
     assert checked == len(sizes) * len(want_grads)
 
 
-
 # A model small enough that each run compiles and trains in seconds on 2 cores (test_train's).
 TRAIN = ["seq_len=64", "batch_size=2", "model.d_model=32", "model.n_layers=2",
          "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=8", "model.ffn_dim=64",
@@ -195,6 +194,8 @@ def test_steps_train_only_adapters():
     trained_paths = set(_paths(trained))
     assert trained_paths and all(lora.is_adapter(p) or any("norm" in str(k) for k in p)
                                  for p in trained_paths)
+    n_trained = sum(x.size for x in jax.tree.leaves(trained))
+    assert f"{n_trained / 1e6:.4f}M trained" in param_line(cfg, before)
     assert before["layers"]["attn"]["wq"].dtype == jnp.bfloat16
     assert before["layers"]["mlp"]["lora_up_a"].dtype == np.float32
     assert before["embed"].dtype == np.float32

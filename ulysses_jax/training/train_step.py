@@ -277,3 +277,17 @@ def trainable_count(cfg: Config, params: Any) -> int:
     """Parameters the run trains: all of them, or with LoRA the adapters and the groups
     ``model.lora.trainable`` names."""
     return param_count(lora.trainable_params(params, cfg.model.lora))
+
+
+def param_line(cfg: Config, params) -> str:
+    """The start-up line on the parameters: how many, and with LoRA how many are trained."""
+    total = param_count(params)
+    lo = cfg.model.lora
+    if not lo.rank:
+        return f"model: {total / 1e6:.2f}M parameters"
+    trained = trainable_count(cfg, params)
+    extra = f" and {', '.join(lo.trainable)}" if lo.trainable else ""
+    return (f"model: {total / 1e6:.2f}M parameters, {trained / 1e6:.4f}M trained "
+            f"({100 * trained / total:.3f}%: LoRA rank {lo.rank} on "
+            f"{', '.join(lo.targets)}{extra}); the frozen layer matrices stored in "
+            f"{lo.base_dtype}")

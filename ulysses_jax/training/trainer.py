@@ -32,8 +32,8 @@ from ..config import Config, ConfigError, load_config, to_dict, to_yaml, validat
 from ..families import family
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
-from .train_step import (batch_shardings, make_eval_step, make_train_step, param_count,
-                         params_for_compute, trainable_count)
+from .train_step import (batch_shardings, make_eval_step, make_train_step, param_line,
+                         params_for_compute)
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices report no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
@@ -115,20 +115,6 @@ def batch_line(cfg: Config) -> str:
                                f"{b // k * s:,} tokens")
     return (f"batch: {seqs(b)} = {b * s:,} tokens per optimizer step{micro}; "
             f"{seqs(b // k // cfg.mesh.data)} per data replica at a time")
-
-
-def param_line(cfg: Config, params) -> str:
-    """The start-up line on the parameters: how many, and with LoRA how many are trained."""
-    total = param_count(params)
-    lo = cfg.model.lora
-    if not lo.rank:
-        return f"model: {total / 1e6:.2f}M parameters"
-    trained = trainable_count(cfg, params)
-    extra = f" and {', '.join(lo.trainable)}" if lo.trainable else ""
-    return (f"model: {total / 1e6:.2f}M parameters, {trained / 1e6:.4f}M trained "
-            f"({100 * trained / total:.3f}%: LoRA rank {lo.rank} on "
-            f"{', '.join(lo.targets)}{extra}); the frozen layer matrices stored in "
-            f"{lo.base_dtype}")
 
 
 def schedule_notes(cfg: Config, workdir: str) -> list[str]:
