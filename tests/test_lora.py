@@ -11,6 +11,7 @@ one.
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -232,7 +233,8 @@ def test_steps_train_only_adapters():
 @pytest.fixture(scope="module")
 def lora_runs(checkpoints, tmp_path_factory):
     """train.py's loop on the Qwen3 base (init_from) with adapters: "full", 4 steps in one
-    go, and "split", stopped after step 2 and resumed to 4. Returns the runs' parent dir."""
+    go; "split", stopped after step 2 and resumed to 4; "moved", split's step 2 resumed on
+    one device instead of two. Returns the runs' parent dir."""
     if DEVICES[0].platform != "cpu":
         pytest.skip("trainer tests run on fake CPU devices")
     from ulysses_jax.training.trainer import train
@@ -243,19 +245,25 @@ def lora_runs(checkpoints, tmp_path_factory):
                                     over + [f"steps={steps}"])
     train(cfg(4), str(root / "full"), progress=False)
     train(cfg(2), str(root / "split"), progress=False)
+    shutil.copytree(root / "split", root / "moved")
     train(cfg(4), str(root / "split"), progress=False)
+    train(dataclasses.replace(cfg(4), mesh=dataclasses.replace(cfg(4).mesh, seq=1)),
+          str(root / "moved"), progress=False)
     return root
 
 
 def test_init_from_resume_keeps_base_bitwise(checkpoints, lora_runs):
-    """A run stopped at step 2 and resumed to 4 equals one run of 4 steps, and the final
-    checkpoint's frozen weights are bitwise the ones loaded from the base."""
+    """A run stopped at step 2 and resumed to 4 equals one run of 4 steps (also resumed on
+    another mesh, within rounding), and the final checkpoint's frozen weights are bitwise
+    the ones loaded from the base."""
     from ulysses_jax.export import read_params
     losses = {}
-    for run in ("full", "split"):
+    for run in ("full", "split", "moved"):
         with open(lora_runs / run / "metrics.jsonl") as f:
             losses[run] = [json.loads(line)["loss"] for line in f]
     assert len(losses["full"]) == 4 and losses["split"] == losses["full"], losses
+    # On another mesh the sums run in another order: equal within fp32 rounding.
+    np.testing.assert_allclose(losses["moved"], losses["full"], rtol=1e-5)
 
     mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
     _, loaded = load_params(checkpoints["qwen3"][0], mesh)
