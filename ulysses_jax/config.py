@@ -20,7 +20,7 @@ from .families import FAMILIES as _FAMILY_REGISTRY, traits
 from .head_layout import head_layout
 # The model section lives in model_config.py; its names are re-exported here.
 from .model_config import (LAYER_KINDS, MIXERS, ROPE_EXACT_FROM, ROPE_TYPES,  # noqa: F401
-                           ModelConfig, RopeScalingConfig, VisionConfig, model_errors,
+                           LORA_GROUPS, LORA_TARGETS, LoraConfig, ModelConfig, RopeScalingConfig, VisionConfig, model_errors,
                            moe_errors, rope_scaling_errors)
 
 DTYPES = ("float32", "bfloat16")
@@ -223,6 +223,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.mlp_chunk < 0:
         errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
     errors += model_errors(m)
+    if m.lora.rank and cfg.optimizer.offload:
+        errors.append(f"model.lora.rank {m.lora.rank} > 0 with optimizer.offload=true is not "
+                      f"supported yet: the adapters' optimizer state is small; set "
+                      f"optimizer.offload=false")
     if m.offload_checkpoints and m.remat != "full":
         errors.append(f"model.offload_checkpoints=true needs model.remat=full (the layer "
                       f"inputs are then the only checkpoints), got model.remat={m.remat!r}")

@@ -1,7 +1,11 @@
 """Export a training run to a Hugging Face directory that transformers loads as is.
 
     python -m ulysses_jax.export RUN_DIR --out HF_DIR [--step N] [--dtype float32|bfloat16]
-                                 [--max-shard-gb 5] [--arch llama|qwen3|...]
+                                 [--max-shard-gb 5] [--arch llama|qwen3|...] [--merge]
+
+A LoRA run (``model.lora.rank`` > 0) is written as a peft adapter directory
+(adapter_config.json, adapter_model.safetensors: ``export_adapter``), or with ``--merge`` as
+the full weights with the adapters merged in (W + s A B), as any run is written below.
 
 Reads RUN_DIR/config.yaml (the run's resolved config: the model, with its RoPE scaling, as the
 run trained it) and the parameters of checkpoint RUN_DIR/checkpoints/<step> (default the
@@ -108,10 +112,12 @@ def param_shapes(run_dir: str, step: int) -> dict[tuple, tuple[int, ...]]:
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree["params"])}
 
 
-def read_params(run_dir: str, step: int, *, by_layer: bool = False) -> Iterator[tuple]:
+def read_params(run_dir: str, step: int, *, by_layer: bool = False,
+                only=None) -> Iterator[tuple]:
     """Yields (path, parameter) for each parameter, one at a time.
 
     Args:
+      only: ``f(path) -> bool``: read only the parameters it picks (default all).
       by_layer: yield a ``LayerReader`` (``x[i]`` reads layer i of a stacked parameter) where
         the checkpoint's storage allows it, so that only one layer is in host memory;
         otherwise, and for every parameter without it, a float32 numpy array read by an
@@ -120,6 +126,8 @@ def read_params(run_dir: str, step: int, *, by_layer: bool = False) -> Iterator[
     import orbax.checkpoint as ocp
     with ocp.PyTreeCheckpointer() as c:
         for keys in param_shapes(run_dir, step):
+            if only is not None and not only(keys):
+                continue
             reader = open_param(run_dir, step, keys) if by_layer else None
             if reader is not None:
                 yield keys, reader
@@ -210,10 +218,83 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
     return shards + [current] if current else shards
 
 
+def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
+                   dtype: str = "float32") -> dict:
+    """Writes a LoRA run's adapters as a peft adapter directory: adapter_config.json (its
+    base_model_name_or_path is the run's init_from) and adapter_model.safetensors with peft's
+    tensor names and layout (``interop/peft.py``). Only the adapters are read.
+
+    Returns:
+      A summary: ``step``, ``files``, ``tensors``, ``bytes``.
+    Raises:
+      ExportError: not a LoRA run, or one that also trained groups an adapter cannot hold.
+    """
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    from .interop.peft import adapter_config, adapter_tensors
+    from .models.lora import is_adapter
+    cfg = run_config(run_dir)
+    lo = cfg.model.lora
+    if not lo.rank:
+        raise ExportError(f"run {run_dir} has no LoRA adapters (model.lora.rank 0)")
+    if lo.trainable:
+        raise ExportError(f"run {run_dir} also trained {list(lo.trainable)} "
+                          f"(model.lora.trainable), which this peft adapter export does not "
+                          f"write yet; export merged weights with --merge")
+    step = pick_step(run_dir, step)
+    _need_empty(out_dir)
+    params = {}
+    for keys, x in read_params(run_dir, step, only=is_adapter):
+        node = params
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = x
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    tensors = {k: v.astype(np_dtype) for k, v in adapter_tensors(cfg.model, params).items()}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config(cfg.model, cfg.init_from), f, indent=2, sort_keys=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    return {"step": step, "files": ["adapter_model.safetensors"], "tensors": len(tensors),
+            "bytes": sum(v.nbytes for v in tensors.values())}
+
+
+def _need_empty(out_dir: str) -> None:
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ExportError(f"--out {out_dir} is not an empty directory; pass a new or empty one "
+                          f"(an export never overwrites files)")
+
+
+def _merged_reader(run_dir: str, step: int, cfg):
+    """``read_params`` for the merged model of a LoRA run: each adapted weight comes back as
+    W + s A B (float32, one whole parameter at a time), the adapters themselves not at all."""
+    from .interop.peft import merge_weight
+    from .models import lora
+    adapters = {keys: x for keys, x in read_params(run_dir, step, only=lora.is_adapter)}
+    s = lora.scaling(cfg.model.lora)
+    attrs = {attr: t for t, (attr, _) in {**lora.ATTENTION, **lora.MLP}.items()}
+
+    def merged(keys, x):
+        target = attrs.get(keys[-1])
+        a_keys = keys[:-1] + (lora.names(target)[0],) if target else None
+        if a_keys not in adapters:
+            return x
+        return merge_weight(x, adapters[a_keys], adapters[keys[:-1] + (lora.names(target)[1],)],
+                            s)
+
+    for keys, x in read_params(run_dir, step, by_layer=True,
+                               only=lambda k: not lora.is_adapter(k)):
+        yield keys, merged(keys, x)
+
+
 def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
                dtype: str = "float32", max_shard_gb: float = 5.0, arch: str | None = None,
-               progress: bool = True) -> dict:
+               progress: bool = True, merge: bool = False) -> dict:
     """Writes a Hugging Face directory from a run's checkpoint (module docstring).
+
+    ``merge``: a LoRA run's adapters merged into the weights (required for a LoRA run here;
+    its adapters alone are ``export_adapter``'s).
 
     Returns:
       A summary: ``step``, ``files`` (the safetensors files), ``tensors``, ``bytes``,
@@ -231,10 +312,13 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     if not max_shard_gb > 0:
         raise ExportError(f"--max-shard-gb must be positive, got {max_shard_gb}")
     cfg = run_config(run_dir)
+    if cfg.model.lora.rank and not merge:
+        raise ExportError(f"run {run_dir} trained LoRA adapters: write them with "
+                          f"export_adapter, or merged weights with merge=True (--merge)")
+    if merge and not cfg.model.lora.rank:
+        raise ExportError(f"--merge needs a LoRA run; run {run_dir} has model.lora.rank 0")
     step = pick_step(run_dir, step)
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise ExportError(f"--out {out_dir} is not an empty directory; pass a new or empty one "
-                          f"(an export never overwrites files)")
+    _need_empty(out_dir)
     tokenizer, tokenizer_source = run_tokenizer(cfg)  # before anything is written
     try:
         hf = config_to_hf(cfg.model, arch, max_position_embeddings=cfg.seq_len)
@@ -246,6 +330,9 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     itemsize = np.dtype(np_dtype).itemsize
 
     shapes = param_shapes(run_dir, step)
+    if merge:  # the model without adapters (their weights come back merged)
+        from .models.lora import is_adapter
+        shapes = {k: v for k, v in shapes.items() if not is_adapter(k)}
     sizes = []  # (HF name, bytes) in the order the tensors are produced
     for keys, shape in shapes.items():
         names, n_in = _hf_names(keys, cfg.model)
@@ -264,7 +351,9 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
         json.dump(hf, f, indent=2, sort_keys=True)
     bar = _bar(len(sizes), progress)
     pending: dict[str, dict] = {f: {} for f in files}
-    for keys, x in read_params(run_dir, step, by_layer=True):
+    reader = (_merged_reader(run_dir, step, cfg) if merge else
+              read_params(run_dir, step, by_layer=True))
+    for keys, x in reader:
         for name, w in hf_tensors(cfg.model, keys, x):
             file = file_of[name]
             pending[file][name] = w.astype(np_dtype)
@@ -416,6 +505,9 @@ def parse_args(argv=None):
                    help="largest safetensors file, in GiB (default 5)")
     p.add_argument("--arch", help="transformers model_type (default: the one that fits)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA run: write the weights with the adapters merged in (default: "
+                        "a peft adapter directory)")
     return p.parse_args(argv)
 
 
@@ -429,9 +521,15 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
+        if not args.merge and run_config(args.run_dir).model.lora.rank:
+            summary = export_adapter(args.run_dir, args.out, step=args.step, dtype=args.dtype)
+            print(f"exported the LoRA adapters of step {summary['step']} of {args.run_dir} to "
+                  f"{args.out} (peft: adapter_config.json, adapter_model.safetensors): "
+                  f"{summary['tensors']} tensors, {summary['bytes'] / 2 ** 20:.2f} MiB")
+            return 0
         summary = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype,
                              max_shard_gb=args.max_shard_gb, arch=args.arch,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, merge=args.merge)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

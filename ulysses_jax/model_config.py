@@ -65,6 +65,31 @@ class VisionConfig:
     split: bool = True
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # models/lora.py: the projections
+LORA_GROUPS = ("embed", "norms", "head")  # extra parameter groups a LoRA run may train
+LORA_BASE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the dense projections (models/lora.py); rank 0 = off.
+
+    Each chosen projection W gets A [in, rank] and B [rank, out]: its output becomes
+    x W + s (x A) B with s = alpha / rank (alpha / sqrt(rank) with ``rslora``), B starting at
+    zero. Only the adapters and the ``trainable`` groups are trained; every other parameter
+    is frozen (no gradient, no optimizer state).
+    """
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0            # only 0.0: adapter dropout is not implemented
+    targets: tuple[str, ...] = LORA_TARGETS
+    rslora: bool = False            # s = alpha / sqrt(rank) (rank-stabilised LoRA)
+    # Extra groups trained in full (LongLoRA trains embeddings and norms): embed, norms, head.
+    trainable: tuple[str, ...] = ()
+    # Storage of the frozen layer matrices (the bulk of the weights); bfloat16 halves them.
+    base_dtype: str = "float32"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Decoder shape and runtime options (compute dtype, remat, kernels, chunking)."""
@@ -145,6 +170,7 @@ class ModelConfig:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
     vision: VisionConfig = field(default_factory=VisionConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def rope(self, kind: str) -> tuple[float, RopeScalingConfig]:
         """(RoPE base, scaling) of a layer of kind L (local) or G (global)."""
@@ -194,9 +220,50 @@ def _variant_errors(m: ModelConfig) -> list[str]:
                       f"model.sliding_window=0, got {m.sliding_window}")
     errors += _qwen3_next_errors(m)
     errors += _vision_errors(m)
+    errors += lora_errors(m)
     if not traits(m.family).experts and m.num_experts:
         errors.append(f"model.family={m.family} has no mixture-of-experts layers (the MoE block "
                       f"is Qwen3-MoE's); set model.num_experts=0, got {m.num_experts}")
+    return errors
+
+
+def lora_errors(m: ModelConfig) -> list[str]:
+    """Rules of the ``model.lora`` keys (none apply beyond the rank when it is 0)."""
+    lo = m.lora
+    if lo.rank < 0:
+        return [f"model.lora.rank must be 0 (off) or positive, got {lo.rank}"]
+    if lo.rank == 0:
+        return [] if not lo.trainable else [
+            f"model.lora.trainable {list(lo.trainable)} needs adapters: set model.lora.rank "
+            f"> 0 (with rank 0 every parameter is trained)"]
+    errors = []
+    if not lo.alpha > 0:
+        errors.append(f"model.lora.alpha must be positive, got {lo.alpha}")
+    if lo.dropout != 0.0:
+        errors.append(f"model.lora.dropout must be 0.0: adapter dropout is not implemented "
+                      f"yet, got {lo.dropout}")
+    bad = [t for t in lo.targets if t not in LORA_TARGETS]
+    if bad or not lo.targets or len(set(lo.targets)) != len(lo.targets):
+        errors.append(f"model.lora.targets {list(lo.targets)} must be a non-empty list of "
+                      f"distinct projections from {list(LORA_TARGETS)}")
+    bad = [g for g in lo.trainable if g not in LORA_GROUPS]
+    if bad:
+        errors.append(f"model.lora.trainable {list(lo.trainable)} has {bad}; the groups are "
+                      f"{list(LORA_GROUPS)}")
+    if "head" in lo.trainable and m.tie_embeddings:
+        errors.append("model.lora.trainable names 'head', but the head is the embedding "
+                      "(model.tie_embeddings=true): name 'embed' instead")
+    if lo.base_dtype not in LORA_BASE_DTYPES:
+        errors.append(f"model.lora.base_dtype must be one of {', '.join(LORA_BASE_DTYPES)}, "
+                      f"got {lo.base_dtype!r}")
+    # Phase 1 covers the dense attention and MLP projections of the llama and gemma blocks.
+    t = traits(m.family)
+    if t.linear_attention or t.vision:
+        errors.append(f"model.lora is not supported for model.family={m.family} yet (adapters "
+                      f"exist for the llama and gemma families); set model.lora.rank=0")
+    elif m.num_experts:
+        errors.append(f"model.lora is not supported with mixture-of-experts layers yet "
+                      f"(model.num_experts {m.num_experts}); set model.lora.rank=0")
     return errors
 
 

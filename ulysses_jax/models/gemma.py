@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from ..config import ModelConfig
 from ..mesh import act_spec, shard
+from . import lora
 from .layers import MLP, Attention, norm
 
 
@@ -45,6 +46,9 @@ class GemmaBlock(nnx.Module):
         self.mlp_norm = norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg, mesh, rngs=rngs)
         self.mlp_post_norm = norm(cfg, cfg.d_model)
+        # LoRA adapters (models/lora.py) drawn after every base weight: they leave those alone.
+        lora.attach(self.attn, lora.ATTENTION, cfg.lora, rngs)
+        lora.attach(self.mlp, lora.MLP, cfg.lora, rngs)
         self.mesh, self.chunk = mesh, cfg.mlp_chunk
 
     def __call__(self, x, positions, segment_ids, kind="G"):

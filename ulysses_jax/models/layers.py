@@ -19,6 +19,7 @@ from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..config import INT32_MAX, LAYER_KINDS, ModelConfig
 from ..mesh import act_spec
 from ..families import family
+from . import lora
 from .loss import largest_divisor_at_most
 from .norms import rms_norm
 from .rope import apply_rope
@@ -109,6 +110,18 @@ class Attention(nnx.Module):
         q = jnp.einsum("BSD,DNH->BSNH", x, gathered(self.wq[...], dt, mesh))
         k = jnp.einsum("BSD,DKH->BSKH", x, gathered(self.wk[...], dt, mesh))
         v = jnp.einsum("BSD,DKH->BSKH", x, gathered(self.wv[...], dt, mesh))
+        adapters = lora.adapters(self, lora.ATTENTION)  # {} unless model.lora.rank > 0
+
+        def adapt(y, target, spec, inputs):
+            """y + s (inputs A) B where ``target`` has an adapter (models/lora.py)."""
+            if target not in adapters:
+                return y
+            a, b = (gathered(w, dt, mesh) for w in adapters[target])
+            return y + lora.delta(spec, inputs, a, b, lora.scaling(cfg.lora))
+
+        q = adapt(q, "q", "BSD,DNH->BSNH", x)
+        k = adapt(k, "k", "BSD,DKH->BSKH", x)
+        v = adapt(v, "v", "BSD,DKH->BSKH", x)
         if self.bq is not None:
             q = q + gathered(self.bq[...], dt, mesh)
             k = k + gathered(self.bk[...], dt, mesh)
@@ -136,7 +149,8 @@ class Attention(nnx.Module):
             o = attend(kind, q, k, v)
         else:
             o = jax.lax.switch(kind, [partial(attend, c) for c in LAYER_KINDS], q, k, v)
-        return jnp.einsum("BSNH,NHD->BSD", o, gathered(self.wo[...], dt, mesh))
+        y = jnp.einsum("BSNH,NHD->BSD", o, gathered(self.wo[...], dt, mesh))
+        return adapt(y, "o", "BSNH,NHD->BSD", o)
 
 
 class MLP(nnx.Module):
@@ -152,10 +166,20 @@ class MLP(nnx.Module):
         self.cfg, self.mesh = cfg, mesh
 
     @staticmethod
-    def _mlp(x, w_gate, w_up, w_down, activation=jax.nn.silu):
-        gate = jnp.einsum("BSD,DF->BSF", x, w_gate)                                # [B, S, F]
-        up = jnp.einsum("BSD,DF->BSF", x, w_up)
-        return jnp.einsum("BSF,FD->BSD", activation(gate) * up, w_down)
+    def _mlp(x, w_gate, w_up, w_down, *adapted, activation=jax.nn.silu, targets=(), scale=0.0):
+        """``adapted``: A, B of each of ``targets`` in turn (LoRA, models/lora.py), flat so
+        that the token-chunk loop passes them like the weights; none without LoRA."""
+        adapters = dict(zip(targets, zip(adapted[0::2], adapted[1::2])))
+
+        def proj(spec, inputs, w, target):
+            y = jnp.einsum(spec, inputs, w)
+            if target in adapters:
+                y = y + lora.delta(spec, inputs, *adapters[target], scale)
+            return y
+
+        gate = proj("BSD,DF->BSF", x, w_gate, "gate")                              # [B, S, F]
+        up = proj("BSD,DF->BSF", x, w_up, "up")
+        return proj("BSF,FD->BSD", activation(gate) * up, w_down, "down")
 
     def __call__(self, x, norm: RMSNorm, post_norm: RMSNorm | None = None):
         """mlp(norm(x)), or post_norm(mlp(norm(x))) (Gemma's post-feedforward norm). With
@@ -167,17 +191,22 @@ class MLP(nnx.Module):
         weights = [gathered(w[...], dt, mesh) for w in (self.w_gate, self.w_up, self.w_down)]
         # The family's gate activation: SwiGLU, or GeGLU (tanh GELU) in the Gemma family.
         act = ACTIVATIONS[family(self.cfg.family).activation]
+        adapters = lora.adapters(self, lora.MLP)  # {} unless model.lora.rank > 0
+        mlp = MLP._mlp
+        if adapters:
+            weights += [gathered(w, dt, mesh) for ab in adapters.values() for w in ab]
+            mlp = partial(MLP._mlp, targets=tuple(adapters), scale=lora.scaling(self.cfg.lora))
         if not chunk or mesh is None:
-            y = self._mlp(norm(x), *weights, activation=act)                       # [B, S, D]
+            y = mlp(norm(x), *weights, activation=act)                       # [B, S, D]
             return y if post_norm is None else post_norm(y)
         eps = norm.eps
         if post_norm is None:
-            fn = lambda xc, s, *w: MLP._mlp(rms_norm(xc, s, eps), *w, activation=act)
+            fn = lambda xc, s, *w: mlp(rms_norm(xc, s, eps), *w, activation=act)
             scales = (norm.weight(mesh),)
         else:
             post_eps = post_norm.eps
             fn = lambda xc, s, s_post, *w: rms_norm(
-                MLP._mlp(rms_norm(xc, s, eps), *w, activation=act), s_post, post_eps)
+                mlp(rms_norm(xc, s, eps), *w, activation=act), s_post, post_eps)
             scales = (norm.weight(mesh), post_norm.weight(mesh))
         return _token_chunks(fn, x, (*scales, *weights), mesh, chunk)
 

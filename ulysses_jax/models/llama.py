@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 from ..config import ModelConfig
 from ..mesh import act_spec, shard
+from . import lora
 from .layers import MLP, Attention, norm
 from .moe import MoE
 
@@ -27,6 +28,10 @@ class Block(nnx.Module):
         self.attn_norm = norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, mesh, rngs=rngs, layout=layout, head_chunks=head_chunks)
         self._init_feed_forward(cfg, mesh, rngs, sparse)
+        # LoRA adapters (models/lora.py) drawn after every base weight: they leave those alone.
+        lora.attach(self.attn, lora.ATTENTION, cfg.lora, rngs)
+        if self.mlp is not None:
+            lora.attach(self.mlp, lora.MLP, cfg.lora, rngs)
 
     def _init_feed_forward(self, cfg: ModelConfig, mesh: Mesh | None, rngs: nnx.Rngs,
                            sparse: bool):

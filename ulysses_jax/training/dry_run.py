@@ -24,7 +24,7 @@ import time
 from .. import memory
 from ..config import Config
 from ..hlo import collective_counts
-from .train_step import make_train_step, param_count, state_layout
+from .train_step import make_train_step, param_count, state_layout, trainable_count
 from .resume import resolve_init_from
 from .trainer import (_abstract_batch, _xla_flops, build_mesh, chunk_notes,
                       model_flops_per_device)
@@ -89,8 +89,11 @@ def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
         standin = platform == "cpu"
     compiled_cfg = cfg
     if standin and cfg.model.dtype == "bfloat16":
-        compiled_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                                          dtype="float16"))
+        # LoRA's frozen weights stored in bf16 (model.lora.base_dtype) likewise as fp16.
+        lo = cfg.model.lora
+        lo = dataclasses.replace(lo, base_dtype="float16") if lo.base_dtype == "bfloat16" else lo
+        compiled_cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, dtype="float16", lora=lo))
     compiled, abstract = compile_step(compiled_cfg, mesh)
     mem = compiled.memory_analysis()
     peak = peak_bytes_per_device(compiled)
@@ -135,6 +138,8 @@ def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
         "argument_bytes": int(mem.argument_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
         "params": param_count(abstract["params"]),
+        # What gets gradients and optimizer state: all of them, or LoRA's (model.lora).
+        "trainable_params": trainable_count(cfg, abstract["params"]),
         "mesh": {"data": cfg.mesh.data, "ring": cfg.mesh.ring, "seq": cfg.mesh.seq},
         "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
         "compile_seconds": round(time.time() - t0, 2),

@@ -27,7 +27,9 @@ RUNTIME_FIELDS = ("dtype", "remat", "attn_impl", "loss_chunk", "vocab_parallel",
 DATA_KEYS = ("seed", "seq_len", "data.source", "data.tokenizer", "data.heldout_fraction",
              "data.chat_overflow")
 SHAPE_KEYS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
-                   if f.name not in RUNTIME_FIELDS)
+                   if f.name not in RUNTIME_FIELDS) + (
+    # LoRA's adapters, and which parameters carry optimizer state (model.lora)
+    "model.lora.rank", "model.lora.targets", "model.lora.trainable")
 
 
 def _runtime_options(cfg: Config) -> dict:
@@ -73,6 +75,8 @@ def resolve_init_from(cfg: Config, notes: list[str] | None = None, *,
                     os.path.join(cfg.init_from, "config.json")) else "")
         raise ConfigError(f"init_from {cfg.init_from!r}: {e}{hint}") from None
     model, changed = rope_overrides(cfg.model, model)
+    # The checkpoint is the base; adapters (model.lora) are the run's own.
+    model = dataclasses.replace(model, lora=cfg.model.lora)
     notes.extend(f"init_from: {line}" for line in changed)
     data = cfg.data
     tokenizer_json = os.path.join(cfg.init_from, "tokenizer.json")

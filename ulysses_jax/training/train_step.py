@@ -31,6 +31,7 @@ from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
 from ..families import family
 from ..models.moe import aux_loss
+from ..models import lora
 from ..models.param_layout import param_shardings
 
 
@@ -46,10 +47,13 @@ def state_layout(cfg: Config, mesh: Mesh):
     """Returns (graphdef, abstract state, state shardings, optimizer) without allocating."""
     tx = make_optimizer(cfg.optimizer, cfg.steps)
 
+    lo = cfg.model.lora
+
     def init():
         graphdef, params = nnx.split(build_model(cfg, mesh))
-        params = nnx.to_pure_dict(params)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        params = lora.store_base(nnx.to_pure_dict(params), lo)
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": tx.init(lora.trainable_params(params, lo))}
 
     abstract = jax.eval_shape(init)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, mesh)))
@@ -57,7 +61,9 @@ def state_layout(cfg: Config, mesh: Mesh):
     kind = "pinned_host" if cfg.optimizer.offload else None
     params_sh = param_shardings(abstract["params"], mesh, cfg.param_sharding, memory_kind=kind)
     replicated = NamedSharding(mesh, P())
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], params_sh,
+    # The optimizer state covers the trained parameters only (all of them without LoRA).
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"],
+                                   lora.trainable_params(params_sh, lo),
                                    transform_non_params=lambda _: replicated.with_memory_kind(
                                        kind) if kind else replicated)
     shardings = {"step": replicated, "params": params_sh, "opt_state": opt_sh}
@@ -70,16 +76,23 @@ def init_state(cfg: Config, mesh: Mesh, params: dict | None = None):
     """Creates the train state directly in its sharded layout.
 
     Args:
-      params: optional initial parameters (e.g. imported from Hugging Face) to start from.
+      params: optional initial parameters (e.g. imported from Hugging Face) to start from;
+        with LoRA (``model.lora``) the base model's, the adapters are initialised here.
     Returns:
       (graphdef, state, state shardings, optimizer).
     """
     graphdef, _, shardings, tx = state_layout(cfg, mesh)
+    lo = cfg.model.lora
 
     def init(params):
         if params is None:
             params = nnx.to_pure_dict(nnx.split(build_model(cfg, mesh))[1])
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        elif lo.rank:  # the loaded base, and fresh adapters (B = 0: the base's function)
+            fresh = nnx.to_pure_dict(nnx.split(build_model(cfg, mesh))[1])
+            params = lora.overlay(fresh, params)
+        params = lora.store_base(params, lo)
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": tx.init(lora.trainable_params(params, lo))}
 
     state = jax.jit(init, out_shardings=shardings)(params)
     return graphdef, state, shardings, tx
@@ -176,23 +189,31 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
     accum = cfg.grad_accum_steps
     in_batch = batch_shardings(mesh, cfg)
 
-    def micro_grads(params, micro, ce_weight, aux_weight):
-        (_, reported), grads = jax.value_and_grad(
-            lambda p: objective(graphdef, p, micro, mesh, (ce_weight, aux_weight)),
-            has_aux=True)(params)
-        return reported, grads
+    # With LoRA only the adapters (and model.lora.trainable) are differentiated and updated;
+    # the frozen parameters pass through the step untouched (models/lora.py).
+    lo = cfg.model.lora
 
     def step(state, batch):
         params = state["params"]
         if offload:
             params = _offloaded_params_for_compute(params, dtype, on_device)
+        trained = lora.trainable_params(params, lo)  # params itself without LoRA
+        full = (lambda t: lora.overlay(params, t)) if lo.rank else (lambda t: t)
+
+        def micro_grads(trained, micro, ce_weight, aux_weight):
+            (_, reported), grads = jax.value_and_grad(
+                lambda t: objective(graphdef, full(t), micro, mesh, (ce_weight, aux_weight)),
+                has_aux=True)(trained)
+            return reported, grads
+
         if accum == 1:
             (_, (loss, extra)), grads = jax.value_and_grad(
-                lambda p: objective(graphdef, p, batch, mesh), has_aux=True)(params)
+                lambda t: objective(graphdef, full(t), batch, mesh), has_aux=True)(trained)
         else:  # grad_accum_steps micro-batches in a scan (accumulate.py)
             loss, extra, grads = accumulated_grads(
-                micro_grads, params, batch, accum, mesh, in_batch,
-                shardings["params"] if offload else on_device, on_host=offload)
+                micro_grads, trained, batch, accum, mesh, in_batch,
+                shardings["params"] if offload else lora.trainable_params(on_device, lo),
+                on_host=offload)
         with jax.named_scope("optimizer"):
             if offload:  # gradients to the host (the layers' are there already), update there
                 grads = jax.device_put(grads, shardings["params"])
@@ -205,7 +226,8 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
                                                     state["params"], grad_norm)
                 grad_norm = jax.device_put(grad_norm, replicated)
             else:
-                params, opt_state, grad_norm = update(grads, state["opt_state"], params)
+                trained, opt_state, grad_norm = update(grads, state["opt_state"], trained)
+                params = full(trained)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **extra}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
@@ -249,3 +271,23 @@ def make_eval_step(mesh: Mesh, graphdef, shardings, cfg: Config | None = None) -
 
 def param_count(params: Any) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+def trainable_count(cfg: Config, params: Any) -> int:
+    """Parameters the run trains: all of them, or with LoRA the adapters and the groups
+    ``model.lora.trainable`` names."""
+    return param_count(lora.trainable_params(params, cfg.model.lora))
+
+
+def param_line(cfg: Config, params) -> str:
+    """The start-up line on the parameters: how many, and with LoRA how many are trained."""
+    total = param_count(params)
+    lo = cfg.model.lora
+    if not lo.rank:
+        return f"model: {total / 1e6:.2f}M parameters"
+    trained = trainable_count(cfg, params)
+    extra = f" and {', '.join(lo.trainable)}" if lo.trainable else ""
+    return (f"model: {total / 1e6:.2f}M parameters, {trained / 1e6:.4f}M trained "
+            f"({100 * trained / total:.3f}%: LoRA rank {lo.rank} on "
+            f"{', '.join(lo.targets)}{extra}); the frozen layer matrices stored in "
+            f"{lo.base_dtype}")

@@ -34,7 +34,7 @@ from ..config import Config, ConfigError, load_config, to_dict, to_yaml, validat
 from ..families import family
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
-from .train_step import (batch_shardings, make_eval_step, make_train_step, param_count,
+from .train_step import (batch_shardings, make_eval_step, make_train_step, param_line,
                          params_for_compute)
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices report no MFU.
@@ -310,7 +310,7 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
         if log.restart_at(start):
             _log(f"note: dropped the unfinished last line of {log.path} (a run stopped "
                  f"while writing it); step {start + 1} on is logged again")
-        _log(f"model: {param_count(state['params']) / 1e6:.2f}M parameters")
+        _log(param_line(cfg, state["params"]))
         if start >= cfg.steps:
             summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
         else:
