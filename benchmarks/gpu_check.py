@@ -29,6 +29,9 @@ finishes (a timeout keeps what ran); a failing section records its error and the
                    (grad_accum_steps=4) beside the plain step on one row and on all four at
                    once: time per step, tokens/s, peak bytes; loss and gradient norm against
                    the all-at-once step's (rows with different supervised counts; 1e-2).
+  lora             the same preset at 8k with LoRA (rank 16 on every projection, frozen layer
+                   matrices in bf16) beside the full step: time, tokens/s, peak bytes, trained
+                   parameters; the first step's losses are equal (B starts at 0).
   transformers     transformers' LlamaForCausalLM of the same shape (bf16, SDPA, gradient
                    checkpointing, forward+backward, no optimizer): tokens/s and peak memory.
   longest_8b       the longest sequence whose compiled 8B step fits this GPU (planner search;
@@ -427,6 +430,60 @@ def _accumulation(smoke: bool, steps: int = 3, k: int = 4) -> dict:
     return out
 
 
+def _lora(smoke: bool, steps: int = 5, rank: int = 16) -> dict:
+    """The 1B preset's step at 8k with LoRA (rank 16 on every projection, the frozen layer
+    matrices in bf16) beside the full fine-tuning step on the same packed row: time per step,
+    tokens/s, peak bytes in use, trained parameters and the first step's loss (equal: LoRA's
+    B starts at 0, so the first forward is the base model's)."""
+    import jax
+    import numpy as np
+    from ulysses_jax.config import load_config
+    from ulysses_jax.models import lora
+    from ulysses_jax.training.train_step import init_state, make_train_step, param_count
+    from ulysses_jax.training.trainer import build_mesh
+
+    s = 512 if smoke else 8192
+    toks = np.random.default_rng(0).integers(0, 512 if smoke else 128256, (1, s + 1))
+    seg, pos = _packed_segments(s, 4, seed=s)
+    mask = np.ones((1, s), np.float32)
+    mask[0, :-1][seg[0, 1:] != seg[0, :-1]] = 0
+    batch = {"tokens": toks[:, :-1].astype(np.int32), "targets": toks[:, 1:].astype(np.int32),
+             "loss_mask": mask, "segment_ids": seg, "positions": pos}
+    out = {}
+    for key, extra in (("full", []), ("lora", [f"model.lora.rank={rank}",
+                                               "model.lora.base_dtype=bfloat16"])):
+        over = [f"seq_len={s}", "batch_size=1", "mesh.data=1", "mesh.seq=1",
+                "param_sharding=replicated", "model.remat=save_dots", "model.max_segments=8",
+                *extra]
+        if smoke:
+            over += ["model.n_layers=1", "model.d_model=64", "model.ffn_dim=128",
+                     "model.vocab_size=512", "model.head_dim=8", "model.dtype=float32"]
+        try:
+            cfg = load_config(os.path.join(ROOT, "configs", "llama-1b-32k.yaml"), over)
+            mesh = build_mesh(cfg)
+            graphdef, state, sh, tx = init_state(cfg, mesh)
+            trained = param_count(lora.trainable_params(state["params"], cfg.model.lora))
+            compiled = make_train_step(cfg, mesh, graphdef, tx, sh).lower(state, batch).compile()
+            state, m = compiled(state, batch)
+            first_loss = float(m["loss"])
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, m = compiled(state, batch)
+            jax.block_until_ready(m["loss"])
+            dt = (time.perf_counter() - t0) / steps
+            stats = jax.devices()[0].memory_stats() or {}
+            out[key] = {"step_s": dt, "tokens_per_sec": s / dt, "first_loss": first_loss,
+                        "trained_params": trained, "params": param_count(state["params"]),
+                        "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+            del state, compiled
+        except Exception as e:  # noqa: BLE001 - out of memory, say
+            out[key] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        print(key, json.dumps(out[key])[:300], flush=True)
+    if "step_s" in out.get("full", {}) and "step_s" in out.get("lora", {}):
+        out["lora_over_full_time"] = out["lora"]["step_s"] / out["full"]["step_s"]
+    return out
+
+
 def _transformers(smoke: bool, steps: int = 5) -> dict:
     import torch
     import transformers
@@ -685,7 +742,7 @@ def _qwen2_5_vl(smoke: bool, repeats: int = 3) -> dict:
 
 
 SECTIONS = ("env", "attention_bf16", "packed_attention", "window_attention", "throughput",
-            "accumulation", "transformers", "longest_8b", "offload_8b", "qwen3_next", "qwen2_5_vl", "pytest")
+            "accumulation", "lora", "transformers", "longest_8b", "offload_8b", "qwen3_next", "qwen2_5_vl", "pytest")
 
 
 def main():
@@ -722,6 +779,7 @@ def main():
         "window_attention": lambda: _window_attention(args.smoke),
         "throughput": lambda: _throughput(args.smoke, args.remat.split(",")),
         "accumulation": lambda: _accumulation(args.smoke),
+        "lora": lambda: _lora(args.smoke),
         "transformers": lambda: _transformers(args.smoke),
         "longest_8b": lambda: _longest_8b(args.smoke),
         "offload_8b": lambda: _offload_8b(args.smoke, args.offload_seq_len),
