@@ -72,6 +72,23 @@ sys.path.insert(0, ROOT)
 
 # ----------------------------------------------------------------------------- helpers
 
+# --smoke: the 1B preset shrunk to a model that compiles and steps in seconds on a CPU.
+SMOKE_1B = ["model.n_layers=1", "model.d_model=64", "model.ffn_dim=128", "model.vocab_size=512",
+            "model.head_dim=8", "model.dtype=float32"]
+
+
+def _packed_row(rng, s: int, vocab: int, seed: int) -> dict:
+    """One training row [1, S] of random tokens (``rng``) packed with 4 documents (boundaries
+    from ``seed``); no target across a document boundary."""
+    import numpy as np
+    toks = rng.integers(0, vocab, (1, s + 1)).astype(np.int32)
+    seg, pos = _packed_segments(s, 4, seed=seed)
+    mask = np.ones((1, s), np.float32)
+    mask[0, :-1][seg[0, 1:] != seg[0, :-1]] = 0
+    return {"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": mask,
+            "segment_ids": seg, "positions": pos}
+
+
 def _packed_segments(s: int, docs: int, seed: int):
     """[1, S] ids 1..docs with random boundaries, and per-document positions [1, S]."""
     import numpy as np
@@ -328,21 +345,14 @@ def _throughput(smoke: bool, remat: list[str], steps: int = 5) -> dict:
             over = [f"seq_len={s}", "batch_size=1", "mesh.data=1", "mesh.seq=1",
                     "param_sharding=replicated", f"model.remat={policy}", "model.max_segments=8"]
             if smoke:
-                over += ["model.n_layers=1", "model.d_model=64", "model.ffn_dim=128",
-                         "model.vocab_size=512", "model.head_dim=8", "model.dtype=float32"]
+                over += SMOKE_1B
             key = f"seq{s}_{policy}"
             try:
                 cfg = load_config(os.path.join(ROOT, "configs", "llama-1b-32k.yaml"), over)
                 mesh = build_mesh(cfg)
                 graphdef, state, sh, tx = init_state(cfg, mesh)
                 step = make_train_step(cfg, mesh, graphdef, tx, sh)
-                rng = np.random.default_rng(0)
-                toks = rng.integers(0, cfg.model.vocab_size, (1, s + 1)).astype(np.int32)
-                seg, pos = _packed_segments(s, 4, seed=s)
-                mask = np.ones((1, s), np.float32)
-                mask[0, :-1][seg[0, 1:] != seg[0, :-1]] = 0  # no target across documents
-                batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": mask,
-                         "segment_ids": seg, "positions": pos}
+                batch = _packed_row(np.random.default_rng(0), s, cfg.model.vocab_size, s)
                 t0 = time.perf_counter()
                 compiled = step.lower(state, batch).compile()
                 compile_s = time.perf_counter() - t0
@@ -386,13 +396,9 @@ def _accumulation(smoke: bool, steps: int = 3, k: int = 4) -> dict:
     rng = np.random.default_rng(0)
     rows = []
     for r in range(k):
-        toks = rng.integers(0, 512 if smoke else 128256, (1, s + 1)).astype(np.int32)
-        seg, pos = _packed_segments(s, 4, seed=s + r)
-        mask = np.ones((1, s), np.float32)
-        mask[0, :-1][seg[0, 1:] != seg[0, :-1]] = 0
-        mask[0, : (r * s) // (2 * k)] = 0  # rows with different supervised counts
-        rows.append({"tokens": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": mask,
-                     "segment_ids": seg, "positions": pos})
+        row = _packed_row(rng, s, 512 if smoke else 128256, s + r)
+        row["loss_mask"][0, : (r * s) // (2 * k)] = 0  # rows with different supervised counts
+        rows.append(row)
     batches = {n: np.concatenate([r[n] for r in rows]) for n in rows[0]}
     out = {}
     for key, b, accum in (("plain_micro", 1, 1), ("accumulated", k, k), ("plain_global", k, 1)):
@@ -400,8 +406,7 @@ def _accumulation(smoke: bool, steps: int = 3, k: int = 4) -> dict:
                 "mesh.seq=1", "param_sharding=replicated", "model.remat=save_dots",
                 "model.max_segments=8"]
         if smoke:
-            over += ["model.n_layers=1", "model.d_model=64", "model.ffn_dim=128",
-                     "model.vocab_size=512", "model.head_dim=8", "model.dtype=float32"]
+            over += SMOKE_1B
         try:
             cfg = load_config(os.path.join(ROOT, "configs", "llama-1b-32k.yaml"), over)
             mesh = build_mesh(cfg)
@@ -443,12 +448,7 @@ def _lora(smoke: bool, steps: int = 5, rank: int = 16) -> dict:
     from ulysses_jax.training.trainer import build_mesh
 
     s = 512 if smoke else 8192
-    toks = np.random.default_rng(0).integers(0, 512 if smoke else 128256, (1, s + 1))
-    seg, pos = _packed_segments(s, 4, seed=s)
-    mask = np.ones((1, s), np.float32)
-    mask[0, :-1][seg[0, 1:] != seg[0, :-1]] = 0
-    batch = {"tokens": toks[:, :-1].astype(np.int32), "targets": toks[:, 1:].astype(np.int32),
-             "loss_mask": mask, "segment_ids": seg, "positions": pos}
+    batch = _packed_row(np.random.default_rng(0), s, 512 if smoke else 128256, s)
     out = {}
     for key, extra in (("full", []), ("lora", [f"model.lora.rank={rank}",
                                                "model.lora.base_dtype=bfloat16"])):
@@ -456,8 +456,7 @@ def _lora(smoke: bool, steps: int = 5, rank: int = 16) -> dict:
                 "param_sharding=replicated", "model.remat=save_dots", "model.max_segments=8",
                 *extra]
         if smoke:
-            over += ["model.n_layers=1", "model.d_model=64", "model.ffn_dim=128",
-                     "model.vocab_size=512", "model.head_dim=8", "model.dtype=float32"]
+            over += SMOKE_1B
         try:
             cfg = load_config(os.path.join(ROOT, "configs", "llama-1b-32k.yaml"), over)
             mesh = build_mesh(cfg)
