@@ -89,7 +89,7 @@ def fence(warn: bool = True) -> bool:
 
         def get_checked(*args, **kwargs):
             executable, compile_time = get(*args, **kwargs)
-            if executable is not None and _on_cpu(get_sig, args, kwargs):
+            if executable is not None and _on_cpu(get_sig.bind(*args, **kwargs).arguments):
                 pairs = unsafe_pairs(executable)
                 if pairs:
                     _keep_out(executable.hlo_modules()[0].name, pairs)
@@ -97,8 +97,8 @@ def fence(warn: bool = True) -> bool:
             return executable, compile_time
 
         def put_checked(*args, **kwargs):
-            if _on_cpu(put_sig, args, kwargs):
-                bound = put_sig.bind(*args, **kwargs).arguments
+            bound = put_sig.bind(*args, **kwargs).arguments
+            if _on_cpu(bound):
                 pairs = unsafe_pairs(bound["executable"])
                 if pairs:
                     _keep_out(bound.get("module_name", "a program"), pairs)
@@ -111,9 +111,9 @@ def fence(warn: bool = True) -> bool:
     return True
 
 
-def _on_cpu(signature, args, kwargs) -> bool:
-    backend = signature.bind(*args, **kwargs).arguments.get("backend")
-    return getattr(backend, "platform", None) == "cpu"
+def _on_cpu(arguments: dict) -> bool:
+    """Whether the bound arguments of a cache call name the CPU backend."""
+    return getattr(arguments.get("backend"), "platform", None) == "cpu"
 
 
 def _cache_off_on_cpu(warn: bool) -> bool:
