@@ -23,7 +23,7 @@ from conftest import DEVICES, need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, LoraConfig, load_config
 from ulysses_jax.hf import load_params
-from ulysses_jax.interop.peft import adapter_tensors, with_adapters
+from ulysses_jax.interop.peft import EXPERT_PARAMETERS, adapter_tensors, with_adapters
 from ulysses_jax.models import lora
 from ulysses_jax.models.decoder import Decoder
 from ulysses_jax.training.train_step import (batch_shardings, init_state, make_train_step,
@@ -45,10 +45,15 @@ CASES = {
     "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=False),
               LoraConfig(rank=R, alpha=6.0, rslora=True, targets=("q", "v", "o", "down")),
               (1, 2, 4)),
-    # The Gemma block (post-norms, GeGLU, softcaps, a sliding window) at one mesh size.
+    # The Gemma block (post-norms, GeGLU, softcaps, a sliding window).
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=20, sliding_window=16,
                                     attn_logit_softcapping=5.0, final_logit_softcapping=8.0),
-               LoraConfig(rank=R, alpha=4.0, targets=("k", "o", "gate", "up")), (2,)),
+               LoraConfig(rank=R, alpha=4.0, targets=("k", "o", "gate", "up")), (1, 2, 4)),
+    # Routed experts (peft's target_parameters on the fused gate_up_proj and down_proj), split
+    # over the devices (1 to 4 experts each).
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, norm_topk_prob=True),
+                  LoraConfig(rank=R, alpha=8.0, targets=("q", "o", "experts")), (1, 2, 4)),
 }
 
 
@@ -79,7 +84,9 @@ def checkpoints(tmp_path_factory):
         config = peft.LoraConfig(r=ours.rank, lora_alpha=ours.alpha, lora_dropout=0.0,
                                  use_rslora=ours.rslora,
                                  target_modules=[lora.HF_MODULES[t].split(".")[-1]
-                                                 for t in ours.targets])
+                                                 for t in ours.targets if t != "experts"],
+                                 target_parameters=(list(EXPERT_PARAMETERS)
+                                                    if "experts" in ours.targets else None))
         wrapped = peft.get_peft_model(model, config).eval()
         _randomize(wrapped, seed=100 + i, adapters_only=True)
         out[name] = (path, wrapped)
@@ -128,7 +135,8 @@ def test_matches_peft(checkpoints, name):
         mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
         # Softcapped attention runs in the chunked kernel only ("auto" picks it).
         base_cfg, base = load_params(path, mesh, attn_impl="auto" if name == "gemma2" else "xla")
-        cfg = dataclasses.replace(base_cfg, lora=CASES[name][2])
+        # (transformers' logits and loss leave out the MoE load-balancing term)
+        cfg = dataclasses.replace(base_cfg, lora=CASES[name][2], router_aux_loss_coef=0.0)
         graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, mesh=mesh,
                                                                    rngs=nnx.Rngs(0))))
         abstract = nnx.to_pure_dict(state)
@@ -153,7 +161,8 @@ def test_matches_peft(checkpoints, name):
         assert _rel(np.asarray(logits), want_logits) <= TOL, (name, p)
         assert abs(float(loss) - want_loss) / abs(want_loss) <= TOL, (name, p, loss, want_loss)
         got = adapter_tensors(cfg, grads)
-        assert sorted(got) == sorted(want_grads) and len(got) == 2 * 2 * len(cfg.lora.targets)
+        assert sorted(got) == sorted(want_grads) and len(got) == 2 * 2 * (
+            len(cfg.lora.targets) + ("experts" in cfg.lora.targets))
         for n, g in got.items():
             assert _rel(g, want_grads[n]) <= TOL, (name, p, n, _rel(g, want_grads[n]))
             checked += 1
@@ -287,7 +296,7 @@ def test_resume_with_other_adapters_is_refused(checkpoints, lora_runs):
 def test_export_adapter_loads_in_peft_and_merged(checkpoints, lora_runs, tmp_path):
     """The run's adapters exported as a peft directory: peft.PeftModel.from_pretrained on the
     base gives our logits; --merge gives weights transformers loads with the same logits."""
-    from ulysses_jax.export import export_adapter, export_run, read_params, run_config
+    from ulysses_jax.export import export_adapter, export_run
     run = str(lora_runs / "full")
     summary = export_adapter(run, str(tmp_path / "adapter"))
     assert summary["tensors"] == 2 * 2 * 7
@@ -298,12 +307,18 @@ def test_export_adapter_loads_in_peft_and_merged(checkpoints, lora_runs, tmp_pat
     assert sorted(conf["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     export_run(run, str(tmp_path / "merged"), merge=True, progress=False)
+    _exports_give_our_logits(run, 4, checkpoints["qwen3"][0], tmp_path)
 
+
+def _exports_give_our_logits(run: str, step: int, base: str, out) -> None:
+    """peft.PeftModel.from_pretrained(base, out/adapter) and transformers on out/merged give
+    the logits of our model with the run's parameters at ``step``."""
+    from ulysses_jax.export import read_params, run_config
     cfg = run_config(run).model
     mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
     params = {}
-    for keys, x in read_params(run, 4):
+    for keys, x in read_params(run, step):
         node = params
         for k in keys[:-1]:
             node = node.setdefault(int(k) if k.isdigit() else k, {})
@@ -317,12 +332,48 @@ def test_export_adapter_loads_in_peft_and_merged(checkpoints, lora_runs, tmp_pat
 
     with torch.no_grad():
         tok = torch.from_numpy(tokens).long()
-        peft_model = peft.PeftModel.from_pretrained(hf(checkpoints["qwen3"][0]),
-                                                    str(tmp_path / "adapter")).eval()
+        peft_model = peft.PeftModel.from_pretrained(hf(base), str(out / "adapter")).eval()
         via_peft = peft_model(tok).logits.numpy()
-        via_merge = hf(str(tmp_path / "merged"))(tok).logits.numpy()
+        via_merge = hf(str(out / "merged"))(tok).logits.numpy()
     assert _rel(via_peft, ours) <= TOL, _rel(via_peft, ours)
     assert _rel(via_merge, ours) <= TOL, _rel(via_merge, ours)
+
+
+@pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="trainer tests run on fake CPU devices")
+def test_moe_run_trains_experts_and_exports(checkpoints, tmp_path):
+    """Qwen3-MoE from its checkpoint, adapters on attention and every routed expert, experts
+    split over two devices: the loss falls, the frozen weights (experts included) stay
+    bitwise the loaded ones, and the adapter (peft's target_parameters) and --merge exports
+    give our logits in peft and transformers."""
+    from ulysses_jax.export import export_adapter, export_run, read_params
+    from ulysses_jax.training.trainer import train
+    base = checkpoints["qwen3_moe"][0]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), TRAIN + [
+        f"init_from={base}", "steps=4", "checkpoint_every=4", "optimizer.lr=0.02",
+        "model.lora.targets=[q,o,experts]", "model.router_aux_loss_coef=0.0"])
+    run = str(tmp_path / "run")
+    train(cfg, run, progress=False)
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    assert losses[-1] < losses[0], losses
+    mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
+    _, loaded = load_params(base, mesh)
+    loaded = dict(zip(_paths(loaded), jax.tree.leaves(_host(loaded))))
+    saved = dict(read_params(run, 4))
+    adapters = [k for k in saved if lora.is_adapter(k)]
+    assert len(adapters) == 2 * 4 and set(saved) == set(loaded) | set(adapters)
+    assert any(k[-1] == "w_gate" for k in loaded)
+    for keys, x in loaded.items():
+        assert np.array_equal(saved[keys], x), keys
+    assert all(np.any(saved[k] != 0) for k in adapters if k[-1].endswith("_b"))
+    summary = export_adapter(run, str(tmp_path / "adapter"))
+    assert summary["tensors"] == 2 * 2 * 4
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        conf = json.load(f)
+    assert conf["target_modules"] == ["o_proj", "q_proj"]
+    assert conf["target_parameters"] == list(EXPERT_PARAMETERS)
+    export_run(run, str(tmp_path / "merged"), merge=True, progress=False)
+    _exports_give_our_logits(run, 4, base, tmp_path)
 
 
 def test_export_cli_writes_an_adapter_and_refuses_what_it_cannot(lora_runs, tmp_path,

@@ -245,6 +245,13 @@ def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
     _need_empty(out_dir)
     params = {}
     for keys, x in read_params(run_dir, step, only=is_adapter):
+        if cfg.model.num_experts and "mlp" in keys:
+            raise ExportError(
+                f"run {run_dir} adapted the dense MLP layers of an MoE model ({keys[-1]} under "
+                f"model.mlp_only_layers {list(cfg.model.mlp_only_layers)}): peft reads the "
+                f"names gate_proj/up_proj/down_proj of such a model as its experts' fused "
+                f"weights, so this adapter cannot be written for peft; export merged weights "
+                f"with --merge")
         node = params
         for k in keys[:-1]:
             node = node.setdefault(k, {})
@@ -269,13 +276,22 @@ def _need_empty(out_dir: str) -> None:
 def _merged_reader(run_dir: str, step: int, cfg):
     """``read_params`` for the merged model of a LoRA run: each adapted weight comes back as
     W + s A B (float32, one whole parameter at a time), the adapters themselves not at all."""
-    from .interop.peft import merge_weight
+    from .interop.peft import merge_expert_weight, merge_weight
     from .models import lora
     adapters = {keys: x for keys, x in read_params(run_dir, step, only=lora.is_adapter)}
     s = lora.scaling(cfg.model.lora)
-    attrs = {attr: t for t, (attr, _) in {**lora.ATTENTION, **lora.MLP}.items()}
+    attrs = {attr: t for group in (lora.ATTENTION, lora.MLP, lora.SHARED)
+             for t, (attr, _) in group.items()}
+    experts = {w: (t, ws.index(w), len(ws)) for t, ws in lora.EXPERTS.items() for w in ws}
 
     def merged(keys, x):
+        if keys[-2:-1] == ("moe",) and keys[-1] in experts:  # routed experts: [L, E, in, out]
+            target, part, parts = experts[keys[-1]]
+            a_keys, b_keys = (keys[:-1] + (n,) for n in lora.names(target))
+            if a_keys not in adapters:
+                return x
+            return merge_expert_weight(np.asarray(x), adapters[a_keys], adapters[b_keys], s,
+                                       part, parts)
         target = attrs.get(keys[-1])
         a_keys = keys[:-1] + (lora.names(target)[0],) if target else None
         if a_keys not in adapters:

@@ -65,7 +65,9 @@ class VisionConfig:
     split: bool = True
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # models/lora.py: the projections
+# models/lora.py: the projections. gate/up/down: the dense MLP's and the shared expert's;
+# experts: every routed expert's fused gate_up and its down projection (MoE layers).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts")
 LORA_GROUPS = ("embed", "norms", "head")  # extra parameter groups a LoRA run may train
 LORA_BASE_DTYPES = ("float32", "bfloat16")
 
@@ -256,14 +258,11 @@ def lora_errors(m: ModelConfig) -> list[str]:
     if lo.base_dtype not in LORA_BASE_DTYPES:
         errors.append(f"model.lora.base_dtype must be one of {', '.join(LORA_BASE_DTYPES)}, "
                       f"got {lo.base_dtype!r}")
-    # Phase 1 covers the dense attention and MLP projections of the llama and gemma blocks.
+    # Adapters exist for the llama (dense and MoE) and gemma blocks.
     t = traits(m.family)
     if t.linear_attention or t.vision:
         errors.append(f"model.lora is not supported for model.family={m.family} yet (adapters "
                       f"exist for the llama and gemma families); set model.lora.rank=0")
-    elif m.num_experts:
-        errors.append(f"model.lora is not supported with mixture-of-experts layers yet "
-                      f"(model.num_experts {m.num_experts}); set model.lora.rank=0")
     return errors
 
 

@@ -6,6 +6,16 @@ layout) and ``...lora_B.weight`` ([out, R]); its scaling is lora_alpha / r (lora
 sqrt(r) with ``use_rslora``), as ours. Ours are A [in..., R] and B [R, out...] per layer,
 stacked over layers, so a peft A is our A flattened over its input dims and transposed, and
 likewise B.
+
+Routed experts (target "experts") are adapted as peft's ``target_parameters`` adapts
+transformers' stacked expert weights (``mlp.experts.gate_up_proj`` [E, 2F, D] and
+``mlp.experts.down_proj`` [E, D, F]): one ``ParamWrapper`` per parameter, the down
+projection's wrapping the gate_up's, so peft saves the gate_up adapter as
+``mlp.experts.base_layer.lora_A.weight`` and the down adapter as
+``mlp.experts.lora_A.weight``. Its lora_A is [R x E, in] (expert-major rows: row e R + r)
+and its lora_B [out, R x E] (expert-minor columns: column r E + e); delta W_e =
+s B[:, :, e] A[e]. Ours are A [E, in, R] and B [E, R, out] per layer, with B's gate_up
+columns [gate | up] as transformers' ``chunk(2)`` splits them.
 """
 from __future__ import annotations
 
@@ -36,9 +46,45 @@ def _adapter(keys: tuple) -> tuple[str, str] | None:
     return target, which.upper()
 
 
-def peft_name(layer: int, target: str, which: str) -> str:
-    """peft's saved name of one layer's adapter matrix ("A" or "B")."""
-    return f"{PEFT_PREFIX}model.layers.{layer}.{lora.HF_MODULES[target]}.lora_{which}.weight"
+# Our expert adapter -> peft's module path under a decoder layer (see the module docstring).
+EXPERT_MODULES = {"expert_gate_up": "mlp.experts.base_layer", "expert_down": "mlp.experts"}
+# ... and the transformers parameter each one adapts (adapter_config's target_parameters, in
+# the order peft wraps them: the first is innermost).
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def peft_name(layer: int, target: str, which: str, shared: bool = False) -> str:
+    """peft's saved name of one layer's adapter matrix ("A" or "B"); ``shared``: the MoE
+    layer's shared expert (``mlp.shared_expert.gate_proj`` ...)."""
+    if target in EXPERT_MODULES:
+        module = EXPERT_MODULES[target]
+    elif shared:
+        module = "mlp.shared_expert." + lora.HF_MODULES[target].split(".")[-1]
+    else:
+        module = lora.HF_MODULES[target]
+    return f"{PEFT_PREFIX}model.layers.{layer}.{module}.lora_{which}.weight"
+
+
+def _to_peft(w: np.ndarray, target: str, which: str) -> np.ndarray:
+    """One layer's A [in..., R] or B [R, out...] (experts: A [E, in, R], B [E, R, out]) in
+    peft's layout."""
+    if target in EXPERT_MODULES:
+        e, r = (w.shape[0], w.shape[-1]) if which == "A" else w.shape[:2]
+        if which == "A":                                               # -> [E R, in]
+            return w.transpose(0, 2, 1).reshape(e * r, -1)
+        return w.transpose(2, 1, 0).reshape(-1, r * e)                 # -> [out, R E]
+    return w.reshape(-1, w.shape[-1]).T if which == "A" else w.reshape(w.shape[0], -1).T
+
+
+def _from_peft(t: np.ndarray, target: str, which: str, shape: tuple) -> np.ndarray:
+    """``_to_peft``'s inverse: peft's tensor as one layer's matrix of ``shape``."""
+    if target in EXPERT_MODULES:
+        if which == "A":
+            e, n_in, r = shape
+            return t.reshape(e, r, n_in).transpose(0, 2, 1)
+        e, r, n_out = shape
+        return t.reshape(n_out, r, e).transpose(2, 1, 0)
+    return t.T.reshape(shape)
 
 
 def adapter_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -53,8 +99,8 @@ def adapter_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
         layers, _ = stacked_layer_indices(cfg, keys)
         x = np.asarray(jax.device_get(x), np.float32)
         for i, w in zip(layers, x, strict=True):  # w: A [in..., R] or B [R, out...]
-            w = w.reshape(-1, w.shape[-1]).T if which == "A" else w.reshape(w.shape[0], -1).T
-            out[peft_name(i, target, which)] = np.ascontiguousarray(w)
+            name = peft_name(i, target, which, shared="moe" in keys)
+            out[name] = np.ascontiguousarray(_to_peft(w, target, which))
     return out
 
 
@@ -72,9 +118,10 @@ def with_adapters(cfg: ModelConfig, params: dict, tensors: dict[str, np.ndarray]
         target, which = found
         layers, _ = stacked_layer_indices(cfg, keys)
         shape = x.shape[1:]
-        rows = [np.asarray(tensors[peft_name(i, target, which)], np.float32).T
-                for i in layers]                                  # [in, R] or [R, out]
-        return np.stack([r.reshape(shape) for r in rows])
+        return np.stack([_from_peft(np.asarray(tensors[peft_name(i, target, which,
+                                                                 shared="moe" in keys)],
+                                               np.float32), target, which, shape)
+                         for i in layers])
 
     out = {}
     for keys, x in _leaves(params):
@@ -88,11 +135,32 @@ def with_adapters(cfg: ModelConfig, params: dict, tensors: dict[str, np.ndarray]
 def adapter_config(cfg: ModelConfig, base_model: str | None) -> dict:
     """peft's adapter_config.json for the run's ``model.lora``."""
     lo = cfg.lora
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": lo.rank, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout,
-            "use_rslora": lo.rslora, "bias": "none", "fan_in_fan_out": False,
-            "target_modules": sorted(lora.HF_MODULES[t].split(".")[-1] for t in lo.targets),
-            "modules_to_save": None, "inference_mode": True, "init_lora_weights": True}
+    modules = [t for t in lo.targets if t in lora.HF_MODULES]
+    if cfg.num_experts:
+        # peft maps gate_proj / up_proj / down_proj of a transformers-5 MoE model onto its
+        # experts' fused weights, so those names may only stand for the shared expert's
+        # projections there; dense MLP layers of an MoE model cannot be named (export.py
+        # refuses such runs).
+        modules = [t for t in modules if t not in lora.MLP or cfg.moe_shared_ffn_dim]
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
+              "base_model_name_or_path": base_model,
+              "r": lo.rank, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout,
+              "use_rslora": lo.rslora, "bias": "none", "fan_in_fan_out": False,
+              "target_modules": sorted(lora.HF_MODULES[t].split(".")[-1] for t in modules),
+              "modules_to_save": None, "inference_mode": True, "init_lora_weights": True}
+    if "experts" in lo.targets and cfg.num_experts:
+        config["target_parameters"] = list(EXPERT_PARAMETERS)
+    return config
+
+
+def merge_expert_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float,
+                        part: int, parts: int) -> np.ndarray:
+    """W + s A B for stacked experts: w [L, E, in, out], a [L, E, in, R], b [L, E, R,
+    parts x out], of which B's ``part``-th block of columns (gate_up: 0 gate, 1 up) adapts w."""
+    n = w.shape[-1]
+    assert b.shape[-1] == parts * n, (b.shape, w.shape, parts)
+    ab = np.einsum("leir,lero->leio", a, b[..., part * n:(part + 1) * n])
+    return np.asarray(w, np.float32) + scale * ab
 
 
 def merge_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:

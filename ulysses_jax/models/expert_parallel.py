@@ -39,7 +39,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ..mesh import act_spec, num_devices
-from .routing import capacity, route, router_stats, swiglu
+from .lora import expert_swiglu
+from .routing import capacity, route, router_stats
 
 
 def expert_spec(ndim: int, mesh: Mesh) -> P:
@@ -67,9 +68,10 @@ def assign_slots(top_i, num_experts: int, slots: int):
     return jnp.where(keep, expert * slots + pos, num_experts * slots), keep
 
 
-def _local_moe(x, valid, w_router, w_gate, w_up, w_down, *, axes, n: int, top_k: int,
-               norm_topk_prob: bool, capacity_factor: float):
-    """One device's part (see the module docstring). x: [B/data, S/P, D] local tokens."""
+def _local_moe(x, valid, w_router, w_gate, w_up, w_down, *adapters, axes, n: int, top_k: int,
+               norm_topk_prob: bool, capacity_factor: float, scale: float = 0.0):
+    """One device's part (see the module docstring). x: [B/data, S/P, D] local tokens;
+    ``adapters``: this device's experts' LoRA matrices (``lora.expert_adapters``), or none."""
     b, s, d = x.shape
     t, el = b * s, w_gate.shape[0]
     e = el * n
@@ -83,7 +85,7 @@ def _local_moe(x, valid, w_router, w_gate, w_up, w_down, *, axes, n: int, top_k:
     send = send.reshape(n, el, c, d)
     recv = lax.all_to_all(send, axes, 0, 0, tiled=True) if n > 1 else send  # [N, El, C, D]
     h = recv.transpose(1, 0, 2, 3).reshape(el, n * c, d)                   # [El, N*C, D]
-    out = swiglu(h, w_gate, w_up, w_down, "ECD,EDF->ECF")                  # [El, N*C, D]
+    out = expert_swiglu(h, w_gate, w_up, w_down, adapters, scale)          # [El, N*C, D]
     out = out.reshape(el, n, c, d).transpose(1, 0, 2, 3)                   # [N, El, C, D]
     back = lax.all_to_all(out, axes, 0, 0, tiled=True) if n > 1 else out  # [N, El, C, D]
     got = jnp.take(back.reshape(e * c, d), slot, axis=0, mode="fill", fill_value=0)
@@ -98,7 +100,8 @@ def _local_moe(x, valid, w_router, w_gate, w_up, w_down, *, axes, n: int, top_k:
 
 
 def moe_experts(x, valid, w_router, w_gate, w_up, w_down, *, mesh: Mesh | None, top_k: int,
-                norm_topk_prob: bool, capacity_factor: float = 0.0):
+                norm_topk_prob: bool, capacity_factor: float = 0.0, adapters=(),
+                scale: float = 0.0):
     """The routed-experts output of every token, experts split over the mesh's devices.
 
     Args:
@@ -108,12 +111,17 @@ def moe_experts(x, valid, w_router, w_gate, w_up, w_down, *, mesh: Mesh | None, 
         dtype, split over the devices along E (``expert_spec``).
       mesh: the training mesh (None: one device, no collectives).
       top_k, norm_topk_prob: routing (moe.route); capacity_factor: moe.capacity.
+      adapters: LoRA on the experts (``lora.expert_adapters``: A, B of gate_up, A, B of
+        down, each [E, ...] split along E like the weights, in x's dtype), or (); scale: s.
     Returns:
       (y [B, S, D] like x, stats): stats as ``moe.router_stats``, summed over all devices.
     """
-    kw = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, capacity_factor=capacity_factor)
+    kw = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, capacity_factor=capacity_factor,
+              scale=scale)
+    adapters = tuple(adapters)
     if mesh is None:
-        return _local_moe(x, valid, w_router, w_gate, w_up, w_down, axes=(), n=1, **kw)
+        return _local_moe(x, valid, w_router, w_gate, w_up, w_down, *adapters, axes=(), n=1,
+                          **kw)
     axes, n = tuple(mesh.axis_names), num_devices(mesh)
     if w_gate.shape[0] % n:
         raise ValueError(f"num_experts {w_gate.shape[0]} is not divisible by the mesh's {n} "
@@ -121,6 +129,7 @@ def moe_experts(x, valid, w_router, w_gate, w_up, w_down, *, mesh: Mesh | None, 
     body = lambda *args: _local_moe(*args, axes=axes, n=n, **kw)
     ew = expert_spec(3, mesh)
     fn = jax.shard_map(body, mesh=mesh,
-                       in_specs=(act_spec(mesh, 1), act_spec(mesh), P(), ew, ew, ew),
+                       in_specs=(act_spec(mesh, 1), act_spec(mesh), P(), ew, ew, ew)
+                       + (ew,) * len(adapters),
                        out_specs=(act_spec(mesh, 1), P()))
-    return fn(x, valid, w_router, w_gate, w_up, w_down)
+    return fn(x, valid, w_router, w_gate, w_up, w_down, *adapters)

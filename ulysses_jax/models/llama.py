@@ -32,6 +32,8 @@ class Block(nnx.Module):
         lora.attach(self.attn, lora.ATTENTION, cfg.lora, rngs)
         if self.mlp is not None:
             lora.attach(self.mlp, lora.MLP, cfg.lora, rngs)
+        else:
+            lora.attach_moe(self.moe, cfg.lora, rngs)
 
     def _init_feed_forward(self, cfg: ModelConfig, mesh: Mesh | None, rngs: nnx.Rngs,
                            sparse: bool):

@@ -33,6 +33,14 @@ from ..config import LoraConfig
 # target -> (weight attribute, number of leading input dims of that weight)
 ATTENTION = {"q": ("wq", 1), "k": ("wk", 1), "v": ("wv", 1), "o": ("wo", 2)}
 MLP = {"gate": ("w_gate", 1), "up": ("w_up", 1), "down": ("w_down", 1)}
+# The shared expert of an MoE layer (Qwen3-Next) takes the MLP targets: peft's
+# target_modules gate_proj / up_proj / down_proj name its projections too.
+SHARED = {"gate": ("shared_gate", 1), "up": ("shared_up", 1), "down": ("shared_down", 1)}
+# Target "experts": each routed expert gets one adapter on its fused [gate | up] projection
+# and one on its down projection, as peft's ``target_parameters`` adapts transformers'
+# stacked expert weights (Qwen3MoeExperts.gate_up_proj [E, 2F, D], .down_proj [E, D, F]).
+# name -> (expert weights the adapter changes, in its B's column order)
+EXPERTS = {"expert_gate_up": ("w_gate", "w_up"), "expert_down": ("w_down",)}
 # target -> the Hugging Face module (peft's target_modules names) under a decoder layer
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
@@ -57,18 +65,61 @@ def attach(module: nnx.Module, weights: dict, lora: LoraConfig, rngs: nnx.Rngs) 
     weights a seed gives. No-op with rank 0.
     """
     for target in lora.targets if lora.rank else ():
-        if target not in weights:
+        if target not in weights or getattr(module, weights[target][0]) is None:
             continue
         attr, n_in = weights[target]
         shape = getattr(module, attr).shape
-        fan_in = math.prod(shape[:n_in])
-        bound = 1.0 / math.sqrt(fan_in)
-        a = jax.random.uniform(rngs.params(), (*shape[:n_in], lora.rank), jnp.float32,
-                               -bound, bound)                                  # [in..., R]
-        b = jnp.zeros((lora.rank, *shape[n_in:]), jnp.float32)                 # [R, out...]
-        name_a, name_b = names(target)
-        setattr(module, name_a, nnx.Param(a))
-        setattr(module, name_b, nnx.Param(b))
+        _add(module, target, rngs, shape[:n_in], (lora.rank,), shape[n_in:])
+
+
+def _add(module: nnx.Module, target: str, rngs: nnx.Rngs, ins: tuple, rank: tuple,
+         outs: tuple, lead: tuple = ()) -> None:
+    """Sets A [lead..., ins..., R] (peft's init: U(-1/sqrt(in), 1/sqrt(in))) and B
+    [lead..., R, outs...] = 0 on ``module``."""
+    bound = 1.0 / math.sqrt(math.prod(ins))
+    a = jax.random.uniform(rngs.params(), (*lead, *ins, *rank), jnp.float32, -bound, bound)
+    b = jnp.zeros((*lead, *rank, *outs), jnp.float32)
+    name_a, name_b = names(target)
+    setattr(module, name_a, nnx.Param(a))
+    setattr(module, name_b, nnx.Param(b))
+
+
+def attach_moe(moe: nnx.Module, lora: LoraConfig, rngs: nnx.Rngs) -> None:
+    """Adapters of an MoE layer (models/moe.py): the shared expert's (targets gate, up,
+    down, when it has one) and, with target "experts", every routed expert's: A [E, D, R]
+    and B [E, R, 2F] on [gate | up], A [E, F, R] and B [E, R, D] on down."""
+    attach(moe, SHARED, lora, rngs)
+    if not lora.rank or "experts" not in lora.targets:
+        return
+    e, d, f = moe.w_gate.shape
+    _add(moe, "expert_gate_up", rngs, (d,), (lora.rank,), (2 * f,), lead=(e,))
+    _add(moe, "expert_down", rngs, (f,), (lora.rank,), (d,), lead=(e,))
+
+
+def expert_adapters(moe: nnx.Module) -> list:
+    """[A, B of gate_up, A, B of down] stored values of an MoE layer's routed experts, or []."""
+    if not hasattr(moe, names("expert_gate_up")[0]):
+        return []
+    return [getattr(moe, n)[...] for t in EXPERTS for n in names(t)]
+
+
+def expert_swiglu(h, w_gate, w_up, w_down, adapters=(), scale: float = 0.0):
+    """The experts' SwiGLU on their slots, h [E, C, D] -> [E, C, D], with ``adapters``
+    (``expert_adapters``, in h's dtype) added to each expert's gate_up and down projections.
+    """
+    gate = jnp.einsum("ECD,EDF->ECF", h, w_gate)
+    up = jnp.einsum("ECD,EDF->ECF", h, w_up)
+    if adapters:
+        a_gu, b_gu, a_d, b_d = adapters
+        s = jnp.asarray(scale, h.dtype)
+        gu = jnp.einsum("ECR,ERG->ECG", jnp.einsum("ECD,EDR->ECR", h, a_gu), b_gu) * s
+        f = w_gate.shape[-1]
+        gate, up = gate + gu[..., :f], up + gu[..., f:]
+    act = jax.nn.silu(gate) * up                                               # [E, C, F]
+    y = jnp.einsum("ECF,EFD->ECD", act, w_down)
+    if adapters:
+        y = y + jnp.einsum("ECR,ERD->ECD", jnp.einsum("ECF,EFR->ECR", act, a_d), b_d) * s
+    return y
 
 
 def delta(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:

@@ -29,7 +29,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ..config import ModelConfig
+from . import lora
 from .expert_parallel import moe_experts
+from .layers import MLP
 from .layers import gathered as _gathered
 # The routing functions live in routing.py (expert_parallel.py uses them too); kept here
 # under their old names.
@@ -48,9 +50,12 @@ def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
 
 
 def is_expert_param(keys: tuple) -> bool:
-    """A parameter path (tuple of names) that holds expert weights with a leading E axis."""
+    """A parameter path (tuple of names) that holds expert weights with a leading E axis:
+    the experts' weights and their LoRA adapters (``lora.EXPERTS``)."""
     names = [str(k) for k in keys]
-    return len(names) >= 2 and names[-2] == "moe" and names[-1] in EXPERT_PARAMS
+    return len(names) >= 2 and names[-2] == "moe" and (
+        names[-1] in EXPERT_PARAMS
+        or names[-1] in {n for t in lora.EXPERTS for n in lora.names(t)})
 
 
 def aux_loss(stats: dict, num_experts: int) -> jax.Array:
@@ -124,13 +129,19 @@ class MoE(nnx.Module):
     def __call__(self, x, valid):
         dt, mesh, cfg = x.dtype, self.mesh, self.cfg
         experts = [w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down)]
+        adapters = [w.astype(dt) for w in lora.expert_adapters(self)]  # [] without LoRA
+        scale = lora.scaling(cfg.lora) if adapters else 0.0
         y, stats = moe_experts(x, valid, _gathered(self.router[...], dt, mesh), *experts,
                                mesh=mesh, top_k=cfg.num_experts_per_tok,
                                norm_topk_prob=cfg.norm_topk_prob,
-                               capacity_factor=cfg.moe_capacity_factor)
+                               capacity_factor=cfg.moe_capacity_factor,
+                               adapters=adapters, scale=scale)
         if self.shared_expert_gate is not None:
             ws = [_gathered(w[...], dt, mesh) for w in
                   (self.shared_gate, self.shared_up, self.shared_down, self.shared_expert_gate)]
             gate = jax.nn.sigmoid(jnp.einsum("BSD,DO->BSO", x, ws[3]))             # [B, S, 1]
-            y = y + gate * swiglu(x, *ws[:3], "BSD,DF->BSF")
+            shared = lora.adapters(self, lora.SHARED)  # {} without LoRA
+            flat = [_gathered(w, dt, mesh) for ab in shared.values() for w in ab]
+            y = y + gate * MLP._mlp(x, *ws[:3], *flat, targets=tuple(shared),
+                                    scale=lora.scaling(cfg.lora) if shared else 0.0)
         return y, stats
