@@ -161,8 +161,7 @@ def test_matches_peft(checkpoints, name):
         assert _rel(np.asarray(logits), want_logits) <= TOL, (name, p)
         assert abs(float(loss) - want_loss) / abs(want_loss) <= TOL, (name, p, loss, want_loss)
         got = adapter_tensors(cfg, grads)
-        assert sorted(got) == sorted(want_grads) and len(got) == 2 * 2 * (
-            len(cfg.lora.targets) + ("experts" in cfg.lora.targets))
+        assert sorted(got) == sorted(want_grads)
         for n, g in got.items():
             assert _rel(g, want_grads[n]) <= TOL, (name, p, n, _rel(g, want_grads[n]))
             checked += 1
@@ -430,7 +429,6 @@ def test_token_chunked_mlp_equals_unchunked():
     (["model.lora.trainable=[embed]"], r"needs adapters: set model.lora.rank > 0"),
     (["model.lora.rank=4", "model.lora.base_dtype=float16"], r"model.lora.base_dtype must be"),
     (["model.lora.rank=4", "model.family=qwen3_next"], r"model.family=qwen3_next yet"),
-    (["model.lora.rank=4", "model.num_experts=8"], r"mixture-of-experts layers yet \(model.num"),
     (["model.lora.rank=4", "optimizer.offload=true"], r"optimizer.offload=true is not supported"),
     (["model.lora=4"], r"must hold keys such as model.lora.<key>"),
     (["model.lora.rnk=4"], r"model.lora.rnk"),
