@@ -99,6 +99,8 @@ class Config:
     keep_checkpoints: int = 3
     param_sharding: str = "replicated"  # replicated | zero3 (over data x seq devices)
     init_from: Optional[str] = None     # Hugging Face checkpoint dir
+    init_adapter: Optional[str] = None  # peft LoRA adapter dir to continue (on init_from's
+    #                                     base; model.lora must match its adapter_config.json)
     gpu_overlap: bool = True        # GPU: XLA latency-hiding scheduler (see train.py)
     log_tensorboard: bool = True    # TensorBoard event files beside metrics.jsonl
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -227,6 +229,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         errors.append(f"model.lora.rank {m.lora.rank} > 0 with optimizer.offload=true is not "
                       f"supported yet: the adapters' optimizer state is small; set "
                       f"optimizer.offload=false")
+    if cfg.init_adapter and not (cfg.init_from and m.lora.rank):
+        errors.append(f"init_adapter {cfg.init_adapter!r} needs the base model it adapts "
+                      f"(init_from, got {cfg.init_from!r}) and adapters to load it into "
+                      f"(model.lora.rank > 0 as the adapter's r, got {m.lora.rank})")
     if m.offload_checkpoints and m.remat != "full":
         errors.append(f"model.offload_checkpoints=true needs model.remat=full (the layer "
                       f"inputs are then the only checkpoints), got model.remat={m.remat!r}")

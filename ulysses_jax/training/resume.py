@@ -1,5 +1,5 @@
 """Where a run's weights come from: its own newest good checkpoint, a Hugging Face checkpoint
-(``init_from``), or a fresh initialisation.
+(``init_from``, with a peft adapter to continue: ``init_adapter``), or a fresh initialisation.
 
 Resuming restores the newest checkpoint that restores (damaged newer ones are moved aside, see
 ``checkpoint.Checkpointer.restore_newest``) and refuses, with a ``ConfigError`` that names the
@@ -15,6 +15,7 @@ import os
 from .checkpoint import Checkpointer, IncompatibleCheckpoint, NoCheckpointRestores
 from .run_dir import RunError
 from .train_step import init_state, state_layout
+from ..models import lora
 from ..config import (Config, ConfigError, ModelConfig, RopeScalingConfig, to_dict,
                       validate)
 
@@ -131,6 +132,21 @@ def initial_params(cfg: Config, mesh):
         raise ConfigError(f"init_from {cfg.init_from!r}: {e}") from None
 
 
+def initial_adapters(cfg: Config, params: dict) -> tuple[dict | None, list[str]]:
+    """The ``init_adapter`` directory's LoRA matrices in our layout (host float32), checked
+    against the run's ``model.lora`` and the shapes of ``params``; (None, []) without one.
+
+    Returns:
+      (the adapter leaves, to overlay on ``initial_params``; lines for the start-up log).
+    Raises:
+      ConfigError: the adapter does not fit, naming the rule and the numbers.
+    """
+    if not cfg.init_adapter:
+        return None, []
+    from ..interop.peft_adapter import load_adapter  # lazy: only continuing an adapter needs it
+    return load_adapter(cfg, params)
+
+
 def start_state(cfg: Config, mesh, ckpt: Checkpointer, batches) -> tuple[int, tuple, str]:
     """Resumes from the newest checkpoint that restores and fits, or initialises.
 
@@ -163,14 +179,20 @@ def start_state(cfg: Config, mesh, ckpt: Checkpointer, batches) -> tuple[int, tu
                        f"directories out of {ckpt.directory} (or pass another --workdir) to "
                        f"start afresh") from None
     if found is None:
+        adapters, lines = initial_adapters(cfg, abstract["params"])  # checked before the base
         params = initial_params(cfg, mesh)
+        if adapters:
+            params = lora.overlay(params, adapters)
         note = (f"initialised from Hugging Face checkpoint {cfg.init_from}" if cfg.init_from
                 else "initialised from scratch")
-        return 0, init_state(cfg, mesh, params), note
+        return 0, init_state(cfg, mesh, params), "\n".join([note] + lines)
     step, state, _, moved = found
     note = (f"warning: checkpoint {'; '.join(moved)} did not restore and was moved aside "
             f"(kept, not deleted); resumed from step {step}" if moved else
             f"resumed from step {step} ({ckpt.directory})")
+    if cfg.init_adapter:
+        note += (f"; init_adapter {cfg.init_adapter!r} not read: the checkpoint holds the "
+                 f"adapters trained since")
     if step >= cfg.steps:
         note += (f"\nthis run already reached step {step} (steps={cfg.steps}); pass a larger "
                  f"steps=N to train further")

@@ -1,0 +1,244 @@
+"""A peft LoRA adapter directory as the adapters a run starts from (``init_adapter``).
+
+peft's ``save_pretrained`` writes adapter_config.json (r, lora_alpha, use_rslora,
+target_modules, ...) and adapter_model.safetensors (names and layout: interop/peft.py). The
+run's ``model.lora`` must describe the same adapters: r, lora_alpha, use_rslora and the
+targets are compared, not adopted, so the run's config.yaml (what a resume and an export read)
+says what was trained. Features our adapters do not have (DoRA, biases, modules_to_save,
+per-layer ranks or alphas, a subset of layers, ...) are refused by their peft key; so are
+adapters of an initialisation that also changes the base (PiSSA, OLoRA, CorDA, LoftQ), which
+belong to that changed base and not to ``init_from``'s. Only safetensors files are read.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import ml_dtypes  # noqa: F401  registers numpy's "bfloat16" so safetensors can read bf16 files
+import numpy as np
+from safetensors import safe_open
+
+from ..config import Config, ConfigError, LoraConfig, ModelConfig
+from ..models import lora
+from ..models.decoder import stacked_layer_indices
+from .peft import _adapter, _leaves, peft_name, with_adapters
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# peft LoraConfig keys of features our adapters lack: refused when set (true or non-empty).
+UNSUPPORTED = ("use_dora", "lora_bias", "modules_to_save", "rank_pattern", "alpha_pattern",
+               "fan_in_fan_out", "layers_to_transform", "exclude_modules", "target_parameters",
+               "trainable_token_indices", "layer_replication", "use_qalora",
+               "alora_invocation_tokens", "megatron_config", "arrow_config", "use_bdlora")
+# init_lora_weights methods that rewrite the base weights too (W - B A, or a quantised W).
+BASE_CHANGING = ("pissa", "olora", "corda", "loftq")
+_EXAMPLES = 3  # names quoted in a message about many tensors
+
+
+def read_adapter_config(path: str) -> dict:
+    """The directory's adapter_config.json.
+
+    Raises:
+      ConfigError: no such directory or file, a .bin-only adapter, or not a JSON object.
+    """
+    where = f"init_adapter {path!r}"
+    if not os.path.isdir(path):
+        raise ConfigError(f"{where}: not a directory (a peft adapter directory holds "
+                          f"{CONFIG_FILE} and {WEIGHTS_FILE}, as save_pretrained writes them)")
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise ConfigError(f"{where}: has no {CONFIG_FILE}; is it a peft adapter directory?")
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        bin_only = os.path.isfile(os.path.join(path, "adapter_model.bin"))
+        raise ConfigError(f"{where}: has no {WEIGHTS_FILE}" + (
+            " (only adapter_model.bin, a pickle, which is not read: save it again with peft, "
+            "PeftModel.from_pretrained(base, DIR).save_pretrained(OUT, "
+            "safe_serialization=True))" if bin_only else ""))
+    try:
+        with open(file) as f:
+            conf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: {CONFIG_FILE} cannot be read ({e})") from None
+    if not isinstance(conf, dict):
+        raise ConfigError(f"{where}: {CONFIG_FILE} must hold a JSON object, got "
+                          f"{type(conf).__name__}")
+    return conf
+
+
+def adapter_targets(conf: dict, n_layers: int) -> tuple[list[str], list[str]]:
+    """Our targets (models/lora.py) that peft's ``target_modules`` selects in every layer,
+    and the problems: entries that name no projection of ours, or a regular expression that
+    selects a projection in some layers only.
+
+    ``target_modules`` is a list of module names, each matching a module whose dotted name
+    ends with it (``q_proj``, ``self_attn.q_proj``); "all-linear"; or a regular expression
+    matched against the whole name (``model.layers.0.self_attn.q_proj``), as peft matches.
+    """
+    given = conf.get("target_modules")
+    if given == "all-linear":
+        return list(lora.HF_MODULES), []
+    if isinstance(given, str):
+        out, problems = [], []
+        for t, module in lora.HF_MODULES.items():
+            hits = [i for i in range(n_layers)
+                    if re.fullmatch(given, f"model.layers.{i}.{module}")]
+            if len(hits) == n_layers:
+                out.append(t)
+            elif hits:
+                problems.append(f"target_modules {given!r} selects {module} in layers "
+                                f"{hits} of {n_layers} only (layer-specific adapters are not "
+                                f"supported)")
+        return out, problems
+    if not isinstance(given, list) or not given:
+        return [], [f"target_modules must be a non-empty list or a string, got {given!r}"]
+    out, unknown = [], []
+    for entry in given:
+        parts = str(entry).split(".")
+        hits = [t for t, m in lora.HF_MODULES.items() if m.split(".")[-len(parts):] == parts]
+        out += [t for t in hits if t not in out]
+        if not hits:
+            unknown.append(entry)
+    problems = [f"target_modules {unknown} are not projections our adapters cover "
+                f"({', '.join(m.split('.')[-1] for m in lora.HF_MODULES.values())})"] \
+        if unknown else []
+    return [t for t in lora.HF_MODULES if t in out], problems
+
+
+def config_errors(conf: dict, lo: LoraConfig, n_layers: int) -> list[str]:
+    """What in adapter_config.json differs from ``model.lora`` or cannot be expressed."""
+    if conf.get("peft_type") != "LORA":
+        return [f"peft_type is {conf.get('peft_type')!r}; only LORA adapters are read"]
+    errors = [f"{key} {conf[key]!r} is not supported (our adapters have no such feature)"
+              for key in UNSUPPORTED if conf.get(key)]
+    if conf.get("bias", "none") != "none":
+        errors.append(f"bias {conf['bias']!r} is not supported (adapters without biases "
+                      f"only: bias 'none')")
+    init = conf.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING):
+        errors.append(f"init_lora_weights {init!r} also rewrote the base weights, so the "
+                      f"adapter belongs to that rewritten base, not to init_from's (save it "
+                      f"converted with peft's path_initial_model_for_weight_conversion)")
+    targets, problems = adapter_targets(conf, n_layers)
+    errors += problems
+    fixes = []
+    for key, theirs, ours, fix in (
+            ("r", conf.get("r"), lo.rank, f"model.lora.rank={conf.get('r')}"),
+            ("lora_alpha", conf.get("lora_alpha"), lo.alpha,
+             f"model.lora.alpha={conf.get('lora_alpha')}"),
+            ("use_rslora", bool(conf.get("use_rslora", False)), lo.rslora,
+             f"model.lora.rslora={str(bool(conf.get('use_rslora'))).lower()}")):
+        if not isinstance(theirs, (int, float)) or float(theirs) != float(ours):
+            ours_key = {"r": "rank", "lora_alpha": "alpha", "use_rslora": "rslora"}[key]
+            errors.append(f"{key} {theirs!r} there, model.lora.{ours_key} {ours!r} here")
+            fixes.append(fix)
+    if targets and set(targets) != set(lo.targets):
+        errors.append(f"target_modules {conf.get('target_modules')!r} (our targets "
+                      f"{targets}) there, model.lora.targets {list(lo.targets)} here")
+        fixes.append(f"model.lora.targets=[{','.join(targets)}]")
+    if fixes:
+        errors.append(f"run with {' '.join(fixes)} to continue this adapter")
+    return errors
+
+
+def expected_shapes(cfg: ModelConfig, params: dict) -> dict[str, tuple[int, ...]]:
+    """peft name -> shape of every adapter matrix the parameter tree ``params`` (arrays or
+    ShapeDtypeStructs) holds: lora_A [R, in], lora_B [out, R] (``adapter_tensors``' layout)."""
+    out = {}
+    for keys, x in _leaves(params):
+        found = _adapter(keys)
+        if found is None:
+            continue
+        target, which = found
+        layers, _ = stacked_layer_indices(cfg, keys)
+        inner = tuple(x.shape[1:])  # A [in..., R] or B [R, out...]
+        shape = ((inner[-1], math.prod(inner[:-1])) if which == "A"
+                 else (math.prod(inner[1:]), inner[0]))
+        out.update({peft_name(i, target, which): shape for i in layers})
+    return out
+
+
+def tensor_errors(expected: dict[str, tuple], given: dict[str, tuple]) -> list[str]:
+    """Missing, extra and misshapen tensors (names and shapes both ways)."""
+    def some(names):
+        names = sorted(names)
+        return ", ".join(names[:_EXAMPLES]) + (f", ... ({len(names)} in all)"
+                                                if len(names) > _EXAMPLES else "")
+    errors = []
+    missing, extra = set(expected) - set(given), set(given) - set(expected)
+    if missing:
+        errors.append(f"{WEIGHTS_FILE} lacks {len(missing)} of the {len(expected)} tensors "
+                      f"model.lora needs: {some(missing)}")
+    if extra:
+        errors.append(f"{WEIGHTS_FILE} holds {len(extra)} tensors model.lora has no place "
+                      f"for: {some(extra)}")
+    bad = sorted(n for n in set(expected) & set(given) if tuple(given[n]) != expected[n])
+    errors += [f"tensor {n} is {list(given[n])} there, {list(expected[n])} expected (an "
+               f"adapter of another base model?)" for n in bad[:_EXAMPLES]]
+    if len(bad) > _EXAMPLES:
+        errors.append(f"{len(bad) - _EXAMPLES} more tensors of other shapes")
+    return errors
+
+
+def load_adapter(cfg: Config, params: dict) -> tuple[dict, list[str]]:
+    """The adapters of ``cfg.init_adapter``, checked against ``cfg.model`` and the parameter
+    tree ``params`` (its shapes are enough: ``state_layout``'s abstract parameters).
+
+    Returns:
+      (the adapter leaves only, as a nested dict of host float32 arrays in our layout, to
+      ``lora.overlay`` on the base; lines for the start-up log).
+    Raises:
+      ConfigError: naming the rule and the numbers (see ``config_errors``,
+        ``tensor_errors``).
+    """
+    path = cfg.init_adapter
+    where = f"init_adapter {path!r}"
+    conf = read_adapter_config(path)
+    errors = config_errors(conf, cfg.model.lora, cfg.model.n_layers)
+    if errors:
+        raise ConfigError(f"{where}: its {CONFIG_FILE} does not fit model.lora: "
+                          f"{'; '.join(errors)}")
+    expected = expected_shapes(cfg.model, params)
+    file = os.path.join(path, WEIGHTS_FILE)
+    try:
+        with safe_open(file, framework="np") as f:
+            given = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+            errors = tensor_errors(expected, given)
+            if errors:
+                raise ConfigError(f"{where}: {'; '.join(errors)}")
+            tensors = {n: np.asarray(f.get_tensor(n), np.float32) for n in expected}
+    except ConfigError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ConfigError(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file "
+                          f"({e})") from None
+    loaded = with_adapters(cfg.model, params, tensors)
+    notes = [f"init_adapter: {len(tensors)} LoRA tensors from {path} (r {conf['r']}, "
+             f"lora_alpha {conf['lora_alpha']} on {', '.join(cfg.model.lora.targets)})"]
+    base = conf.get("base_model_name_or_path")
+    if base and _name(base) != _name(cfg.init_from):
+        notes.append(f"warning: init_adapter {path!r} was saved for base model {base!r}, "
+                     f"but init_from is {cfg.init_from!r}; the shapes fit, so it is loaded "
+                     f"(check that this is the same model)")
+    if conf.get("lora_dropout"):
+        notes.append(f"init_adapter: trained with lora_dropout {conf['lora_dropout']}; this "
+                     f"run trains without adapter dropout (model.lora.dropout 0.0)")
+    return _adapters_only(loaded), notes
+
+
+def _name(path: str) -> str:
+    """A checkpoint's name: the last part of a local path or a hub id."""
+    return os.path.basename(os.path.normpath(path))
+
+
+def _adapters_only(params: dict) -> dict:
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            sub = _adapters_only(v)
+            if sub:
+                out[k] = sub
+        elif lora.is_adapter((k,)):
+            out[k] = v
+    return out
