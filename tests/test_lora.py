@@ -373,6 +373,17 @@ def test_moe_run_trains_experts_and_exports(checkpoints, tmp_path):
     assert conf["target_parameters"] == list(EXPERT_PARAMETERS)
     export_run(run, str(tmp_path / "merged"), merge=True, progress=False)
     _exports_give_our_logits(run, 4, base, tmp_path)
+    # init_adapter reads the exported directory back to the adapters the run saved.
+    from ulysses_jax.interop.peft_adapter import load_adapter
+    from ulysses_jax.training.train_step import state_layout
+    from ulysses_jax.export import run_config
+    again = dataclasses.replace(run_config(run), init_adapter=str(tmp_path / "adapter"))
+    _, abstract, _, _ = state_layout(again, make_mesh(seq=2, data=1, devices=need_devices(2)))
+    read, _ = load_adapter(again, abstract["params"])
+    read = dict(zip(_paths(read), jax.tree.leaves(read)))
+    assert sorted(read) == sorted(adapters)
+    for keys in adapters:
+        np.testing.assert_array_equal(read[keys], saved[keys])
 
 
 def test_export_cli_writes_an_adapter_and_refuses_what_it_cannot(lora_runs, tmp_path,

@@ -19,6 +19,8 @@ columns [gate | up] as transformers' ``chunk(2)`` splits them.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 
@@ -49,7 +51,8 @@ def _adapter(keys: tuple) -> tuple[str, str] | None:
 # Our expert adapter -> peft's module path under a decoder layer (see the module docstring).
 EXPERT_MODULES = {"expert_gate_up": "mlp.experts.base_layer", "expert_down": "mlp.experts"}
 # ... and the transformers parameter each one adapts (adapter_config's target_parameters, in
-# the order peft wraps them: the first is innermost).
+# the order peft wraps them, the order Qwen3MoeExperts defines them: the first is innermost,
+# whatever order a config lists them in).
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
@@ -74,6 +77,16 @@ def _to_peft(w: np.ndarray, target: str, which: str) -> np.ndarray:
             return w.transpose(0, 2, 1).reshape(e * r, -1)
         return w.transpose(2, 1, 0).reshape(-1, r * e)                 # -> [out, R E]
     return w.reshape(-1, w.shape[-1]).T if which == "A" else w.reshape(w.shape[0], -1).T
+
+
+def peft_shape(target: str, which: str, shape: tuple) -> tuple[int, int]:
+    """peft's shape of one layer's A or B of ``shape`` (``_to_peft``'s result's shape)."""
+    if target in EXPERT_MODULES:
+        e, r = (shape[0], shape[-1]) if which == "A" else shape[:2]
+        return (e * r, shape[1]) if which == "A" else (shape[-1], r * e)
+    if which == "A":
+        return shape[-1], math.prod(shape[:-1])
+    return math.prod(shape[1:]), shape[0]
 
 
 def _from_peft(t: np.ndarray, target: str, which: str, shape: tuple) -> np.ndarray:

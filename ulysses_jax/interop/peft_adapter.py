@@ -12,7 +12,6 @@ belong to that changed base and not to ``init_from``'s. Only safetensors files a
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 
@@ -23,12 +22,12 @@ from safetensors import safe_open
 from ..config import Config, ConfigError, LoraConfig, ModelConfig
 from ..models import lora
 from ..models.decoder import stacked_layer_indices
-from .peft import _adapter, _leaves, peft_name, with_adapters
+from .peft import EXPERT_PARAMETERS, _adapter, _leaves, peft_name, peft_shape, with_adapters
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # peft LoraConfig keys of features our adapters lack: refused when set (true or non-empty).
 UNSUPPORTED = ("use_dora", "lora_bias", "modules_to_save", "rank_pattern", "alpha_pattern",
-               "fan_in_fan_out", "layers_to_transform", "exclude_modules", "target_parameters",
+               "fan_in_fan_out", "layers_to_transform", "exclude_modules",
                "trainable_token_indices", "layer_replication", "use_qalora",
                "alora_invocation_tokens", "megatron_config", "arrow_config", "use_bdlora")
 # init_lora_weights methods that rewrite the base weights too (W - B A, or a quantised W).
@@ -68,15 +67,36 @@ def read_adapter_config(path: str) -> dict:
 
 
 def adapter_targets(conf: dict, n_layers: int) -> tuple[list[str], list[str]]:
-    """Our targets (models/lora.py) that peft's ``target_modules`` selects in every layer,
-    and the problems: entries that name no projection of ours, or a regular expression that
-    selects a projection in some layers only.
+    """Our targets (models/lora.py) that peft's ``target_modules`` selects in every layer
+    (and "experts" when its ``target_parameters`` names the experts' fused weights), and the
+    problems: entries that name no projection of ours, or a regular expression that selects a
+    projection in some layers only.
 
     ``target_modules`` is a list of module names, each matching a module whose dotted name
     ends with it (``q_proj``, ``self_attn.q_proj``); "all-linear"; or a regular expression
     matched against the whole name (``model.layers.0.self_attn.q_proj``), as peft matches.
     """
-    given = conf.get("target_modules")
+    experts, problems = _parameter_targets(conf.get("target_parameters"))
+    if not conf.get("target_modules") and experts:  # adapters on the experts only
+        return experts, problems
+    modules, more = _module_targets(conf.get("target_modules"), n_layers)
+    return modules + experts, more + problems
+
+
+def _parameter_targets(given) -> tuple[list[str], list[str]]:
+    """["experts"] when peft's ``target_parameters`` names the routed experts' gate_up_proj
+    and down_proj (as our exports write it), [] when it is empty; else a problem."""
+    if not given:
+        return [], []
+    short = sorted(str(p).split(".")[-1] for p in given)
+    if isinstance(given, list) and short == sorted(p.split(".")[-1] for p in EXPERT_PARAMETERS):
+        return ["experts"], []
+    return [], [f"target_parameters {given!r} is not supported: adapters on parameters are read "
+                f"for the routed experts only, as {list(EXPERT_PARAMETERS)} (both)"]
+
+
+def _module_targets(given, n_layers: int) -> tuple[list[str], list[str]]:
+    """``adapter_targets`` for peft's ``target_modules`` (``given``)."""
     if given == "all-linear":
         return list(lora.HF_MODULES), []
     if isinstance(given, str):
@@ -152,10 +172,8 @@ def expected_shapes(cfg: ModelConfig, params: dict) -> dict[str, tuple[int, ...]
             continue
         target, which = found
         layers, _ = stacked_layer_indices(cfg, keys)
-        inner = tuple(x.shape[1:])  # A [in..., R] or B [R, out...]
-        shape = ((inner[-1], math.prod(inner[:-1])) if which == "A"
-                 else (math.prod(inner[1:]), inner[0]))
-        out.update({peft_name(i, target, which): shape for i in layers})
+        shape = peft_shape(target, which, tuple(x.shape[1:]))  # of A [in..., R] or B [R, out...]
+        out.update({peft_name(i, target, which, shared="moe" in keys): shape for i in layers})
     return out
 
 
