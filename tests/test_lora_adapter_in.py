@@ -264,3 +264,12 @@ def test_accepted_variants_and_notes(tiny, tmp_path, layouts):
         ["q", "k", "v", "o", "gate", "up", "down"], [])
     assert adapter_targets({"target_modules": ["self_attn.q_proj", "up_proj"]}, 2) == (
         ["q", "up"], [])
+    # The routed experts' adapters (peft's target_parameters, as the MoE export writes them).
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert adapter_targets({"target_modules": ["q_proj"], "target_parameters": experts},
+                           2) == (["q", "experts"], [])
+    assert adapter_targets({"target_parameters": ["down_proj", "gate_up_proj"]}, 2) == (
+        ["experts"], [])
+    got, problems = adapter_targets({"target_modules": ["q_proj"],
+                                     "target_parameters": ["mlp.experts.down_proj"]}, 2)
+    assert got == ["q"] and "for the routed experts only" in problems[0], problems
