@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import need_devices
 from ulysses_jax import make_mesh
-from ulysses_jax.config import ConfigError, load_config
+from ulysses_jax.config import ConfigError, LoraConfig, load_config
 from ulysses_jax.hf import config_from_hf, from_pretrained, save_pretrained, to_hf_tensors
 from ulysses_jax.models import multimodal
 from ulysses_jax.training.train_step import objective
@@ -534,3 +534,88 @@ def test_omitted_text_keys_take_transformers_defaults():
         theirs = transformers.Qwen2_5_VLConfig(**{**flat, **extra}).text_config
         assert (ours.norm_eps, ours.n_kv_heads) == (theirs.rms_norm_eps,
                                                     theirs.num_key_value_heads) == (eps, kv)
+
+
+# ----------------------------------------------------------------- LoRA on the decoder
+
+@pytest.fixture(scope="module")
+def peft_vl(checkpoint):
+    """transformers' model wrapped by peft with the target_modules our export writes for it
+    (adapters on the decoder's projections only), random nonzero A and B."""
+    peft = pytest.importorskip("peft", reason="peft is the reference implementation of LoRA")
+    from ulysses_jax.hf import config_from_hf
+    from ulysses_jax.interop.peft import adapter_config
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        cfg = config_from_hf(json.load(f))
+    lo = LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "gate", "down"))
+    conf = adapter_config(dataclasses.replace(cfg, lora=lo), checkpoint)
+    wrapped = peft.get_peft_model(_hf_load(checkpoint), peft.LoraConfig(
+        r=lo.rank, lora_alpha=lo.alpha, target_modules=conf["target_modules"])).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, prm in wrapped.named_parameters():
+            if "lora_" in name:
+                prm.copy_(0.2 * torch.randn(prm.shape, generator=g))
+    return wrapped, lo
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_lora_on_the_decoder_matches_peft(checkpoint, peft_vl, p):
+    """Adapters on the decoder of Qwen2.5-VL, an image and a video straddling the shards:
+    logits, loss and every adapter gradient equal peft's (the tower frozen, and untouched by
+    the export's target_modules); with model.lora.trainable=[vision] the tower is trained."""
+    from ulysses_jax.hf import load_params
+    from ulysses_jax.interop.peft import adapter_tensors, with_adapters
+    from ulysses_jax.models import lora
+    from ulysses_jax.models.decoder import Decoder
+    wrapped, lo = peft_vl
+    theirs = {n.replace(".default", ""): prm.detach().numpy()
+              for n, prm in wrapped.named_parameters() if "lora_" in n}
+    assert theirs and all(".language_model.layers." in n for n in theirs)
+    tokens, images = _straddling_inputs(3)
+    wrapped.zero_grad()
+    out = _hf_forward(wrapped, tokens, images)
+    out.loss.backward()
+    want_grads = {n.replace(".default", ""): prm.grad.numpy()
+                  for n, prm in wrapped.named_parameters() if "lora_" in n}
+
+    mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+    base_cfg, base = load_params(checkpoint, mesh)
+    cfg = dataclasses.replace(base_cfg, lora=lo)
+    model = nnx.eval_shape(lambda: Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+    graphdef, abstract = nnx.split(model)
+    params = lora.overlay(with_adapters(cfg, nnx.to_pure_dict(abstract), theirs), base)
+    params = jax.tree.map(jnp.asarray, params)
+    positions, vision = multimodal.prepare(tokens, cfg, shards=model.visual.shards(), **images)
+    b, s = tokens.shape
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
+             "loss_mask": np.concatenate([np.ones((b, s - 1)), np.zeros((b, 1))], 1),
+             "segment_ids": np.ones((b, s), np.int32), "positions": positions,
+             "vision": vision}
+    trained = lora.trainable_params(params, cfg.lora)
+    assert "visual" not in trained and sum(x.size for x in jax.tree.leaves(trained)) == sum(
+        x.size for x in theirs.values())
+
+    @jax.jit
+    def run(trained, batch):
+        (obj, _), grads = jax.value_and_grad(
+            lambda t: objective(graphdef, lora.overlay(params, t), batch, mesh),
+            has_aux=True)(trained)
+        logits = nnx.merge(graphdef, lora.overlay(params, trained))(
+            batch["tokens"], batch["positions"], batch["segment_ids"], batch["vision"])
+        return logits, obj, grads
+
+    logits, loss, grads = run(trained, batch)
+    assert _rel(logits, out.logits.detach().numpy()) <= TOL, p
+    assert abs(float(loss) - float(out.loss)) / float(out.loss) <= TOL, (p, loss, out.loss)
+    got = adapter_tensors(cfg, grads)
+    assert sorted(got) == sorted(want_grads)
+    worst = max(_rel(g, want_grads[n]) for n, g in got.items())
+    assert worst <= TOL, (p, worst)
+    print(f"qwen2.5-vl LoRA seq={p}: logits {_rel(logits, out.logits.detach().numpy()):.2e}, "
+          f"loss {abs(float(loss) - float(out.loss)) / float(out.loss):.2e}, adapter grads "
+          f"max {worst:.2e}")
+    if p == 1:  # the tower as a trained group: every tower parameter, nothing else new
+        with_tower = lora.trainable_params(params, dataclasses.replace(lo, trainable=("vision",)))
+        assert jax.tree.structure(with_tower["visual"]) == jax.tree.structure(params["visual"])
+        assert {k for k in with_tower if k != "visual"} == set(trained)

@@ -68,7 +68,7 @@ class VisionConfig:
 # models/lora.py: the projections. gate/up/down: the dense MLP's and the shared expert's;
 # experts: every routed expert's fused gate_up and its down projection (MoE layers).
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts")
-LORA_GROUPS = ("embed", "norms", "head")  # extra parameter groups a LoRA run may train
+LORA_GROUPS = ("embed", "norms", "head", "vision")  # extra groups a LoRA run may train
 LORA_BASE_DTYPES = ("float32", "bfloat16")
 
 
@@ -86,7 +86,8 @@ class LoraConfig:
     dropout: float = 0.0            # only 0.0: adapter dropout is not implemented
     targets: tuple[str, ...] = LORA_TARGETS
     rslora: bool = False            # s = alpha / sqrt(rank) (rank-stabilised LoRA)
-    # Extra groups trained in full (LongLoRA trains embeddings and norms): embed, norms, head.
+    # Extra groups trained in full (LongLoRA trains embeddings and norms): embed, norms, head,
+    # vision (a multimodal model's whole vision tower; frozen otherwise).
     trainable: tuple[str, ...] = ()
     # Storage of the frozen layer matrices (the bulk of the weights); bfloat16 halves them.
     base_dtype: str = "float32"
@@ -258,11 +259,14 @@ def lora_errors(m: ModelConfig) -> list[str]:
     if lo.base_dtype not in LORA_BASE_DTYPES:
         errors.append(f"model.lora.base_dtype must be one of {', '.join(LORA_BASE_DTYPES)}, "
                       f"got {lo.base_dtype!r}")
-    # Adapters exist for the llama (dense and MoE) and gemma blocks.
+    # Adapters exist for the llama (dense, MoE, Qwen2.5-VL's decoder) and gemma blocks.
     t = traits(m.family)
-    if t.linear_attention or t.vision:
+    if t.linear_attention:
         errors.append(f"model.lora is not supported for model.family={m.family} yet (adapters "
                       f"exist for the llama and gemma families); set model.lora.rank=0")
+    if "vision" in lo.trainable and not t.vision:
+        errors.append(f"model.lora.trainable names 'vision', but model.family={m.family} has "
+                      f"no vision tower")
     return errors
 
 

@@ -20,11 +20,13 @@ columns [gate | up] as transformers' ``chunk(2)`` splits them.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import numpy as np
 
 from ..config import ModelConfig
+from ..families import traits
 from ..models import lora
 from ..models.decoder import stacked_layer_indices
 
@@ -56,16 +58,23 @@ EXPERT_MODULES = {"expert_gate_up": "mlp.experts.base_layer", "expert_down": "ml
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def peft_name(layer: int, target: str, which: str, shared: bool = False) -> str:
+def layers_path(cfg: ModelConfig) -> str:
+    """Where transformers keeps the decoder layers: ``model.layers``, or in a multimodal model
+    (Qwen2.5-VL, transformers 5) ``model.language_model.layers``."""
+    return "model.language_model.layers" if traits(cfg.family).vision else "model.layers"
+
+
+def peft_name(layer: int, target: str, which: str, shared: bool = False,
+              layers: str = "model.layers") -> str:
     """peft's saved name of one layer's adapter matrix ("A" or "B"); ``shared``: the MoE
-    layer's shared expert (``mlp.shared_expert.gate_proj`` ...)."""
+    layer's shared expert (``mlp.shared_expert.gate_proj`` ...); ``layers``: ``layers_path``."""
     if target in EXPERT_MODULES:
         module = EXPERT_MODULES[target]
     elif shared:
         module = "mlp.shared_expert." + lora.HF_MODULES[target].split(".")[-1]
     else:
         module = lora.HF_MODULES[target]
-    return f"{PEFT_PREFIX}model.layers.{layer}.{module}.lora_{which}.weight"
+    return f"{PEFT_PREFIX}{layers}.{layer}.{module}.lora_{which}.weight"
 
 
 def _to_peft(w: np.ndarray, target: str, which: str) -> np.ndarray:
@@ -112,7 +121,7 @@ def adapter_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
         layers, _ = stacked_layer_indices(cfg, keys)
         x = np.asarray(jax.device_get(x), np.float32)
         for i, w in zip(layers, x, strict=True):  # w: A [in..., R] or B [R, out...]
-            name = peft_name(i, target, which, shared="moe" in keys)
+            name = peft_name(i, target, which, shared="moe" in keys, layers=layers_path(cfg))
             out[name] = np.ascontiguousarray(_to_peft(w, target, which))
     return out
 
@@ -131,8 +140,9 @@ def with_adapters(cfg: ModelConfig, params: dict, tensors: dict[str, np.ndarray]
         target, which = found
         layers, _ = stacked_layer_indices(cfg, keys)
         shape = x.shape[1:]
-        return np.stack([_from_peft(np.asarray(tensors[peft_name(i, target, which,
-                                                                 shared="moe" in keys)],
+        name = lambda i: peft_name(i, target, which, shared="moe" in keys,  # noqa: E731
+                                   layers=layers_path(cfg))
+        return np.stack([_from_peft(np.asarray(tensors[name(i)],
                                                np.float32), target, which, shape)
                          for i in layers])
 
@@ -155,11 +165,17 @@ def adapter_config(cfg: ModelConfig, base_model: str | None) -> dict:
         # projections there; dense MLP layers of an MoE model cannot be named (export.py
         # refuses such runs).
         modules = [t for t in modules if t not in lora.MLP or cfg.moe_shared_ffn_dim]
+    names = sorted(lora.HF_MODULES[t].split(".")[-1] for t in modules)
+    if traits(cfg.family).vision:
+        # The vision tower has gate_proj / up_proj / down_proj too: name the decoder's only,
+        # as a regular expression over the whole module name (peft's full match).
+        names = (rf"{re.escape(layers_path(cfg))}\.\d+\.("
+                 + "|".join(re.escape(lora.HF_MODULES[t]) for t in modules) + ")")
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
               "base_model_name_or_path": base_model,
               "r": lo.rank, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout,
               "use_rslora": lo.rslora, "bias": "none", "fan_in_fan_out": False,
-              "target_modules": sorted(lora.HF_MODULES[t].split(".")[-1] for t in modules),
+              "target_modules": names,
               "modules_to_save": None, "inference_mode": True, "init_lora_weights": True}
     if "experts" in lo.targets and cfg.num_experts:
         config["target_parameters"] = list(EXPERT_PARAMETERS)

@@ -22,7 +22,8 @@ from safetensors import safe_open
 from ..config import Config, ConfigError, LoraConfig, ModelConfig
 from ..models import lora
 from ..models.decoder import stacked_layer_indices
-from .peft import EXPERT_PARAMETERS, _adapter, _leaves, peft_name, peft_shape, with_adapters
+from .peft import (EXPERT_PARAMETERS, _adapter, _leaves, layers_path, peft_name, peft_shape,
+                   with_adapters)
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # peft LoraConfig keys of features our adapters lack: refused when set (true or non-empty).
@@ -66,7 +67,8 @@ def read_adapter_config(path: str) -> dict:
     return conf
 
 
-def adapter_targets(conf: dict, n_layers: int) -> tuple[list[str], list[str]]:
+def adapter_targets(conf: dict, n_layers: int,
+                    layers: str = "model.layers") -> tuple[list[str], list[str]]:
     """Our targets (models/lora.py) that peft's ``target_modules`` selects in every layer
     (and "experts" when its ``target_parameters`` names the experts' fused weights), and the
     problems: entries that name no projection of ours, or a regular expression that selects a
@@ -74,12 +76,13 @@ def adapter_targets(conf: dict, n_layers: int) -> tuple[list[str], list[str]]:
 
     ``target_modules`` is a list of module names, each matching a module whose dotted name
     ends with it (``q_proj``, ``self_attn.q_proj``); "all-linear"; or a regular expression
-    matched against the whole name (``model.layers.0.self_attn.q_proj``), as peft matches.
+    matched against the whole name (``model.layers.0.self_attn.q_proj``; ``layers``:
+    ``peft.layers_path``), as peft matches.
     """
     experts, problems = _parameter_targets(conf.get("target_parameters"))
     if not conf.get("target_modules") and experts:  # adapters on the experts only
         return experts, problems
-    modules, more = _module_targets(conf.get("target_modules"), n_layers)
+    modules, more = _module_targets(conf.get("target_modules"), n_layers, layers)
     return modules + experts, more + problems
 
 
@@ -95,7 +98,7 @@ def _parameter_targets(given) -> tuple[list[str], list[str]]:
                 f"for the routed experts only, as {list(EXPERT_PARAMETERS)} (both)"]
 
 
-def _module_targets(given, n_layers: int) -> tuple[list[str], list[str]]:
+def _module_targets(given, n_layers: int, layers: str) -> tuple[list[str], list[str]]:
     """``adapter_targets`` for peft's ``target_modules`` (``given``)."""
     if given == "all-linear":
         return list(lora.HF_MODULES), []
@@ -103,7 +106,7 @@ def _module_targets(given, n_layers: int) -> tuple[list[str], list[str]]:
         out, problems = [], []
         for t, module in lora.HF_MODULES.items():
             hits = [i for i in range(n_layers)
-                    if re.fullmatch(given, f"model.layers.{i}.{module}")]
+                    if re.fullmatch(given, f"{layers}.{i}.{module}")]
             if len(hits) == n_layers:
                 out.append(t)
             elif hits:
@@ -126,7 +129,8 @@ def _module_targets(given, n_layers: int) -> tuple[list[str], list[str]]:
     return [t for t in lora.HF_MODULES if t in out], problems
 
 
-def config_errors(conf: dict, lo: LoraConfig, n_layers: int) -> list[str]:
+def config_errors(conf: dict, lo: LoraConfig, n_layers: int,
+                  layers: str = "model.layers") -> list[str]:
     """What in adapter_config.json differs from ``model.lora`` or cannot be expressed."""
     if conf.get("peft_type") != "LORA":
         return [f"peft_type is {conf.get('peft_type')!r}; only LORA adapters are read"]
@@ -140,7 +144,7 @@ def config_errors(conf: dict, lo: LoraConfig, n_layers: int) -> list[str]:
         errors.append(f"init_lora_weights {init!r} also rewrote the base weights, so the "
                       f"adapter belongs to that rewritten base, not to init_from's (save it "
                       f"converted with peft's path_initial_model_for_weight_conversion)")
-    targets, problems = adapter_targets(conf, n_layers)
+    targets, problems = adapter_targets(conf, n_layers, layers)
     errors += problems
     fixes = []
     for key, theirs, ours, fix in (
@@ -173,7 +177,8 @@ def expected_shapes(cfg: ModelConfig, params: dict) -> dict[str, tuple[int, ...]
         target, which = found
         layers, _ = stacked_layer_indices(cfg, keys)
         shape = peft_shape(target, which, tuple(x.shape[1:]))  # of A [in..., R] or B [R, out...]
-        out.update({peft_name(i, target, which, shared="moe" in keys): shape for i in layers})
+        out.update({peft_name(i, target, which, shared="moe" in keys,
+                              layers=layers_path(cfg)): shape for i in layers})
     return out
 
 
@@ -213,7 +218,7 @@ def load_adapter(cfg: Config, params: dict) -> tuple[dict, list[str]]:
     path = cfg.init_adapter
     where = f"init_adapter {path!r}"
     conf = read_adapter_config(path)
-    errors = config_errors(conf, cfg.model.lora, cfg.model.n_layers)
+    errors = config_errors(conf, cfg.model.lora, cfg.model.n_layers, layers_path(cfg.model))
     if errors:
         raise ConfigError(f"{where}: its {CONFIG_FILE} does not fit model.lora: "
                           f"{'; '.join(errors)}")

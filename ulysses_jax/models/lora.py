@@ -157,10 +157,13 @@ def is_adapter(keys: tuple) -> bool:
 
 def is_trainable(keys: tuple, lora: LoraConfig) -> bool:
     """Whether a LoRA run trains the parameter at ``keys``: the adapters, and the groups
-    ``lora.trainable`` names (embed; norms: every norm scale; head: the untied lm_head)."""
+    ``lora.trainable`` names (embed; norms: every norm scale of the decoder; head: the untied
+    lm_head; vision: all of a multimodal model's vision tower)."""
     if is_adapter(keys):
         return True
     groups = lora.trainable
+    if keys[0] == "visual":
+        return "vision" in groups
     return (("embed" in groups and keys[0] == "embed")
             or ("head" in groups and keys[0] == "lm_head")
             or ("norms" in groups and any("norm" in str(k) for k in keys)))
