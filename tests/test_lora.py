@@ -386,6 +386,32 @@ def test_moe_run_trains_experts_and_exports(checkpoints, tmp_path):
         np.testing.assert_array_equal(read[keys], saved[keys])
 
 
+@pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="trainer tests run on fake CPU devices")
+@pytest.mark.parametrize("base,groups", [("qwen3", "[embed,norms,head]"), ("llama", "[embed]")])
+def test_trained_groups_export_as_modules_to_save(checkpoints, tmp_path, base, groups):
+    # (tiny.yaml ties the head; init_from then sets the checkpoint's own tie_embeddings)
+    """A run that also trains embeddings, norms and the head (untied Qwen3) or the tied
+    embedding (Llama) exports them as peft's modules_to_save: peft's model from the adapter
+    directory, and transformers' from the --merge export, give our logits."""
+    from ulysses_jax.export import export_adapter, export_run
+    from ulysses_jax.training.trainer import train
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), TRAIN + [
+        f"init_from={checkpoints[base][0]}", "steps=2", "checkpoint_every=2",
+        "optimizer.lr=0.01", "model.lora.targets=[q,v]", f"model.lora.trainable={groups}",
+        f"model.tie_embeddings={str(base == 'llama').lower()}"])
+    run = str(tmp_path / "run")
+    train(cfg, run, progress=False)
+    export_adapter(run, str(tmp_path / "adapter"))
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        conf = json.load(f)
+    want = {"[embed,norms,head]": ["embed_tokens", "input_layernorm", "k_norm", "lm_head",
+                                   "norm", "post_attention_layernorm", "q_norm"],
+            "[embed]": ["embed_tokens"]}[groups]
+    assert conf["modules_to_save"] == want
+    export_run(run, str(tmp_path / "merged"), merge=True, progress=False)
+    _exports_give_our_logits(run, 2, checkpoints[base][0], tmp_path)
+
+
 def test_export_cli_writes_an_adapter_and_refuses_what_it_cannot(lora_runs, tmp_path,
                                                                     capsys):
     from ulysses_jax.export import ExportError, export_run, main

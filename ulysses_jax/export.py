@@ -224,23 +224,30 @@ def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
     base_model_name_or_path is the run's init_from) and adapter_model.safetensors with peft's
     tensor names and layout (``interop/peft.py``). Only the adapters are read.
 
+    The groups a run also trained in full (``model.lora.trainable``: embed, norms, head) are
+    written as peft's ``modules_to_save``: the modules' names in adapter_config.json, their
+    whole tensors under their transformers names.
+
     Returns:
       A summary: ``step``, ``files``, ``tensors``, ``bytes``.
     Raises:
-      ExportError: not a LoRA run, or one that also trained groups an adapter cannot hold.
+      ExportError: not a LoRA run, or one that also trained groups an adapter cannot hold
+        (the vision tower).
     """
     import ml_dtypes
     from safetensors.numpy import save_file
     from .interop.peft import adapter_config, adapter_tensors
     from .models.lora import is_adapter
+    from .interop.peft import PEFT_PREFIX
+    from .models.lora import is_trainable
     cfg = run_config(run_dir)
     lo = cfg.model.lora
     if not lo.rank:
         raise ExportError(f"run {run_dir} has no LoRA adapters (model.lora.rank 0)")
-    if lo.trainable:
-        raise ExportError(f"run {run_dir} also trained {list(lo.trainable)} "
-                          f"(model.lora.trainable), which this peft adapter export does not "
-                          f"write yet; export merged weights with --merge")
+    if "vision" in lo.trainable:
+        raise ExportError(f"run {run_dir} also trained the vision tower (model.lora.trainable "
+                          f"names 'vision'), which this peft adapter export does not write; "
+                          f"export merged weights with --merge")
     step = pick_step(run_dir, step)
     _need_empty(out_dir)
     params = {}
@@ -258,9 +265,26 @@ def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
         node[keys[-1]] = x
     np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     tensors = {k: v.astype(np_dtype) for k, v in adapter_tensors(cfg.model, params).items()}
+    # The groups trained in full (model.lora.trainable) as peft's modules_to_save: each
+    # module's whole tensors under their transformers names (peft saves them so).
+    saved_modules = set()
+    trained = lambda k: is_trainable(k, lo) and not is_adapter(k)  # noqa: E731
+    for keys, x in read_params(run_dir, step, only=trained):
+        for name, w in hf_tensors(cfg.model, keys, x):
+            tensors[PEFT_PREFIX + name] = w.astype(np_dtype)
+            saved_modules.add(name.rsplit(".", 2)[-2])  # model.norm.weight -> norm
+    config = adapter_config(cfg.model, cfg.init_from)
+    if saved_modules:
+        config["modules_to_save"] = sorted(saved_modules)
+        # A trained embedding that is also the head stays tied to it in peft's model, which
+        # then saves (and reads) the head's copy too.
+        config["ensure_weight_tying"] = bool(cfg.model.tie_embeddings)
+        embed = PEFT_PREFIX + "model.embed_tokens.weight"
+        if cfg.model.tie_embeddings and embed in tensors:
+            tensors[PEFT_PREFIX + "lm_head.weight"] = tensors[embed]
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump(adapter_config(cfg.model, cfg.init_from), f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"),
               metadata={"format": "pt"})
     return {"step": step, "files": ["adapter_model.safetensors"], "tensors": len(tensors),
