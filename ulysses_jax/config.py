@@ -223,10 +223,6 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.mlp_chunk < 0:
         errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
     errors += model_errors(m)
-    if m.lora.rank and cfg.optimizer.offload:
-        errors.append(f"model.lora.rank {m.lora.rank} > 0 with optimizer.offload=true is not "
-                      f"supported yet: the adapters' optimizer state is small; set "
-                      f"optimizer.offload=false")
     if m.offload_checkpoints and m.remat != "full":
         errors.append(f"model.offload_checkpoints=true needs model.remat=full (the layer "
                       f"inputs are then the only checkpoints), got model.remat={m.remat!r}")
