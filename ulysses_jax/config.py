@@ -225,10 +225,6 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.mlp_chunk < 0:
         errors.append(f"model.mlp_chunk must be 0 (untiled) or positive, got {m.mlp_chunk}")
     errors += model_errors(m)
-    if m.lora.rank and cfg.optimizer.offload:
-        errors.append(f"model.lora.rank {m.lora.rank} > 0 with optimizer.offload=true is not "
-                      f"supported yet: the adapters' optimizer state is small; set "
-                      f"optimizer.offload=false")
     if cfg.init_adapter and not (cfg.init_from and m.lora.rank):
         errors.append(f"init_adapter {cfg.init_adapter!r} needs the base model it adapts "
                       f"(init_from, got {cfg.init_from!r}) and adapters to load it into "

@@ -10,10 +10,12 @@ weight matrices and embeddings only. Two options trade precision or placement fo
 - offload: the fp32 parameters (master weights) and both moments live in host memory
   (``pinned_host``) and the update is computed there (``jax.experimental.compute_on``). The
   device gets a copy of each layer weight in the compute dtype (cast on the host, so half
-  the bytes cross the link in bf16) and returns its gradient in that dtype, which the host
-  turns back into fp32. Norm scales, biases, the embedding and the output head stay fp32 on
-  both sides: they are small, and the vocabulary ones accumulate gradients over many
-  tokens. ``compute_copy_mask`` says which leaves are cast.
+  the bytes cross the link in bf16; a weight stored narrower, LoRA's bf16 frozen base,
+  crosses as stored) and returns its gradient in that dtype, which the host turns back into
+  fp32. Norm scales, biases, the embedding and the output head stay fp32 on both sides: they
+  are small, and the vocabulary ones accumulate gradients over many tokens.
+  ``compute_copy_mask`` says which leaves are cast. With LoRA only the trained leaves have
+  moments and gradients, and only they are updated; the frozen ones pass through.
 """
 from __future__ import annotations
 

@@ -192,6 +192,13 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
     # With LoRA only the adapters (and model.lora.trainable) are differentiated and updated;
     # the frozen parameters pass through the step untouched (models/lora.py).
     lo = cfg.model.lora
+    # optimizer.offload: the host layout of the trained leaves (all of them without LoRA),
+    # where their gradients go and AdamW updates them. LoRA's adapters are updated on the
+    # host like every offloaded parameter, not on the device: they are a few MB, so the host
+    # update costs little, the state keeps one memory kind (the layout checkpoints,
+    # evaluation and the dry run know), and each layer's adapters stream to the device with
+    # that layer's frozen weights anyway.
+    on_host = lora.trainable_params(shardings["params"], lo) if offload else None
 
     def step(state, batch):
         params = state["params"]
@@ -212,18 +219,21 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
         else:  # grad_accum_steps micro-batches in a scan (accumulate.py)
             loss, extra, grads = accumulated_grads(
                 micro_grads, trained, batch, accum, mesh, in_batch,
-                shardings["params"] if offload else lora.trainable_params(on_device, lo),
-                on_host=offload)
+                on_host if offload else lora.trainable_params(on_device, lo), on_host=offload)
         with jax.named_scope("optimizer"):
             if offload:  # gradients to the host (the layers' are there already), update there
-                grads = jax.device_put(grads, shardings["params"])
+                grads = jax.device_put(grads, on_host)
                 with compute_on("device_host"):
                     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
                     # optax.tree.norm would build device zeros (imaginary parts) on the host
                     grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g))
                                              for g in jax.tree.leaves(grads)))
-                    params, opt_state = host_update(grads, state["opt_state"],
-                                                    state["params"], grad_norm)
+                    # LoRA: the fp32 master copies of the trained leaves only; the frozen
+                    # leaves of the state are passed through (overlay) as they came in.
+                    master, opt_state = host_update(grads, state["opt_state"],
+                                                    lora.trainable_params(state["params"], lo),
+                                                    grad_norm)
+                params = lora.overlay(state["params"], master)
                 grad_norm = jax.device_put(grad_norm, replicated)
             else:
                 trained, opt_state, grad_norm = update(grads, state["opt_state"], trained)
@@ -241,10 +251,17 @@ def _device_shardings(shardings):
 
 def _offloaded_params_for_compute(params, dtype, on_device):
     """optimizer.offload: the layer weights cast to the compute dtype on the host (the
-    model streams them to the device per layer); every other parameter moved to the device."""
+    model streams them to the device per layer); every other parameter moved to the device.
+
+    Only narrowing casts happen on the host: a weight stored narrower than the compute dtype
+    (LoRA's frozen base in ``model.lora.base_dtype=bfloat16`` under fp32 compute) streams as
+    it is stored, half the bytes, and the layer widens it on the device (``gathered``), the
+    same values."""
     cast = compute_copy_mask(params)
+    width = jnp.dtype(dtype).itemsize
     with jax.named_scope("optimizer"), compute_on("device_host"):
-        copy = jax.tree.map(lambda p, c: p.astype(dtype) if c else p, params, cast)
+        copy = jax.tree.map(lambda p, c: p.astype(dtype) if c and p.dtype.itemsize > width
+                            else p, params, cast)
     return jax.tree.map(lambda p, c, s: p if c else jax.device_put(p, s), copy, cast, on_device)
 
 
