@@ -410,6 +410,18 @@ def test_trained_groups_export_as_modules_to_save(checkpoints, tmp_path, base, g
     assert conf["modules_to_save"] == want
     export_run(run, str(tmp_path / "merged"), merge=True, progress=False)
     _exports_give_our_logits(run, 2, checkpoints[base][0], tmp_path)
+    # init_adapter reads the directory back: the adapters and the trained groups as saved.
+    from ulysses_jax.export import read_params, run_config
+    from ulysses_jax.interop.peft_adapter import load_adapter
+    from ulysses_jax.training.train_step import state_layout
+    again = dataclasses.replace(run_config(run), init_adapter=str(tmp_path / "adapter"))
+    _, abstract, _, _ = state_layout(again, make_mesh(seq=2, data=1, devices=need_devices(2)))
+    read, _ = load_adapter(again, abstract["params"])
+    read = dict(zip(_paths(read), jax.tree.leaves(read)))
+    saved = dict(read_params(run, 2))
+    assert sorted(read) == sorted(k for k in saved if lora.is_trainable(k, again.model.lora))
+    for keys, x in read.items():
+        np.testing.assert_array_equal(x, saved[keys], err_msg=str(keys))
 
 
 def test_export_cli_writes_an_adapter_and_refuses_what_it_cannot(lora_runs, tmp_path,

@@ -202,7 +202,7 @@ _A0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     ([], {"peft_type": "IA3"}, None, r"peft_type is 'IA3'; only LORA adapters are read"),
     ([], {"use_dora": True}, None, r"use_dora True is not supported"),
     ([], {"lora_bias": True}, None, r"lora_bias True is not supported"),
-    ([], {"modules_to_save": ["lm_head"]}, None, r"modules_to_save \['lm_head'\] is not supp"),
+    ([], {"modules_to_save": ["lm_head"]}, None, r"modules_to_save \['lm_head'\] there, but model.lora.trainable \[\] trains \[\]"),
     ([], {"rank_pattern": {"q_proj": 8}}, None, r"rank_pattern \{'q_proj': 8\} is not supp"),
     ([], {"alpha_pattern": {"v_proj": 2}}, None, r"alpha_pattern \{'v_proj': 2\} is not"),
     ([], {"layers_to_transform": [0]}, None, r"layers_to_transform \[0\] is not supported"),

@@ -22,12 +22,12 @@ from safetensors import safe_open
 from ..config import Config, ConfigError, LoraConfig, ModelConfig
 from ..models import lora
 from ..models.decoder import stacked_layer_indices
-from .peft import (EXPERT_PARAMETERS, _adapter, _leaves, layers_path, peft_name, peft_shape,
-                   with_adapters)
+from .peft import (EXPERT_PARAMETERS, PEFT_PREFIX, _adapter, _leaves, layers_path, peft_name,
+                   peft_shape, with_adapters)
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # peft LoraConfig keys of features our adapters lack: refused when set (true or non-empty).
-UNSUPPORTED = ("use_dora", "lora_bias", "modules_to_save", "rank_pattern", "alpha_pattern",
+UNSUPPORTED = ("use_dora", "lora_bias", "rank_pattern", "alpha_pattern",
                "fan_in_fan_out", "layers_to_transform", "exclude_modules",
                "trainable_token_indices", "layer_replication", "use_qalora",
                "alora_invocation_tokens", "megatron_config", "arrow_config", "use_bdlora")
@@ -130,8 +130,9 @@ def _module_targets(given, n_layers: int, layers: str) -> tuple[list[str], list[
 
 
 def config_errors(conf: dict, lo: LoraConfig, n_layers: int,
-                  layers: str = "model.layers") -> list[str]:
-    """What in adapter_config.json differs from ``model.lora`` or cannot be expressed."""
+                  layers: str = "model.layers", modules: frozenset = frozenset()) -> list[str]:
+    """What in adapter_config.json differs from ``model.lora`` or cannot be expressed;
+    ``modules``: the modules_to_save that ``model.lora.trainable`` makes (``saved_modules``)."""
     if conf.get("peft_type") != "LORA":
         return [f"peft_type is {conf.get('peft_type')!r}; only LORA adapters are read"]
     errors = [f"{key} {conf[key]!r} is not supported (our adapters have no such feature)"
@@ -144,6 +145,11 @@ def config_errors(conf: dict, lo: LoraConfig, n_layers: int,
         errors.append(f"init_lora_weights {init!r} also rewrote the base weights, so the "
                       f"adapter belongs to that rewritten base, not to init_from's (save it "
                       f"converted with peft's path_initial_model_for_weight_conversion)")
+    given = set(conf.get("modules_to_save") or ())
+    if given != set(modules):
+        errors.append(f"modules_to_save {sorted(given)} there, but model.lora.trainable "
+                      f"{list(lo.trainable)} trains {sorted(modules)} in full here (embed: "
+                      f"embed_tokens; head: lm_head; norms: every norm of the decoder)")
     targets, problems = adapter_targets(conf, n_layers, layers)
     errors += problems
     fixes = []
@@ -204,6 +210,46 @@ def tensor_errors(expected: dict[str, tuple], given: dict[str, tuple]) -> list[s
     return errors
 
 
+def group_tensors(cfg: ModelConfig, params: dict) -> dict[str, tuple]:
+    """The groups ``model.lora.trainable`` trains in full, as peft's modules_to_save saves
+    them: peft name -> (our path, index in its layer stack or None, n_in, our shape of one
+    tensor, transformers' shape)."""
+    from .hf import _hf_names, _hf_shape, stacked
+    out = {}
+    for keys, x in _leaves(params):
+        if lora.is_adapter(keys) or not lora.is_trainable(keys, cfg.lora):
+            continue
+        names, n_in = _hf_names(keys, cfg)
+        shape = tuple(x.shape[1:]) if stacked(keys) else tuple(x.shape)
+        for i, name in enumerate(names):
+            out[PEFT_PREFIX + name] = (keys, i if stacked(keys) else None, n_in, shape,
+                                       _hf_shape(shape, n_in))
+    return out
+
+
+def saved_modules(groups: dict) -> frozenset:
+    """modules_to_save of ``group_tensors``: each tensor's module (``model.norm.weight`` ->
+    ``norm``)."""
+    return frozenset(name.rsplit(".", 2)[-2] for name in groups)
+
+
+def _group_leaves(groups: dict, tensors: dict) -> dict:
+    """``group_tensors``' leaves from peft's tensors, in our layout (host float32)."""
+    from .hf import _from_hf
+    rows: dict[tuple, list] = {}
+    for name, (keys, i, n_in, shape, _) in groups.items():
+        rows.setdefault(keys, []).append((i, _from_hf(tensors[name], shape, n_in)))
+    out = {}
+    for keys, parts in rows.items():
+        x = parts[0][1] if parts[0][0] is None else np.stack([w for _, w in sorted(
+            parts, key=lambda p: p[0])])
+        node = out
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = x
+    return out
+
+
 def load_adapter(cfg: Config, params: dict) -> tuple[dict, list[str]]:
     """The adapters of ``cfg.init_adapter``, checked against ``cfg.model`` and the parameter
     tree ``params`` (its shapes are enough: ``state_layout``'s abstract parameters).
@@ -218,15 +264,20 @@ def load_adapter(cfg: Config, params: dict) -> tuple[dict, list[str]]:
     path = cfg.init_adapter
     where = f"init_adapter {path!r}"
     conf = read_adapter_config(path)
-    errors = config_errors(conf, cfg.model.lora, cfg.model.n_layers, layers_path(cfg.model))
+    groups = group_tensors(cfg.model, params)
+    errors = config_errors(conf, cfg.model.lora, cfg.model.n_layers, layers_path(cfg.model),
+                           saved_modules(groups))
     if errors:
         raise ConfigError(f"{where}: its {CONFIG_FILE} does not fit model.lora: "
                           f"{'; '.join(errors)}")
     expected = expected_shapes(cfg.model, params)
+    expected.update({n: g[4] for n, g in groups.items()})
+    # peft's copy of a tied head (ensure_weight_tying) is the embedding: not read.
+    tied_copy = PEFT_PREFIX + "lm_head.weight" if cfg.model.tie_embeddings else None
     file = os.path.join(path, WEIGHTS_FILE)
     try:
         with safe_open(file, framework="np") as f:
-            given = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+            given = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if n != tied_copy}
             errors = tensor_errors(expected, given)
             if errors:
                 raise ConfigError(f"{where}: {'; '.join(errors)}")
@@ -247,7 +298,15 @@ def load_adapter(cfg: Config, params: dict) -> tuple[dict, list[str]]:
     if conf.get("lora_dropout"):
         notes.append(f"init_adapter: trained with lora_dropout {conf['lora_dropout']}; this "
                      f"run trains without adapter dropout (model.lora.dropout 0.0)")
-    return _adapters_only(loaded), notes
+    return _merged(_adapters_only(loaded), _group_leaves(groups, tensors)), notes
+
+
+def _merged(a: dict, b: dict) -> dict:
+    """Two nested dicts of leaves in one (their leaves are disjoint)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and k in out else v
+    return out
 
 
 def _name(path: str) -> str:
