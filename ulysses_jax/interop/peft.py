@@ -109,19 +109,26 @@ def _from_peft(t: np.ndarray, target: str, which: str, shape: tuple) -> np.ndarr
     return t.T.reshape(shape)
 
 
-def adapter_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
-    """Our adapters (any pure-dict tree holding them: the parameters, or their gradients) as
-    peft's float32 tensors: name -> [R, in] (lora_A) or [out, R] (lora_B)."""
-    out = {}
+def adapter_leaves(cfg: ModelConfig, params: dict):
+    """Yields (leaf, target, "A" or "B", peft's names of its layers in stack order) for each
+    adapter leaf of a pure-dict tree (arrays or ShapeDtypeStructs, stacked over layers)."""
     for keys, x in _leaves(params):
         found = _adapter(keys)
         if found is None:
             continue
         target, which = found
         layers, _ = stacked_layer_indices(cfg, keys)
+        yield x, target, which, [peft_name(i, target, which, shared="moe" in keys,
+                                           layers=layers_path(cfg)) for i in layers]
+
+
+def adapter_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """Our adapters (any pure-dict tree holding them: the parameters, or their gradients) as
+    peft's float32 tensors: name -> [R, in] (lora_A) or [out, R] (lora_B)."""
+    out = {}
+    for x, target, which, names in adapter_leaves(cfg, params):
         x = np.asarray(jax.device_get(x), np.float32)
-        for i, w in zip(layers, x, strict=True):  # w: A [in..., R] or B [R, out...]
-            name = peft_name(i, target, which, shared="moe" in keys, layers=layers_path(cfg))
+        for name, w in zip(names, x, strict=True):  # w: A [in..., R] or B [R, out...]
             out[name] = np.ascontiguousarray(_to_peft(w, target, which))
     return out
 

@@ -21,8 +21,7 @@ from safetensors import safe_open
 
 from ..config import Config, ConfigError, LoraConfig, ModelConfig
 from ..models import lora
-from ..models.decoder import stacked_layer_indices
-from .peft import (EXPERT_PARAMETERS, PEFT_PREFIX, _adapter, _leaves, layers_path, peft_name,
+from .peft import (EXPERT_PARAMETERS, PEFT_PREFIX, _leaves, adapter_leaves, layers_path,
                    peft_shape, with_adapters)
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -176,15 +175,9 @@ def expected_shapes(cfg: ModelConfig, params: dict) -> dict[str, tuple[int, ...]
     """peft name -> shape of every adapter matrix the parameter tree ``params`` (arrays or
     ShapeDtypeStructs) holds: lora_A [R, in], lora_B [out, R] (``adapter_tensors``' layout)."""
     out = {}
-    for keys, x in _leaves(params):
-        found = _adapter(keys)
-        if found is None:
-            continue
-        target, which = found
-        layers, _ = stacked_layer_indices(cfg, keys)
+    for x, target, which, names in adapter_leaves(cfg, params):
         shape = peft_shape(target, which, tuple(x.shape[1:]))  # of A [in..., R] or B [R, out...]
-        out.update({peft_name(i, target, which, shared="moe" in keys,
-                              layers=layers_path(cfg)): shape for i in layers})
+        out.update({name: shape for name in names})
     return out
 
 
