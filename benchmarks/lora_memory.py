@@ -13,10 +13,11 @@ model.mlp_chunk=2048, model.loss_chunk=2048, ZeRO-3 at P=8):
 - ``full``: full fine-tuning with optimizer.offload=false (weights, moments, gradients on
   the device).
 - ``lora``: LoRA rank 16, alpha 32, the default targets (every projection), frozen base
-  stored in bf16 (model.lora.base_dtype=bfloat16), optimizer.offload=false (LoRA with
-  optimizer.offload=true is refused by config validation for now).
+  stored in bf16 (model.lora.base_dtype=bfloat16), optimizer.offload=false.
 - ``lora_mlp`` (not in the default ``--rows``): the same with adapters on the MLP only
   (``model.lora.targets=[gate,up,down]``).
+- ``lora_offload`` (not in the default ``--rows``): ``lora`` with the preset's
+  optimizer.offload=true (the frozen bf16 base in host memory, streamed layer by layer).
 
 Per row and P: the planner's search (``ulysses_jax.plan.longest_fitting_seq_len``: doubling
 from one unit, then bisection; one abstract compile per probe, every probe recorded), and one
@@ -51,6 +52,9 @@ ROWS = {
     "lora_mlp": ("LoRA r16 a32 on gate/up/down only, bf16 base, optimizer.offload=false",
                  ["optimizer.offload=false", "model.lora.rank=16", "model.lora.alpha=32",
                   "model.lora.base_dtype=bfloat16", "model.lora.targets=[gate,up,down]"]),
+    "lora_offload": ("LoRA r16 a32 all targets, bf16 base, optimizer.offload=true",
+                     ["model.lora.rank=16", "model.lora.alpha=32",
+                      "model.lora.base_dtype=bfloat16"]),
 }
 KEEP = ("peak_bytes_per_device", "host_bytes_per_device", "argument_bytes", "temp_bytes",
         "memory_by_category", "params", "trainable_params", "compile_seconds", "memory_model")
