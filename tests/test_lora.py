@@ -22,8 +22,9 @@ from flax import nnx
 from conftest import DEVICES, need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, LoraConfig, load_config
-from ulysses_jax.hf import load_params
-from ulysses_jax.interop.peft import EXPERT_PARAMETERS, adapter_tensors, with_adapters
+from ulysses_jax.hf import config_from_hf, load_params, read_config
+from ulysses_jax.interop.peft import (EXPERT_PARAMETERS, adapter_tensors, peft_targets,
+                                      with_adapters)
 from ulysses_jax.models import lora
 from ulysses_jax.models.decoder import Decoder
 from ulysses_jax.training.train_step import (batch_shardings, init_state, make_train_step,
@@ -54,6 +55,15 @@ CASES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=48, norm_topk_prob=True),
                   LoraConfig(rank=R, alpha=8.0, targets=("q", "o", "experts")), (1, 2, 4)),
+    # Every target: gated attention (q_proj's B also moves the output gate), the DeltaNet's
+    # in_proj_qkvz / in_proj_ba / out_proj, the routed experts and the shared expert (peft's
+    # target_parameters, interop/peft.py).
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=False),
+        LoraConfig(rank=R, alpha=8.0), (1, 2, 4)),
 }
 
 
@@ -81,12 +91,10 @@ def checkpoints(tmp_path_factory):
         _randomize(model, seed=i)
         path = str(tmp_path_factory.mktemp(name))
         model.save_pretrained(path, safe_serialization=True)
+        # The targets as our adapter export names them.
+        cfg = dataclasses.replace(config_from_hf(read_config(path)), lora=ours)
         config = peft.LoraConfig(r=ours.rank, lora_alpha=ours.alpha, lora_dropout=0.0,
-                                 use_rslora=ours.rslora,
-                                 target_modules=[lora.HF_MODULES[t].split(".")[-1]
-                                                 for t in ours.targets if t != "experts"],
-                                 target_parameters=(list(EXPERT_PARAMETERS)
-                                                    if "experts" in ours.targets else None))
+                                 use_rslora=ours.rslora, **peft_targets(cfg))
         wrapped = peft.get_peft_model(model, config).eval()
         _randomize(wrapped, seed=100 + i, adapters_only=True)
         out[name] = (path, wrapped)
@@ -424,6 +432,50 @@ def test_trained_groups_export_as_modules_to_save(checkpoints, tmp_path, base, g
         np.testing.assert_array_equal(x, saved[keys], err_msg=str(keys))
 
 
+@pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="trainer tests run on fake CPU devices")
+def test_qwen3_next_run_exports(checkpoints, tmp_path):
+    """Qwen3-Next from its checkpoint with every target (gated attention, DeltaNet, routed
+    and shared experts) on two devices: the loss falls, and the adapter export (the shared
+    expert by target_parameters) and --merge give our logits in peft and transformers;
+    init_adapter reads the export back."""
+    from ulysses_jax.export import export_adapter, export_run, read_params, run_config
+    from ulysses_jax.interop.peft_adapter import load_adapter
+    from ulysses_jax.training.train_step import state_layout
+    from ulysses_jax.training.trainer import train
+    base = checkpoints["qwen3_next"][0]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), TRAIN + [
+        f"init_from={base}", "steps=3", "checkpoint_every=3", "optimizer.lr=0.02",
+        "model.router_aux_loss_coef=0.0"])
+    run = str(tmp_path / "run")
+    train(cfg, run, progress=False)
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    assert losses[-1] < losses[0], losses
+    summary = export_adapter(run, str(tmp_path / "adapter"))
+    # per layer: DeltaNet (3) or attention (4), shared expert (3), routed experts (2); A and B
+    assert summary["tensors"] == 2 * (3 + 4 + 2 * (3 + 2))
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        conf = json.load(f)
+    assert conf["target_modules"] == ["in_proj_ba", "in_proj_qkvz", "k_proj", "o_proj",
+                                      "out_proj", "q_proj", "v_proj"]
+    assert conf["target_parameters"][:2] == list(EXPERT_PARAMETERS)
+    export_run(run, str(tmp_path / "merged"), merge=True, progress=False)
+    _exports_give_our_logits(run, 3, base, tmp_path)
+    # peft would read target_modules gate_proj as the routed experts: refused, with the reason.
+    from ulysses_jax.interop.peft_adapter import adapter_targets
+    _, problems = adapter_targets({"target_modules": ["q_proj", "gate_proj"]}, 2,
+                                  run_config(run).model)
+    assert any("as the routed experts' fused weights" in p for p in problems), problems
+    again = dataclasses.replace(run_config(run), init_adapter=str(tmp_path / "adapter"))
+    _, abstract, _, _ = state_layout(again, make_mesh(seq=2, data=1, devices=need_devices(2)))
+    read, _ = load_adapter(again, abstract["params"])
+    saved = {tuple(map(str, k)): x for k, x in read_params(run, 3) if lora.is_adapter(k)}
+    read = {tuple(map(str, k)): x for k, x in zip(_paths(read), jax.tree.leaves(read))}
+    assert sorted(read) == sorted(saved)
+    for keys in saved:
+        np.testing.assert_array_equal(read[keys], saved[keys])
+
+
 def test_export_cli_writes_an_adapter_and_refuses_what_it_cannot(lora_runs, tmp_path,
                                                                     capsys):
     from ulysses_jax.export import ExportError, export_run, main
@@ -477,7 +529,6 @@ def test_token_chunked_mlp_equals_unchunked():
     (["model.lora.rank=4", "model.lora.trainable=[head]"], r"the head is the embedding"),
     (["model.lora.trainable=[embed]"], r"needs adapters: set model.lora.rank > 0"),
     (["model.lora.rank=4", "model.lora.base_dtype=float16"], r"model.lora.base_dtype must be"),
-    (["model.lora.rank=4", "model.family=qwen3_next"], r"model.family=qwen3_next yet"),
     (["model.lora.rank=4", "model.lora.trainable=[vision]"], r"names 'vision', but model.fam"),
     (["model.lora=4"], r"must hold keys such as model.lora.<key>"),
     (["model.lora.rnk=4"], r"model.lora.rnk"),

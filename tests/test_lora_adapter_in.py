@@ -272,4 +272,4 @@ def test_accepted_variants_and_notes(tiny, tmp_path, layouts):
         ["experts"], [])
     got, problems = adapter_targets({"target_modules": ["q_proj"],
                                      "target_parameters": ["mlp.experts.down_proj"]}, 2)
-    assert got == ["q"] and "for the routed experts only" in problems[0], problems
+    assert got == ["q"] and "for the routed experts, as" in problems[0], problems

@@ -304,7 +304,7 @@ def _merged_reader(run_dir: str, step: int, cfg):
     from .models import lora
     adapters = {keys: x for keys, x in read_params(run_dir, step, only=lora.is_adapter)}
     s = lora.scaling(cfg.model.lora)
-    attrs = {attr: t for group in (lora.ATTENTION, lora.MLP, lora.SHARED)
+    attrs = {attr: t for group in (lora.ATTENTION, lora.MLP, lora.SHARED, lora.LINEAR)
              for t, (attr, _) in group.items()}
     experts = {w: (t, ws.index(w), len(ws)) for t, ws in lora.EXPERTS.items() for w in ws}
 

@@ -66,8 +66,11 @@ class VisionConfig:
 
 
 # models/lora.py: the projections. gate/up/down: the dense MLP's and the shared expert's;
-# experts: every routed expert's fused gate_up and its down projection (MoE layers).
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts")
+# experts: every routed expert's fused gate_up and its down projection (MoE layers);
+# linear_qkvz / linear_ba / linear_out: Qwen3-Next's Gated DeltaNet in_proj_qkvz, in_proj_ba
+# and out_proj. A target the model has no such projection for adapts nothing.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts", "linear_qkvz",
+                "linear_ba", "linear_out")
 LORA_GROUPS = ("embed", "norms", "head", "vision")  # extra groups a LoRA run may train
 LORA_BASE_DTYPES = ("float32", "bfloat16")
 
@@ -259,12 +262,9 @@ def lora_errors(m: ModelConfig) -> list[str]:
     if lo.base_dtype not in LORA_BASE_DTYPES:
         errors.append(f"model.lora.base_dtype must be one of {', '.join(LORA_BASE_DTYPES)}, "
                       f"got {lo.base_dtype!r}")
-    # Adapters exist for the llama (dense, MoE, Qwen2.5-VL's decoder) and gemma blocks.
-    t = traits(m.family)
-    if t.linear_attention:
-        errors.append(f"model.lora is not supported for model.family={m.family} yet (adapters "
-                      f"exist for the llama and gemma families); set model.lora.rank=0")
-    if "vision" in lo.trainable and not t.vision:
+    # Adapters exist for every family: llama (dense, MoE, Qwen2.5-VL's decoder), gemma and
+    # qwen3_next.
+    if "vision" in lo.trainable and not traits(m.family).vision:
         errors.append(f"model.lora.trainable names 'vision', but model.family={m.family} has "
                       f"no vision tower")
     return errors

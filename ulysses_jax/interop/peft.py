@@ -16,6 +16,15 @@ projection's wrapping the gate_up's, so peft saves the gate_up adapter as
 and its lora_B [out, R x E] (expert-minor columns: column r E + e); delta W_e =
 s B[:, :, e] A[e]. Ours are A [E, in, R] and B [E, R, out] per layer, with B's gate_up
 columns [gate | up] as transformers' ``chunk(2)`` splits them.
+
+The shared expert of an MoE layer (Qwen3-Next, targets gate / up / down) is named by
+``target_parameters`` too, ``mlp.shared_expert.gate_proj.weight`` ...: peft (0.21, on
+transformers 5) rewrites any ``target_modules`` entry ending in gate_proj, up_proj or
+down_proj of a qwen2_moe-like model (qwen3_next among them) into the routed experts' fused
+weights, with the rank doubled on gate_up_proj, whatever the entry's prefix (a regular
+expression too). On a Linear's 2-D weight peft's ``ParamWrapper`` is a plain LoRA: it saves
+``mlp.shared_expert.gate_proj.lora_A.weight`` [R, in] and ``lora_B.weight`` [out, R], the
+names and layout of a target_modules adapter, with delta W = s B A.
 """
 from __future__ import annotations
 
@@ -25,10 +34,11 @@ import re
 import jax
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import LORA_TARGETS, ModelConfig
 from ..families import traits
 from ..models import lora
 from ..models.decoder import stacked_layer_indices
+from ..models.moe import is_moe_layer
 
 PEFT_PREFIX = "base_model.model."
 
@@ -56,6 +66,9 @@ EXPERT_MODULES = {"expert_gate_up": "mlp.experts.base_layer", "expert_down": "ml
 # the order peft wraps them, the order Qwen3MoeExperts defines them: the first is innermost,
 # whatever order a config lists them in).
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# The shared expert's projections as peft's target_parameters (see the module docstring).
+SHARED_PARAMETERS = {t: f"mlp.shared_expert.{lora.HF_MODULES[t].split('.')[-1]}.weight"
+                     for t in lora.SHARED}
 
 
 def layers_path(cfg: ModelConfig) -> str:
@@ -162,30 +175,61 @@ def with_adapters(cfg: ModelConfig, params: dict, tensors: dict[str, np.ndarray]
     return out
 
 
-def adapter_config(cfg: ModelConfig, base_model: str | None) -> dict:
-    """peft's adapter_config.json for the run's ``model.lora``."""
-    lo = cfg.lora
-    modules = [t for t in lo.targets if t in lora.HF_MODULES]
-    if cfg.num_experts:
-        # peft maps gate_proj / up_proj / down_proj of a transformers-5 MoE model onto its
-        # experts' fused weights, so those names may only stand for the shared expert's
-        # projections there; dense MLP layers of an MoE model cannot be named (export.py
-        # refuses such runs).
-        modules = [t for t in modules if t not in lora.MLP or cfg.moe_shared_ffn_dim]
-    names = sorted(lora.HF_MODULES[t].split(".")[-1] for t in modules)
+def target_layers(cfg: ModelConfig) -> dict[str, list[int]]:
+    """target -> the layers that have its projection: attention targets the attention layers,
+    linear_* the Gated DeltaNet layers, gate / up / down the dense MLPs and shared experts,
+    experts the MoE layers."""
+    mixers = cfg.layer_mixers()
+    moe = [is_moe_layer(cfg, i) for i in range(cfg.n_layers)]
+    out = {}
+    for t in LORA_TARGETS:
+        out[t] = [i for i in range(cfg.n_layers) if (
+            mixers[i] == "A" if t in lora.ATTENTION else mixers[i] == "D" if t in lora.LINEAR
+            else moe[i] if t == "experts" else not moe[i] or cfg.moe_shared_ffn_dim)]
+    return out
+
+
+def model_targets(cfg: ModelConfig) -> list[str]:
+    """The targets of ``cfg.lora`` that adapt some projection of this model (a target whose
+    projection the model lacks, such as linear_qkvz on Llama, adapts nothing)."""
+    layers = target_layers(cfg)
+    return [t for t in cfg.lora.targets if layers[t]]
+
+
+def peft_targets(cfg: ModelConfig) -> dict:
+    """peft's ``target_modules`` and ``target_parameters`` for the adapters of ``cfg.lora``.
+
+    On an MoE model gate / up / down can only mean the shared expert's projections, named as
+    parameters (module docstring); dense MLP layers of an MoE model cannot be named at all
+    (export.py refuses such runs).
+    """
+    targets = model_targets(cfg)
+    shared = [t for t in targets if t in lora.MLP] if cfg.num_experts else []
+    modules = sorted(lora.HF_MODULES[t].split(".")[-1] for t in targets
+                     if t in lora.HF_MODULES and t not in shared)
+    parameters = list(EXPERT_PARAMETERS) if "experts" in targets else []
+    parameters += [SHARED_PARAMETERS[t] for t in shared]
     if traits(cfg.family).vision:
         # The vision tower has gate_proj / up_proj / down_proj too: name the decoder's only,
         # as a regular expression over the whole module name (peft's full match).
-        names = (rf"{re.escape(layers_path(cfg))}\.\d+\.("
-                 + "|".join(re.escape(lora.HF_MODULES[t]) for t in modules) + ")")
+        modules = (rf"{re.escape(layers_path(cfg))}\.\d+\.("
+                   + "|".join(re.escape(lora.HF_MODULES[t]) for t in targets
+                              if t in lora.HF_MODULES and t not in shared) + ")")
+    return {"target_modules": modules, "target_parameters": parameters or None}
+
+
+def adapter_config(cfg: ModelConfig, base_model: str | None) -> dict:
+    """peft's adapter_config.json for the run's ``model.lora``."""
+    lo = cfg.lora
+    targets = peft_targets(cfg)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
               "base_model_name_or_path": base_model,
               "r": lo.rank, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout,
               "use_rslora": lo.rslora, "bias": "none", "fan_in_fan_out": False,
-              "target_modules": names,
+              "target_modules": targets["target_modules"],
               "modules_to_save": None, "inference_mode": True, "init_lora_weights": True}
-    if "experts" in lo.targets and cfg.num_experts:
-        config["target_parameters"] = list(EXPERT_PARAMETERS)
+    if targets["target_parameters"]:
+        config["target_parameters"] = targets["target_parameters"]
     return config
 
 

@@ -19,10 +19,10 @@ import ml_dtypes  # noqa: F401  registers numpy's "bfloat16" so safetensors can 
 import numpy as np
 from safetensors import safe_open
 
-from ..config import Config, ConfigError, LoraConfig, ModelConfig
+from ..config import LORA_TARGETS, Config, ConfigError, LoraConfig, ModelConfig
 from ..models import lora
-from .peft import (EXPERT_PARAMETERS, PEFT_PREFIX, _leaves, adapter_leaves, layers_path,
-                   peft_shape, with_adapters)
+from .peft import (EXPERT_PARAMETERS, PEFT_PREFIX, SHARED_PARAMETERS, _leaves, adapter_leaves,
+                   layers_path, model_targets, peft_shape, target_layers, with_adapters)
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # peft LoraConfig keys of features our adapters lack: refused when set (true or non-empty).
@@ -67,71 +67,100 @@ def read_adapter_config(path: str) -> dict:
 
 
 def adapter_targets(conf: dict, n_layers: int,
-                    layers: str = "model.layers") -> tuple[list[str], list[str]]:
+                    model: ModelConfig | None = None) -> tuple[list[str], list[str]]:
     """Our targets (models/lora.py) that peft's ``target_modules`` selects in every layer
-    (and "experts" when its ``target_parameters`` names the experts' fused weights), and the
-    problems: entries that name no projection of ours, or a regular expression that selects a
-    projection in some layers only.
+    that has the projection (and "experts" / the shared expert's gate, up, down when its
+    ``target_parameters`` names them), and the problems: entries that name no projection of
+    ours, or a regular expression that selects a projection in some of those layers only.
 
     ``target_modules`` is a list of module names, each matching a module whose dotted name
     ends with it (``q_proj``, ``self_attn.q_proj``); "all-linear"; or a regular expression
-    matched against the whole name (``model.layers.0.self_attn.q_proj``; ``layers``:
-    ``peft.layers_path``), as peft matches.
+    matched against the whole name (``model.layers.0.self_attn.q_proj``), as peft matches.
+    ``model``: the projections and layers are that model's (``target_layers``); without it,
+    every layer has attention and a dense MLP (no DeltaNet).
     """
-    experts, problems = _parameter_targets(conf.get("target_parameters"))
-    if not conf.get("target_modules") and experts:  # adapters on the experts only
-        return experts, problems
-    modules, more = _module_targets(conf.get("target_modules"), n_layers, layers)
-    return modules + experts, more + problems
+    if model is None:
+        layers = {t: list(range(n_layers)) for t in lora.HF_MODULES if t not in lora.LINEAR}
+    else:
+        layers = {t: ls for t, ls in target_layers(model).items()
+                  if ls and t in lora.HF_MODULES and not (model.num_experts and t in lora.MLP)}
+    parameters, problems = _parameter_targets(conf.get("target_parameters"))
+    if not conf.get("target_modules") and parameters:  # adapters on parameters only
+        return parameters, problems
+    modules, more = _module_targets(conf.get("target_modules"), layers,
+                                    "model.layers" if model is None else layers_path(model))
+    if model is not None and model.num_experts:
+        named = [e for e in (conf.get("target_modules") if isinstance(
+            conf.get("target_modules"), list) else []) if str(e).split(".")[-1] in
+            ("gate_proj", "up_proj", "down_proj")]
+        if named:  # peft's transformers-5 conversion (interop/peft.py)
+            more.append(f"target_modules {named}: on a mixture-of-experts model peft reads "
+                        f"gate_proj / up_proj / down_proj as the routed experts' fused weights; "
+                        f"the shared expert's adapters are named by target_parameters "
+                        f"{list(SHARED_PARAMETERS.values())}, the experts' by "
+                        f"{list(EXPERT_PARAMETERS)}")
+    return ([t for t in LORA_TARGETS if t in modules + parameters], more + problems)
 
 
 def _parameter_targets(given) -> tuple[list[str], list[str]]:
-    """["experts"] when peft's ``target_parameters`` names the routed experts' gate_up_proj
-    and down_proj (as our exports write it), [] when it is empty; else a problem."""
+    """Targets of peft's ``target_parameters``: "experts" for the routed experts'
+    gate_up_proj and down_proj (both, as our exports write them), gate / up / down for the
+    shared expert's ``mlp.shared_expert.*_proj.weight``; else a problem."""
     if not given:
         return [], []
-    short = sorted(str(p).split(".")[-1] for p in given)
-    if isinstance(given, list) and short == sorted(p.split(".")[-1] for p in EXPERT_PARAMETERS):
-        return ["experts"], []
-    return [], [f"target_parameters {given!r} is not supported: adapters on parameters are read "
-                f"for the routed experts only, as {list(EXPERT_PARAMETERS)} (both)"]
+    rest = [str(p) for p in given] if isinstance(given, list) else [given]
+    out = []
+    experts = [p for p in rest if p.split(".")[-1] in ("gate_up_proj", "down_proj")]
+    if sorted(p.split(".")[-1] for p in experts) == ["down_proj", "gate_up_proj"]:
+        out, rest = ["experts"], [p for p in rest if p not in experts]
+    for t, full in SHARED_PARAMETERS.items():  # peft matches a whole dotted suffix
+        hits = [p for p in rest if full == p or full.endswith("." + p)]
+        if hits:
+            out, rest = out + [t], [p for p in rest if p not in hits]
+    if rest:
+        return [], [f"target_parameters {given!r} is not supported: adapters on parameters are "
+                    f"read for the routed experts, as {list(EXPERT_PARAMETERS)} (both), and "
+                    f"the shared expert, as {list(SHARED_PARAMETERS.values())}"]
+    return out, []
 
 
-def _module_targets(given, n_layers: int, layers: str) -> tuple[list[str], list[str]]:
-    """``adapter_targets`` for peft's ``target_modules`` (``given``)."""
+def _module_targets(given, layers: dict, path: str) -> tuple[list[str], list[str]]:
+    """``adapter_targets`` for peft's ``target_modules`` (``given``), over the projections
+    ``layers`` (target -> the layers that have it) under ``path`` (``peft.layers_path``)."""
+    modules = {t: lora.HF_MODULES[t] for t in layers}
     if given == "all-linear":
-        return list(lora.HF_MODULES), []
+        return list(modules), []
     if isinstance(given, str):
         out, problems = [], []
-        for t, module in lora.HF_MODULES.items():
-            hits = [i for i in range(n_layers)
-                    if re.fullmatch(given, f"{layers}.{i}.{module}")]
-            if len(hits) == n_layers:
+        for t, module in modules.items():
+            hits = [i for i in layers[t] if re.fullmatch(given, f"{path}.{i}.{module}")]
+            if len(hits) == len(layers[t]):
                 out.append(t)
             elif hits:
                 problems.append(f"target_modules {given!r} selects {module} in layers "
-                                f"{hits} of {n_layers} only (layer-specific adapters are not "
-                                f"supported)")
+                                f"{hits} of {len(layers[t])} only (of the layers that have it, "
+                                f"{layers[t]}; layer-specific adapters are not supported)")
         return out, problems
     if not isinstance(given, list) or not given:
         return [], [f"target_modules must be a non-empty list or a string, got {given!r}"]
     out, unknown = [], []
     for entry in given:
         parts = str(entry).split(".")
-        hits = [t for t, m in lora.HF_MODULES.items() if m.split(".")[-len(parts):] == parts]
+        hits = [t for t, m in modules.items() if m.split(".")[-len(parts):] == parts]
         out += [t for t in hits if t not in out]
         if not hits:
             unknown.append(entry)
     problems = [f"target_modules {unknown} are not projections our adapters cover "
-                f"({', '.join(m.split('.')[-1] for m in lora.HF_MODULES.values())})"] \
+                f"({', '.join(m.split('.')[-1] for m in modules.values())})"] \
         if unknown else []
-    return [t for t in lora.HF_MODULES if t in out], problems
+    return [t for t in modules if t in out], problems
 
 
 def config_errors(conf: dict, lo: LoraConfig, n_layers: int,
-                  layers: str = "model.layers", modules: frozenset = frozenset()) -> list[str]:
-    """What in adapter_config.json differs from ``model.lora`` or cannot be expressed;
-    ``modules``: the modules_to_save that ``model.lora.trainable`` makes (``saved_modules``)."""
+                  model: ModelConfig | None = None, modules: frozenset = frozenset()) -> list[str]:
+    """What in adapter_config.json differs from ``model.lora`` or cannot be expressed
+    (``model``: the run's model, whose projections ``model.lora.targets`` are compared;
+    ``modules``: the modules_to_save that ``model.lora.trainable`` makes, ``saved_modules``)."""
     if conf.get("peft_type") != "LORA":
         return [f"peft_type is {conf.get('peft_type')!r}; only LORA adapters are read"]
     errors = [f"{key} {conf[key]!r} is not supported (our adapters have no such feature)"
@@ -149,7 +178,8 @@ def config_errors(conf: dict, lo: LoraConfig, n_layers: int,
         errors.append(f"modules_to_save {sorted(given)} there, but model.lora.trainable "
                       f"{list(lo.trainable)} trains {sorted(modules)} in full here (embed: "
                       f"embed_tokens; head: lm_head; norms: every norm of the decoder)")
-    targets, problems = adapter_targets(conf, n_layers, layers)
+    targets, problems = adapter_targets(conf, n_layers, model)
+    wanted = model_targets(model) if model is not None else list(lo.targets)
     errors += problems
     fixes = []
     for key, theirs, ours, fix in (
@@ -162,7 +192,7 @@ def config_errors(conf: dict, lo: LoraConfig, n_layers: int,
             ours_key = {"r": "rank", "lora_alpha": "alpha", "use_rslora": "rslora"}[key]
             errors.append(f"{key} {theirs!r} there, model.lora.{ours_key} {ours!r} here")
             fixes.append(fix)
-    if targets and set(targets) != set(lo.targets):
+    if targets and set(targets) != set(wanted):
         errors.append(f"target_modules {conf.get('target_modules')!r} (our targets "
                       f"{targets}) there, model.lora.targets {list(lo.targets)} here")
         fixes.append(f"model.lora.targets=[{','.join(targets)}]")
@@ -258,7 +288,7 @@ def load_adapter(cfg: Config, params: dict) -> tuple[dict, list[str]]:
     where = f"init_adapter {path!r}"
     conf = read_adapter_config(path)
     groups = group_tensors(cfg.model, params)
-    errors = config_errors(conf, cfg.model.lora, cfg.model.n_layers, layers_path(cfg.model),
+    errors = config_errors(conf, cfg.model.lora, cfg.model.n_layers, cfg.model,
                            saved_modules(groups))
     if errors:
         raise ConfigError(f"{where}: its {CONFIG_FILE} does not fit model.lora: "

@@ -30,10 +30,7 @@ class Block(nnx.Module):
         self._init_feed_forward(cfg, mesh, rngs, sparse)
         # LoRA adapters (models/lora.py) drawn after every base weight: they leave those alone.
         lora.attach(self.attn, lora.ATTENTION, cfg.lora, rngs)
-        if self.mlp is not None:
-            lora.attach(self.mlp, lora.MLP, cfg.lora, rngs)
-        else:
-            lora.attach_moe(self.moe, cfg.lora, rngs)
+        self._attach_feed_forward_lora(cfg, rngs)
 
     def _init_feed_forward(self, cfg: ModelConfig, mesh: Mesh | None, rngs: nnx.Rngs,
                            sparse: bool):
@@ -43,6 +40,13 @@ class Block(nnx.Module):
         self.mlp = None if sparse else MLP(cfg, mesh, rngs=rngs)
         self.moe = MoE(cfg, mesh, rngs=rngs) if sparse else None
         self.mesh, self.chunk = mesh, cfg.mlp_chunk
+
+    def _attach_feed_forward_lora(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        """The MLP half's adapters: the dense MLP's, or the MoE's (shared and routed experts)."""
+        if self.mlp is not None:
+            lora.attach(self.mlp, lora.MLP, cfg.lora, rngs)
+        else:
+            lora.attach_moe(self.moe, cfg.lora, rngs)
 
     def __call__(self, x, positions, segment_ids, kind="G"):
         """``kind``: the layer's attention kind (``Attention.__call__``)."""

@@ -33,8 +33,13 @@ from ..config import LoraConfig
 # target -> (weight attribute, number of leading input dims of that weight)
 ATTENTION = {"q": ("wq", 1), "k": ("wk", 1), "v": ("wv", 1), "o": ("wo", 2)}
 MLP = {"gate": ("w_gate", 1), "up": ("w_up", 1), "down": ("w_down", 1)}
-# The shared expert of an MoE layer (Qwen3-Next) takes the MLP targets: peft's
-# target_modules gate_proj / up_proj / down_proj name its projections too.
+# Qwen3-Next's Gated DeltaNet projections, in transformers' fused layouts (models/qwen3_next.py):
+# in_proj_qkvz [D, Hk, 2Q + 2rV], in_proj_ba [D, Hk, 2r], out_proj [Hv, V, D].
+LINEAR = {"linear_qkvz": ("in_proj_qkvz", 1), "linear_ba": ("in_proj_ba", 1),
+          "linear_out": ("out_proj", 2)}
+# The shared expert of an MoE layer (Qwen3-Next) takes the MLP targets. peft names its
+# projections by target_parameters (interop/peft.py: on a transformers-5 MoE model, peft
+# turns target_modules gate_proj / up_proj / down_proj into the routed experts' weights).
 SHARED = {"gate": ("shared_gate", 1), "up": ("shared_up", 1), "down": ("shared_down", 1)}
 # Target "experts": each routed expert gets one adapter on its fused [gate | up] projection
 # and one on its down projection, as peft's ``target_parameters`` adapts transformers'
@@ -44,8 +49,11 @@ EXPERTS = {"expert_gate_up": ("w_gate", "w_up"), "expert_down": ("w_down",)}
 # target -> the Hugging Face module (peft's target_modules names) under a decoder layer
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-              "down": "mlp.down_proj"}
+              "down": "mlp.down_proj", "linear_qkvz": "linear_attn.in_proj_qkvz",
+              "linear_ba": "linear_attn.in_proj_ba", "linear_out": "linear_attn.out_proj"}
 PREFIX = "lora_"
+# Per-layer vectors a bfloat16 base keeps in float32 (besides the norm scales).
+_FP32_VECTORS = ("bq", "bk", "bv", "a_log", "dt_bias")
 
 
 def names(target: str) -> tuple[str, str]:
@@ -59,13 +67,14 @@ def scaling(lora: LoraConfig) -> float:
 
 
 def attach(module: nnx.Module, weights: dict, lora: LoraConfig, rngs: nnx.Rngs) -> None:
-    """Adds A and B for each of ``lora.targets`` that ``weights`` (ATTENTION or MLP) holds.
+    """Adds A and B for each of ``lora.targets`` that ``weights`` (ATTENTION, MLP, LINEAR or
+    SHARED) holds.
 
     Called after the module's own weights are drawn, so adapters never change the base
     weights a seed gives. No-op with rank 0.
     """
     for target in lora.targets if lora.rank else ():
-        if target not in weights or getattr(module, weights[target][0]) is None:
+        if target not in weights or getattr(module, weights[target][0], None) is None:
             continue
         attr, n_in = weights[target]
         shape = getattr(module, attr).shape
@@ -126,11 +135,14 @@ def delta(spec: str, x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> 
     """s (x A) B for a projection whose own einsum is ``spec`` (e.g. "BSD,DNH->BSNH").
 
     Args:
-      spec: the base projection's einsum; its contracted letters are A's input dims.
+      spec: the base projection's einsum; its contracted letters are A's input dims. Any
+        letter but R (the rank).
       x: the projection's input; a: [in..., R]; b: [R, out...], in x's dtype.
     Returns:
       An array shaped like the base projection's output.
     """
+    if "R" in spec:  # it would be contracted with the rank
+        raise ValueError(f"lora.delta: the spec {spec!r} uses R, the rank's letter")
     ins, out = spec.split("->")
     xs, ws = ins.split(",")
     contracted = "".join(c for c in ws if c in xs)
@@ -198,7 +210,8 @@ def overlay(params: dict, leaves: dict) -> dict:
 
 def frozen_dtype_mask(params: dict, lora: LoraConfig, _path: tuple = ()) -> dict:
     """True for the leaves stored in ``lora.base_dtype``: the frozen layer matrices (norm
-    scales, biases, embedding and head stay float32, as the offloaded step keeps them)."""
+    scales, biases, DeltaNet's per-head decay a_log and dt_bias, embedding and head stay
+    float32, as the offloaded step keeps them)."""
     out = {}
     for k, v in params.items():
         keys = _path + (k,)
@@ -206,7 +219,7 @@ def frozen_dtype_mask(params: dict, lora: LoraConfig, _path: tuple = ()) -> dict
             out[k] = frozen_dtype_mask(v, lora, keys)
         else:
             out[k] = (bool(lora.rank) and keys[0] == "layers" and not is_trainable(keys, lora)
-                      and not any("norm" in str(n) or n in ("bq", "bk", "bv") for n in keys))
+                      and not any("norm" in str(n) or n in _FP32_VECTORS for n in keys))
     return out
 
 

@@ -18,6 +18,9 @@ As transformers' Qwen3-Next modeling code defines it:
     g = -exp(A_log) softplus(a + dt_bias); the gated delta rule with l2-normalised q, k
     (``attention/linear.py``: the exchange, ``attention/deltanet.py``: the kernels);
   - MLP: dense SwiGLU, or the MoE with a sigmoid-gated shared expert (``moe.py``).
+LoRA (models/lora.py) adapts the fused weights as they are, as peft adapts transformers'
+Linears: the q adapter's B [R, N, 2H] changes each head's query and its gate, the DeltaNet's
+B [R, Hk, 2Q + 2rV] (target linear_qkvz) its q, k, v and z.
 Parameters keep transformers' fused layouts (in_proj_qkvz, the [C, 1, W] convolution, q and
 gate in one wq), so a checkpoint maps tensor for tensor; the model splits them where used.
 """
@@ -36,6 +39,7 @@ from ..attention.linear import gated_deltanet
 from ..config import INT32_MAX, ModelConfig
 from .layers import gathered as _gathered, norm
 from ..families import family
+from . import lora
 from .llama import Block
 from .rope import apply_rope
 from .norms import gated_rms_norm
@@ -63,10 +67,22 @@ class GatedAttention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids):
         dt, mesh, cfg, h = x.dtype, self.mesh, self.cfg, self.cfg.head_dim
+        adapters = lora.adapters(self, lora.ATTENTION)  # {} unless model.lora.rank > 0
+
+        def adapt(y, target, spec, inputs):
+            """y + s (inputs A) B where ``target`` has an adapter (models/lora.py)."""
+            if target not in adapters:
+                return y
+            a, b = (_gathered(w, dt, mesh) for w in adapters[target])
+            return y + lora.delta(spec, inputs, a, b, lora.scaling(cfg.lora))
+
         qg = jnp.einsum("BSD,DNH->BSNH", x, _gathered(self.wq[...], dt, mesh))     # [B, S, N, 2H]
+        qg = adapt(qg, "q", "BSD,DNH->BSNH", x)
         q, gate = qg[..., :h], qg[..., h:]
-        k = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wk[...], dt, mesh))
-        v = jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wv[...], dt, mesh))
+        k = adapt(jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wk[...], dt, mesh)), "k",
+                  "BSD,DKH->BSKH", x)
+        v = adapt(jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wv[...], dt, mesh)), "v",
+                  "BSD,DKH->BSKH", x)
         # RoPE (with its scaling) on the first rotary_dim dims of each head only.
         theta, scaling = cfg.rope("G")
         exact_from = None if cfg.rope_exact_from >= INT32_MAX else cfg.rope_exact_from
@@ -79,7 +95,8 @@ class GatedAttention(nnx.Module):
                               max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
                               scale=cfg.attn_scale or None)                        # [B, S, N, H]
         o = o * jax.nn.sigmoid(gate)
-        return jnp.einsum("BSNH,NHD->BSD", o, _gathered(self.wo[...], dt, mesh))
+        y = jnp.einsum("BSNH,NHD->BSD", o, _gathered(self.wo[...], dt, mesh))
+        return adapt(y, "o", "BSNH,NHD->BSD", o)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -110,14 +127,26 @@ class GatedDeltaNet(nnx.Module):
         hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
         dq, dv = cfg.linear_key_dim, cfg.linear_value_dim
         r = hv // hk
+        adapters = {t: [_gathered(w, dt, mesh) for w in ab]
+                    for t, ab in lora.adapters(self, lora.LINEAR).items()}  # {} without LoRA
+        s_lora = lora.scaling(cfg.lora) if adapters else 0.0
         # One einsum per piece of in_proj_qkvz (its columns per key head: q, k, v, z), so
-        # each lands in its own array; one fused output would be sliced four ways.
+        # each lands in its own array; one fused output would be sliced four ways. An
+        # adapter's B [R, Hk, 2Q + 2rV] is sliced the same way, x A computed once.
         w = _gathered(self.in_proj_qkvz[...], dt, mesh)                           # [D, Hk, .]
         bounds = (0, dq, 2 * dq, 2 * dq + r * dv, 2 * dq + 2 * r * dv)
-        q, k, v, z = (jnp.einsum("BSD,DKW->BSKW", x, w[..., lo:hi])
-                      for lo, hi in zip(bounds, bounds[1:]))                      # q: [B, S, Hk, Q]
+        pieces = [jnp.einsum("BSD,DKW->BSKW", x, w[..., lo:hi])
+                  for lo, hi in zip(bounds, bounds[1:])]                          # q: [B, S, Hk, Q]
+        if "linear_qkvz" in adapters:
+            lora_a, lora_b = adapters["linear_qkvz"]                 # [D, R], [R, Hk, 2Q + 2rV]
+            xa = jnp.einsum("BSD,DR->BSR", x, lora_a) * jnp.asarray(s_lora, dt)   # [B, S, R]
+            pieces = [p + jnp.einsum("BSR,RKW->BSKW", xa, lora_b[..., lo:hi])
+                      for p, lo, hi in zip(pieces, bounds, bounds[1:])]
+        q, k, v, z = pieces
         v, z = v.reshape(b_, s, hv, dv), z.reshape(b_, s, hv, dv)                 # [B, S, Hv, V]
-        ba = jnp.einsum("BSD,DKR->BSKR", x, _gathered(self.in_proj_ba[...], dt, mesh))
+        ba = jnp.einsum("BSD,DKJ->BSKJ", x, _gathered(self.in_proj_ba[...], dt, mesh))
+        if "linear_ba" in adapters:  # (lora.delta's rank letter is R)
+            ba = ba + lora.delta("BSD,DKJ->BSKJ", x, *adapters["linear_ba"], s_lora)
         b, a = ba[..., :r].reshape(b_, s, hv), ba[..., r:].reshape(b_, s, hv)     # [B, S, Hv]
         conv = _gathered(self.conv[...], jnp.float32, mesh)[:, 0]                 # [C, W]
         cq = conv[:hk * dq].reshape(hk, dq, -1)
@@ -129,7 +158,10 @@ class GatedDeltaNet(nnx.Module):
                            mesh=mesh, segment_ids=segment_ids)                    # [B, S, Hv, V]
         scale = _gathered(self.norm_scale[...], jnp.float32, mesh)
         o = gated_rms_norm(o, scale, z, cfg.norm_eps)                             # [B, S, Hv, V]
-        return jnp.einsum("BSNV,NVD->BSD", o, _gathered(self.out_proj[...], dt, mesh))
+        y = jnp.einsum("BSNV,NVD->BSD", o, _gathered(self.out_proj[...], dt, mesh))
+        if "linear_out" in adapters:
+            y = y + lora.delta("BSNV,NVD->BSD", o, *adapters["linear_out"], s_lora)
+        return y
 
 
 class Qwen3NextBlock(Block):
@@ -148,6 +180,12 @@ class Qwen3NextBlock(Block):
             self.attn = GatedAttention(cfg, mesh, rngs=rngs, layout=layout,
                                        head_chunks=head_chunks)
         self._init_feed_forward(cfg, mesh, rngs, sparse)
+        # LoRA adapters (models/lora.py) drawn after every base weight: they leave those alone.
+        if self.attn is None:
+            lora.attach(self.linear_attn, lora.LINEAR, cfg.lora, rngs)
+        else:
+            lora.attach(self.attn, lora.ATTENTION, cfg.lora, rngs)
+        self._attach_feed_forward_lora(cfg, rngs)
 
     def __call__(self, x, positions, segment_ids, kind="G"):
         with jax.named_scope("attention"):

@@ -29,6 +29,7 @@ from ..data.vision_batches import vision_shardings
 from ..models.loss import chunked_cross_entropy
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
+from ..interop.peft import model_targets
 from ..families import family
 from ..models.moe import aux_loss
 from ..models import lora
@@ -306,5 +307,5 @@ def param_line(cfg: Config, params) -> str:
     extra = f" and {', '.join(lo.trainable)}" if lo.trainable else ""
     return (f"model: {total / 1e6:.2f}M parameters, {trained / 1e6:.4f}M trained "
             f"({100 * trained / total:.3f}%: LoRA rank {lo.rank} on "
-            f"{', '.join(lo.targets)}{extra}); the frozen layer matrices stored in "
-            f"{lo.base_dtype}")
+            f"{', '.join(model_targets(cfg.model))}{extra}); the frozen layer matrices "
+            f"stored in {lo.base_dtype}")
