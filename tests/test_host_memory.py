@@ -40,6 +40,12 @@ def _shapes(cfg, mesh):
     return [x.shape for x in jax.tree.leaves(state)]
 
 
+def _paths(cfg, mesh):
+    """The parameters' paths, in ``_shapes``' order."""
+    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg, mesh)), nnx.Param)
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+
+
 @pytest.mark.parametrize("mode", ["replicated", "zero3"])
 def test_estimate_counts_one_copy_per_device_or_one_in_all(mode):
     """4 bytes a parameter: on each of the 4 devices when replicated, once in all with zero3
@@ -83,6 +89,13 @@ def test_estimate_follows_the_memory_settings():
                                  mesh).phases["training"]
     assert accum["gradient accumulator"] == est["gradients"]
     assert accum["activations"] == est["activations"] // 2  # a micro-batch at a time
+    # LoRA: gradients (and moments) for the adapters only, the frozen base in bf16.
+    lo = load_config(TINY, ["mesh.seq=4", "model.lora.rank=4", "model.lora.base_dtype=bfloat16"])
+    lora_est = host_memory.estimate(lo, mesh).phases["training"]
+    shapes = _shapes(lo, mesh)
+    adapters = sum(math.prod(s) for s, k in zip(shapes, _paths(lo, mesh)) if "lora_" in k)
+    assert 0 < adapters and lora_est["gradients"] == 4 * adapters * 4  # replicated on 4
+    assert lora_est["parameters"] < est["parameters"]
     final_only = host_memory.estimate(load_config(TINY, ["mesh.seq=4", "checkpoint_every=0"]),
                                       mesh)
     assert "checkpoint save" not in final_only.phases["training"]

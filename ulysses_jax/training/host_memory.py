@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from ..config import Config, ConfigError
+from ..models import lora
 from .train_step import state_layout
 
 SKIP_ENV = "ULYSSES_SKIP_HOST_MEMORY_CHECK"
@@ -91,8 +92,10 @@ def estimate(cfg: Config, mesh, reads_init_from: bool = False) -> HostEstimate:
     local = len(mesh.local_devices)
     fraction = local / mesh.devices.size  # this process's share of what exists once
     state = {"parameters": _bytes(params), "optimizer state": _bytes(opt)}
+    # float32 gradients of the trained parameters (all of them, or LoRA's: model.lora)
     grads = _bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32,
-                                                               sharding=x.sharding), params))
+                                                               sharding=x.sharding),
+                                lora.trainable_params(params, cfg.model.lora)))
     save = {"checkpoint save": int(_global_bytes([params, opt]) * fraction)}
     m = cfg.model
     tokens = cfg.batch_size // cfg.grad_accum_steps * cfg.seq_len  # of a micro-batch, all devices
