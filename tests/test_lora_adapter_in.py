@@ -273,3 +273,13 @@ def test_accepted_variants_and_notes(tiny, tmp_path, layouts):
     got, problems = adapter_targets({"target_modules": ["q_proj"],
                                      "target_parameters": ["mlp.experts.down_proj"]}, 2)
     assert got == ["q"] and "for the routed experts, as" in problems[0], problems
+
+
+def test_dry_run_checks_the_adapter(tiny):
+    """--dry-run reads init_adapter as the run would: a fitting adapter is noted, one that
+    does not fit model.lora is refused before anything compiles."""
+    from ulysses_jax.training.dry_run import dry_run
+    plan = dry_run(_config(tiny))
+    assert any(n.startswith(f"init_adapter: {N_TENSORS} LoRA tensors") for n in plan["notes"])
+    with pytest.raises(ConfigError, match=r"r 4 there, model.lora.rank 8 here"):
+        dry_run(_config(tiny, "model.lora.rank=8"))

@@ -25,7 +25,7 @@ from .. import memory
 from ..config import Config
 from ..hlo import collective_counts
 from .train_step import make_train_step, param_count, state_layout, trainable_count
-from .resume import resolve_init_from
+from .resume import initial_adapters, resolve_init_from
 from .trainer import (_abstract_batch, _xla_flops, build_mesh, chunk_notes,
                       model_flops_per_device)
 
@@ -94,6 +94,10 @@ def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
         lo = dataclasses.replace(lo, base_dtype="float16") if lo.base_dtype == "bfloat16" else lo
         compiled_cfg = dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, dtype="float16", lora=lo))
+    if cfg.init_adapter:  # the adapter is checked as the run would (ConfigError if it does
+        # not fit model.lora), before the compile
+        _, layout, _, _ = state_layout(cfg, mesh)
+        init_notes += initial_adapters(cfg, layout["params"])[1]
     compiled, abstract = compile_step(compiled_cfg, mesh)
     mem = compiled.memory_analysis()
     peak = peak_bytes_per_device(compiled)
