@@ -40,6 +40,20 @@ def gathered(w: jax.Array, dtype, mesh: Mesh | None) -> jax.Array:
     return w if mesh is None else jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))
 
 
+def lora_adapt(module: nnx.Module, weights: dict, cfg: ModelConfig, dtype, mesh: Mesh | None):
+    """``adapt(y, target, spec, inputs)``: y + s (inputs A) B with ``target``'s adapter on
+    ``module`` (models/lora.py; A and B gathered like the weights), or y where it has none."""
+    adapters = lora.adapters(module, weights)  # {} unless model.lora.rank > 0
+
+    def adapt(y, target, spec, inputs):
+        if target not in adapters:
+            return y
+        a, b = (gathered(w, dtype, mesh) for w in adapters[target])
+        return y + lora.delta(spec, inputs, a, b, lora.scaling(cfg.lora))
+
+    return adapt
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Unscaled RoPE over the whole head (``rope.apply_rope``, kept for older callers).
 
@@ -110,15 +124,7 @@ class Attention(nnx.Module):
         q = jnp.einsum("BSD,DNH->BSNH", x, gathered(self.wq[...], dt, mesh))
         k = jnp.einsum("BSD,DKH->BSKH", x, gathered(self.wk[...], dt, mesh))
         v = jnp.einsum("BSD,DKH->BSKH", x, gathered(self.wv[...], dt, mesh))
-        adapters = lora.adapters(self, lora.ATTENTION)  # {} unless model.lora.rank > 0
-
-        def adapt(y, target, spec, inputs):
-            """y + s (inputs A) B where ``target`` has an adapter (models/lora.py)."""
-            if target not in adapters:
-                return y
-            a, b = (gathered(w, dt, mesh) for w in adapters[target])
-            return y + lora.delta(spec, inputs, a, b, lora.scaling(cfg.lora))
-
+        adapt = lora_adapt(self, lora.ATTENTION, cfg, dt, mesh)
         q = adapt(q, "q", "BSD,DNH->BSNH", x)
         k = adapt(k, "k", "BSD,DKH->BSKH", x)
         v = adapt(v, "v", "BSD,DKH->BSKH", x)

@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.linear import gated_deltanet
 from ..config import INT32_MAX, ModelConfig
-from .layers import gathered as _gathered, norm
+from .layers import gathered as _gathered, lora_adapt, norm
 from ..families import family
 from . import lora
 from .llama import Block
@@ -67,15 +67,7 @@ class GatedAttention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids):
         dt, mesh, cfg, h = x.dtype, self.mesh, self.cfg, self.cfg.head_dim
-        adapters = lora.adapters(self, lora.ATTENTION)  # {} unless model.lora.rank > 0
-
-        def adapt(y, target, spec, inputs):
-            """y + s (inputs A) B where ``target`` has an adapter (models/lora.py)."""
-            if target not in adapters:
-                return y
-            a, b = (_gathered(w, dt, mesh) for w in adapters[target])
-            return y + lora.delta(spec, inputs, a, b, lora.scaling(cfg.lora))
-
+        adapt = lora_adapt(self, lora.ATTENTION, cfg, dt, mesh)
         qg = jnp.einsum("BSD,DNH->BSNH", x, _gathered(self.wq[...], dt, mesh))     # [B, S, N, 2H]
         qg = adapt(qg, "q", "BSD,DNH->BSNH", x)
         q, gate = qg[..., :h], qg[..., h:]
