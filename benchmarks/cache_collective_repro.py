@@ -1,12 +1,15 @@
 """Issue 29's crash outside the suite: the held-out loss-by-position program
-(training/position_loss.token_losses) of a tiny decoder on a 2-device CPU mesh, read back
-from JAX's persistent compilation cache, deadlocks in its collectives or dies while its
-results are read; compiled fresh it runs.
+(training/position_loss.token_losses) of a tiny decoder on a 2-device CPU mesh, as it was
+before issue 37 (``--unordered``: traced without ``ulysses_jax.ordering``'s data paths), read
+back from JAX's persistent compilation cache, deadlocks in its collectives or dies while its
+results are read; compiled fresh it runs. Today's program (no ``--unordered``) has a data path
+to every collective and reads back safely.
 
-    python benchmarks/cache_collective_repro.py --cache DIR --runs 1    # compiles, writes DIR
-    python benchmarks/cache_collective_repro.py --cache DIR --runs 50   # reads DIR back
-    python benchmarks/cache_collective_repro.py --runs 50               # no cache
-    python benchmarks/cache_collective_repro.py --cache DIR --runs 50 --fence   # the fix
+    python benchmarks/cache_collective_repro.py --unordered --cache DIR --runs 1   # writes DIR
+    python benchmarks/cache_collective_repro.py --unordered --cache DIR --runs 50  # reads back
+    python benchmarks/cache_collective_repro.py --unordered --runs 50              # no cache
+    python benchmarks/cache_collective_repro.py --unordered --cache DIR --runs 50 --fence
+    python benchmarks/cache_collective_repro.py --cache DIR2 --runs 1; ... --cache DIR2 --runs 50
 
 Each run executes the program ``--runs`` times on one batch and checks that every result
 equals the first; "ok" and the mean loss at the end. XLA_FLAGS are the suite's CPU flags
@@ -42,12 +45,25 @@ SMALL = ["seq_len=128", "batch_size=2", "model.d_model=32", "model.n_layers=1",
          "model.loss_chunk=16", "model.vocab_size=384", "mesh.seq=2", "mesh.data=1"]
 
 
+def _traced_unordered(fn):
+    """``fn`` (jitted) traced without ordering's data paths on its first call."""
+    from ulysses_jax import ordering
+
+    def call(*args):
+        with ordering.disabled():
+            return fn(*args)
+    return call
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", help="persistent compilation cache directory (default: none)")
     ap.add_argument("--runs", type=int, default=50, help="executions of the program")
     ap.add_argument("--fence", action="store_true",
-                    help="install ulysses_jax.compile_cache.fence() first (the fix)")
+                    help="install ulysses_jax.compile_cache.fence() first (the guard)")
+    ap.add_argument("--unordered", action="store_true",
+                    help="the program as it was before issue 37: traced without "
+                         "ulysses_jax.ordering's data paths")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs must be at least 1, got {args.runs}")
@@ -74,6 +90,8 @@ def main(argv=None) -> int:
     mesh = make_mesh(seq=2, data=1, devices=jax.devices()[:2])
     graphdef, state, _, _ = init_state(cfg, mesh)
     fn = token_losses(mesh, graphdef, cfg.model.loss_chunk)
+    if args.unordered:
+        fn = _traced_unordered(fn)
     b, s = cfg.batch_size, cfg.seq_len
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (b, s + 1), np.int32)
     batch = shard_batch({"tokens": tokens[:, :-1], "targets": tokens[:, 1:],

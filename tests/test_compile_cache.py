@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import DEVICES, cli_env, need_devices
+from ulysses_jax import ordering
 from ulysses_jax.compile_cache import unsafe_pairs
 from ulysses_jax.hlo import unordered_loop_collectives
 
@@ -66,9 +67,10 @@ def test_collectives_ordered_by_data_are_safe():
     assert unordered_loop_collectives(plain.as_text()) == []
 
 
-def test_the_loss_by_position_program_is_found():
-    """The program of the crash (issue 29): its embedding loop (all-gather, reduce-scatter per
-    chunk) and the all-gather of the positions beside it."""
+def test_the_loss_by_position_program_is_found_and_now_ordered():
+    """The program of the crash (issue 29), traced as it was (without ordering's data paths):
+    its embedding loop (all-gather, reduce-scatter per chunk) and the all-gather of the
+    segment ids beside it. Traced as today, no pair is left (issue 37)."""
     need_devices(2)
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from cache_collective_repro import SMALL
@@ -83,13 +85,16 @@ def test_the_loss_by_position_program_is_found():
     batch = {k: jax.ShapeDtypeStruct((b, s), np.float32 if k == "loss_mask" else np.int32,
                                      sharding=NamedSharding(mesh, P("data", "seq")))
              for k in ("tokens", "targets", "positions", "segment_ids", "loss_mask")}
-    fn = token_losses(mesh, graphdef, cfg.model.loss_chunk)
-    pairs = unordered_loop_collectives(fn.lower(state["params"], batch).compile().as_text())
+    with ordering.disabled():
+        fn = token_losses(mesh, graphdef, cfg.model.loss_chunk)
+        pairs = unordered_loop_collectives(fn.lower(state["params"], batch).compile().as_text())
     assert any("while" in a or "while" in b for _, a, b in pairs), pairs
+    fn = token_losses(mesh, graphdef, cfg.model.loss_chunk)
+    assert unordered_loop_collectives(fn.lower(state["params"], batch).compile().as_text()) == []
 
 
 def _repro(cache, *extra):
-    return subprocess.run([sys.executable, REPRO, "--cache", str(cache), "--fence", *extra],
+    return subprocess.run([sys.executable, REPRO, "--cache", str(cache), *extra],
                           capture_output=True, text=True, timeout=300,
                           env=cli_env(JAX_PLATFORMS="cpu"))
 
@@ -99,18 +104,33 @@ def test_fenced_cache_keeps_the_program_out_and_reads_back_without_crashing(tmp_
     """A fenced process does not write the loss-by-position program; an unfenced one does; a
     fenced process reading that cache drops it, compiles it fresh and runs it 30 times with
     equal results (an unfenced reading process aborts or segfaults there)."""
-    fenced_write = _repro(tmp_path, "--runs", "1")
+    fenced_write = _repro(tmp_path, "--unordered", "--fence", "--runs", "1")
     assert fenced_write.returncode == 0, fenced_write.stderr[-2000:]
     assert "kept out of the cache: ['jit_run']" in fenced_write.stdout
     cached = os.listdir(tmp_path)
     assert any(f.startswith("jit_init") for f in cached), cached  # the cache is in use
     assert not any(f.startswith("jit_run") for f in cached), cached
-    unfenced_write = subprocess.run([sys.executable, REPRO, "--cache", str(tmp_path), "--runs",
-                                     "1"], capture_output=True, text=True, timeout=300,
-                                    env=cli_env(JAX_PLATFORMS="cpu"))
+    unfenced_write = _repro(tmp_path, "--unordered", "--runs", "1")
     assert unfenced_write.returncode == 0, unfenced_write.stderr[-2000:]
     assert any(f.startswith("jit_run") for f in os.listdir(tmp_path))
-    fenced_read = _repro(tmp_path, "--runs", "30")
+    fenced_read = _repro(tmp_path, "--unordered", "--fence", "--runs", "30")
     assert fenced_read.returncode == 0, fenced_read.stderr[-2000:]
     assert "kept out of the cache: ['jit_run']" in fenced_read.stdout
     assert fenced_read.stdout.split()[:2] == fenced_write.stdout.split()[:2]  # "ok", the loss
+
+
+@pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="the CPU runtime's cache")
+def test_todays_program_reads_back_from_the_cache_and_runs(tmp_path):
+    """The same program as traced today (ordering's data paths, issue 37): written to the cache
+    without the fence, then read back without it and run 30 times with equal results and the
+    loss of a fresh compile (the unordered one aborts or segfaults there)."""
+    write = _repro(tmp_path, "--runs", "1")
+    assert write.returncode == 0, write.stderr[-2000:]
+    assert any(f.startswith("jit_run") for f in os.listdir(tmp_path))
+    read = _repro(tmp_path, "--runs", "30")
+    assert read.returncode == 0, read.stderr[-2000:]
+    assert read.stdout.split()[:2] == write.stdout.split()[:2]  # "ok", the same loss
+    fresh = subprocess.run([sys.executable, REPRO, "--runs", "1"], capture_output=True,
+                           text=True, timeout=300, env=cli_env(JAX_PLATFORMS="cpu"))
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert fresh.stdout.split()[:2] == read.stdout.split()[:2]

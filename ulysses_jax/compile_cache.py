@@ -14,18 +14,30 @@ runs. ``hlo.unordered_loop_collectives`` finds the pairs that lose their order;
 ``fence()`` keeps those programs out of the cache on the CPU backend: they are not written, and
 an entry read back is dropped and compiled again. Other programs, and every program on other
 backends, use the cache as before. train.py, the evaluate CLI and the test suite install it.
+It acts only where a persistent cache directory is set (``jax_compilation_cache_dir``): JAX
+calls its cache hooks whenever the cache is enabled, with or without a directory, and a run
+without one has nothing to read back, so it is neither analysed nor warned about.
+
+A program kept out is compiled once per process, not once per use: the executable compiled
+in this process (never serialized, so its collectives keep their order) is kept in memory
+under its cache key and handed back when JAX asks the cache for that key again, as JAX's own
+in-memory cache does for one jitted function. Tests that build the same train step anew
+(a new closure, the same program) compile it once per pytest worker.
 """
 from __future__ import annotations
 
 import inspect
 import threading
 import warnings
+from collections import OrderedDict
 
 from .hlo import unordered_loop_collectives
 
 _lock = threading.Lock()
 _installed = False
 _kept_out: dict[str, list] = {}     # program name -> its unordered pairs
+_live: OrderedDict = OrderedDict()  # cache key -> (executable compiled here, compile time)
+_LIVE_MAX = 256                     # executables kept in memory, the least recently used go
 _warn = True
 
 
@@ -46,10 +58,17 @@ def kept_out() -> dict[str, list]:
         return dict(_kept_out)
 
 
-def _keep_out(name: str, pairs: list) -> None:
+def _keep_out(name: str, pairs: list, key: str | None = None, live=None) -> None:
+    """Records a program kept out; ``live``: (executable compiled in this process, its compile
+    time), kept in memory under the cache ``key``."""
     with _lock:
         first = name not in _kept_out
         _kept_out[name] = pairs
+        if key is not None and live is not None:
+            _live[key] = live
+            _live.move_to_end(key)
+            while len(_live) > _LIVE_MAX:
+                _live.popitem(last=False)
     if first and _warn:
         comp, a, b = pairs[0]
         warnings.warn(
@@ -88,8 +107,18 @@ def fence(warn: bool = True) -> bool:
         get_sig, put_sig = inspect.signature(get), inspect.signature(put)
 
         def get_checked(*args, **kwargs):
+            if not _persistent_dir():
+                return get(*args, **kwargs)
+            bound = get_sig.bind(*args, **kwargs).arguments
+            if _on_cpu(bound):
+                with _lock:
+                    live = _live.get(bound.get("cache_key"))
+                    if live is not None:
+                        _live.move_to_end(bound["cache_key"])
+                if live is not None:
+                    return live
             executable, compile_time = get(*args, **kwargs)
-            if executable is not None and _on_cpu(get_sig.bind(*args, **kwargs).arguments):
+            if executable is not None and _on_cpu(bound):
                 pairs = unsafe_pairs(executable)
                 if pairs:
                     _keep_out(executable.hlo_modules()[0].name, pairs)
@@ -98,10 +127,12 @@ def fence(warn: bool = True) -> bool:
 
         def put_checked(*args, **kwargs):
             bound = put_sig.bind(*args, **kwargs).arguments
-            if _on_cpu(bound):
+            if _persistent_dir() and _on_cpu(bound):
                 pairs = unsafe_pairs(bound["executable"])
                 if pairs:
-                    _keep_out(bound.get("module_name", "a program"), pairs)
+                    _keep_out(bound.get("module_name", "a program"), pairs,
+                              bound.get("cache_key"),
+                              (bound["executable"], bound.get("compile_time")))
                     return None
             return put(*args, **kwargs)
 
@@ -109,6 +140,12 @@ def fence(warn: bool = True) -> bool:
         cache.put_executable_and_time = put_checked
         _installed = True
     return True
+
+
+def _persistent_dir() -> str | None:
+    """The persistent cache directory in force, or None (nothing is read back then)."""
+    import jax
+    return jax.config.jax_compilation_cache_dir or None
 
 
 def _on_cpu(arguments: dict) -> bool:

@@ -39,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from ..config import LAYER_KINDS, ModelConfig
+from .. import ordering
 from ..mesh import act_spec, shard
 from . import vocab
 from ..families import family
@@ -197,9 +198,18 @@ class Decoder(nnx.Module):
             self._need_tower()
             with jax.named_scope("vision"):
                 x = merge_features(x, self.visual(vision), vision["feature_index"], self.mesh)
+        # What attention gathers of these (XLA takes it out of the layer loop) is gathered
+        # after the embedding, not beside its loop (ordering.py, the compilation cache).
+        positions, segment_ids = ordering.after((positions, segment_ids), x)
         with jax.named_scope("layers"):
             x, stats = self._run_layers(x, positions, segment_ids)
-        return self.final_norm(x), stats
+        if stats is not None:  # the router statistics' all-reduce, before the backward pass
+            x = ordering.after(x, stats)
+        # The final norm's weight gradient is reduced over the devices before the layers'
+        # backward loop starts, not beside it (ordering.py, the compilation cache).
+        norm_def, norm_state = nnx.split(self.final_norm)
+        x, norm_state = ordering.grads_first(x, norm_state)
+        return nnx.merge(norm_def, norm_state)(x), stats
 
     def _need_tower(self) -> None:
         if self.visual is None:

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from ..config import ModelConfig
 from ..mesh import act_spec, shard
 from . import lora
-from .layers import MLP, Attention, norm
+from .layers import MLP, Attention, grads_first, norm
 from .moe import MoE
 
 
@@ -52,19 +52,31 @@ class Block(nnx.Module):
         """``kind``: the layer's attention kind (``Attention.__call__``)."""
         # Named scopes label the ops (profiles, ulysses_jax/memory.py's categories).
         with jax.named_scope("attention"):
-            normed = self.attn_norm.over_chunks(x, self.mesh, self.chunk)             # [B, S, D]
-            x = x + self.attn(normed, positions, segment_ids, kind)
-        return self.feed_forward(x, segment_ids)
+            # The parameter gradients of the norm and of attention are reduced before the
+            # backward pass leaves each (layers.grads_first, the compilation cache).
+            x, attn_norm = grads_first(x, self.attn_norm)
+            normed = attn_norm.over_chunks(x, self.mesh, self.chunk)                  # [B, S, D]
+            normed, attn = grads_first(normed, self.attn)
+            o = attn(normed, positions, segment_ids, kind)                           # [B, S, D]
+        return self.feed_forward(x, segment_ids, o)
 
-    def feed_forward(self, x, segment_ids):
-        """x + mlp(norm(x)), dense or MoE; returns (x resharded, router stats or None)."""
+    def feed_forward(self, x, segment_ids, mixed=None):
+        """x + mlp(norm(x)), dense or MoE; returns (x resharded, router stats or None).
+
+        ``mixed``: the token mixer's output, added to x first; the MLP half's parameter
+        gradients are then reduced before the mixer's backward runs (``layers.grads_first``).
+        """
         stats = None
+        mlp_norm, mlp, moe = self.mlp_norm, self.mlp, self.moe
+        if mixed is not None:
+            mixed, mlp_norm, mlp, moe = grads_first(mixed, mlp_norm, mlp, moe)
+            x = x + mixed
         with jax.named_scope("mlp"):
-            if self.moe is None:
-                x = x + self.mlp(x, self.mlp_norm)
+            if moe is None:
+                x = x + mlp(x, mlp_norm)
             else:
                 valid = jnp.ones(x.shape[:2], jnp.float32) if segment_ids is None else \
                     (segment_ids > 0).astype(jnp.float32)                   # [B, S]
-                y, stats = self.moe(self.mlp_norm(x), valid)
+                y, stats = moe(mlp_norm(x), valid)
                 x = x + y
         return (x if self.mesh is None else shard(x, self.mesh, act_spec(self.mesh, 1))), stats

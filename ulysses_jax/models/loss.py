@@ -67,8 +67,9 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
             return jnp.sum(token_losses(logits, tc) * mc)
 
         sums = jax.lax.map(chunk_loss, (as_chunks(h), as_chunks(t), as_chunks(m)))  # [S/P/C]
-        total = jax.lax.psum(jnp.sum(sums), axes)
-        count = jax.lax.psum(jnp.sum(m), axes)
+        # One all-reduce for both: the count then waits for the loss, which read the layers'
+        # output, so it never runs beside their loop (ordering.py, the compilation cache).
+        total, count = jax.lax.psum(jnp.stack([jnp.sum(sums), jnp.sum(m)]), axes)
         return total / jnp.maximum(count, 1.0), count
 
     act, tok = act_spec(mesh, 1), act_spec(mesh)

@@ -37,7 +37,8 @@ from jax.sharding import Mesh
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.linear import gated_deltanet
 from ..config import INT32_MAX, ModelConfig
-from .layers import gathered as _gathered, lora_adapt, norm
+from .. import ordering
+from .layers import gathered as _gathered, grads_first, lora_adapt, norm
 from ..families import family
 from . import lora
 from .llama import Block
@@ -87,8 +88,10 @@ class GatedAttention(nnx.Module):
                               max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
                               scale=cfg.attn_scale or None)                        # [B, S, N, H]
         o = o * jax.nn.sigmoid(gate)
-        y = jnp.einsum("BSNH,NHD->BSD", o, _gathered(self.wo[...], dt, mesh))
-        return adapt(y, "o", "BSNH,NHD->BSD", o)
+        # wo's gradient is reduced before attention's backward runs (ordering.py).
+        o, (wo, o_adapter) = ordering.grads_first(o, (self.wo[...], adapt.adapters.get("o")))
+        y = jnp.einsum("BSNH,NHD->BSD", o, _gathered(wo, dt, mesh))
+        return adapt(y, "o", "BSNH,NHD->BSD", o, o_adapter)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -148,11 +151,15 @@ class GatedDeltaNet(nnx.Module):
                            _gathered(self.a_log[...], jnp.float32, mesh),
                            _gathered(self.dt_bias[...], jnp.float32, mesh),
                            mesh=mesh, segment_ids=segment_ids)                    # [B, S, Hv, V]
-        scale = _gathered(self.norm_scale[...], jnp.float32, mesh)
+        # The gradients of the output norm and projection are reduced before the recurrence's
+        # backward runs (ordering.py, the compilation cache).
+        o, (scale, out_proj, out_adapter) = ordering.grads_first(
+            o, (self.norm_scale[...], self.out_proj[...], adapters.get("linear_out")))
+        scale = _gathered(scale, jnp.float32, mesh)
         o = gated_rms_norm(o, scale, z, cfg.norm_eps)                             # [B, S, Hv, V]
-        y = jnp.einsum("BSNV,NVD->BSD", o, _gathered(self.out_proj[...], dt, mesh))
-        if "linear_out" in adapters:
-            y = y + lora.delta("BSNV,NVD->BSD", o, *adapters["linear_out"], s_lora)
+        y = jnp.einsum("BSNV,NVD->BSD", o, _gathered(out_proj, dt, mesh))
+        if out_adapter is not None:
+            y = y + lora.delta("BSNV,NVD->BSD", o, *out_adapter, s_lora)
         return y
 
 
@@ -181,12 +188,16 @@ class Qwen3NextBlock(Block):
 
     def __call__(self, x, positions, segment_ids, kind="G"):
         with jax.named_scope("attention"):
-            normed = self.attn_norm.over_chunks(x, self.mesh, self.chunk)             # [B, S, D]
-            if self.attn is None:
-                x = x + self.linear_attn(normed, segment_ids)
+            # The parameter gradients of the norm and of the mixer are reduced before the
+            # backward pass leaves each (layers.grads_first, the compilation cache).
+            x, attn_norm = grads_first(x, self.attn_norm)
+            normed = attn_norm.over_chunks(x, self.mesh, self.chunk)                  # [B, S, D]
+            normed, linear_attn, attn = grads_first(normed, self.linear_attn, self.attn)
+            if attn is None:
+                o = linear_attn(normed, segment_ids)                                 # [B, S, D]
             else:
-                x = x + self.attn(normed, positions, segment_ids)
-        return self.feed_forward(x, segment_ids)
+                o = attn(normed, positions, segment_ids)                             # [B, S, D]
+        return self.feed_forward(x, segment_ids, o)
 
 
 def mixer_matmul_params(cfg: ModelConfig, mixer: str) -> int:

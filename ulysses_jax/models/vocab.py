@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from .. import ordering
 from .loss import largest_divisor_at_most
 from ..mesh import DATA, RING, SEQ, act_spec, axis_size, seq_axes
 
@@ -154,6 +155,10 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
             hc, tc, mc = args                                             # hc: [B, C, D]
             c = hc.shape[1]
             h_all = lax.all_gather(hc, axes, axis=1, tiled=True)          # [B, P*C, D]
+            # The targets are gathered after the hidden states exist: XLA takes this gather
+            # out of the chunk loop, and without the data path it would run beside the
+            # layers' loop (ordering.py, the compilation cache).
+            tc = ordering.after(tc, hc)
             ids, own = _owned(lax.all_gather(tc, axes, axis=1, tiled=True), cols, axes)
             logits = jnp.einsum("BTD,DV->BTV", h_all, w.astype(hc.dtype),
                                 preferred_element_type=_F32)              # [B, P*C, Vl]
@@ -173,8 +178,8 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
 
         c = largest_divisor_at_most(h.shape[1], chunk)
         sums = lax.map(chunk_loss, (_chunks(h, c), _chunks(t, c), _chunks(m, c)))
-        total = lax.psum(jnp.sum(sums), all_axes)
-        count = lax.psum(jnp.sum(m), all_axes)
+        # One all-reduce for both: the count waits for the loss (ordering.py).
+        total, count = lax.psum(jnp.stack([jnp.sum(sums), jnp.sum(m)]), all_axes)
         return total / jnp.maximum(count, 1.0), count
 
     act, tok = act_spec(mesh, 1), act_spec(mesh)

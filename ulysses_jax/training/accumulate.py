@@ -80,8 +80,13 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
       ``grad_shardings``): ``tokens`` summed over micro-batches, the ``moe_*`` metrics their
       mean over micro-batches.
     """
-    total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)  # C
     stacked = micro_batches(batch, k, mesh, batch_shardings)
+    # Every micro-batch's count c_i, reduced over the devices before the loop (one
+    # reduction the loop reads), not inside it beside the model's loops (ordering.py, the
+    # compilation cache).
+    counts = jnp.sum(stacked["loss_mask"].astype(jnp.float32),
+                     axis=tuple(range(1, stacked["loss_mask"].ndim)))              # [k]
+    weights = counts / jnp.maximum(jnp.sum(counts), 1.0)                          # c_i / C
 
     def add(acc, grads):
         with jax.named_scope(SCOPE):
@@ -92,15 +97,15 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
             with compute_on("device_host"):
                 return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
-    def body(acc, micro):
-        weight = jnp.sum(micro["loss_mask"].astype(jnp.float32)) / total   # c_i / C
+    def body(acc, xs):
+        micro, weight = xs
         (ce, metrics), grads = loss_and_grad(params, micro, weight, 1.0 / k)
         return add(acc, grads), (weight * ce, metrics)
 
     with jax.named_scope(SCOPE):
         zeros = jax.tree.map(lambda p, s: jax.device_put(jnp.zeros(p.shape, jnp.float32), s),
                              params, grad_shardings)
-    grads, (ces, metrics) = jax.lax.scan(body, zeros, stacked)
+    grads, (ces, metrics) = jax.lax.scan(body, zeros, (stacked, weights))
     metrics = {name: jnp.sum(v, axis=0) if name == "tokens" else jnp.mean(v, axis=0)
                for name, v in metrics.items()}
     return jnp.sum(ces), metrics, grads

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .. import ordering
 from ..models import vocab
 from ..config import Config
 from ..data.text import FIELDS
@@ -139,13 +140,19 @@ def objective(graphdef, params, batch, mesh: Mesh, weights: tuple | None = None)
     hidden, stats = model.hidden_and_stats(batch["tokens"], batch["positions"],
                                            batch["segment_ids"], batch.get("vision"))
     args = (batch["targets"], batch["loss_mask"])
+    head = model.head_weight()
+    if model.lm_head is not None:
+        # An untied head's gradient is gathered to its replicated layout before the backward
+        # pass goes on into the layers, not beside their loop (ordering.py). (A tied head's
+        # is part of the embedding's, gathered after the last backward loop.)
+        hidden, head = ordering.grads_first(hidden, head)
     with jax.named_scope("loss"):
         if model.vocab_parallel:
-            loss, count = vocab.cross_entropy(hidden, model.head_weight(), *args, mesh=mesh,
+            loss, count = vocab.cross_entropy(hidden, head, *args, mesh=mesh,
                                               chunk=model.cfg.loss_chunk,
                                               softcap=model.cfg.final_softcap)
         else:
-            loss, count = chunked_cross_entropy(hidden, model.head_weight().astype(model.dtype),
+            loss, count = chunked_cross_entropy(hidden, head.astype(model.dtype),
                                                 *args, mesh=mesh, chunk=model.cfg.loss_chunk,
                                                 softcap=model.cfg.final_softcap)
     metrics = {"tokens": count}
@@ -200,6 +207,7 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
     # evaluation and the dry run know), and each layer's adapters stream to the device with
     # that layer's frozen weights anyway.
     on_host = lora.trainable_params(shardings["params"], lo) if offload else None
+    trained_shardings = lora.trainable_params(shardings["params"], lo)
 
     def step(state, batch):
         params = state["params"]
@@ -221,6 +229,12 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
             loss, extra, grads = accumulated_grads(
                 micro_grads, trained, batch, accum, mesh, in_batch,
                 on_host if offload else lora.trainable_params(on_device, lo), on_host=offload)
+        # The optimizer's reductions (the global norm over split parameters) wait for every
+        # replicated gradient, the last of the backward pass among them, so none runs beside
+        # a backward loop (ordering.py, the compilation cache).
+        grads = ordering.after(grads, [g for g, sh in zip(jax.tree.leaves(grads),
+                                                          jax.tree.leaves(trained_shardings))
+                                       if sh.is_fully_replicated])
         with jax.named_scope("optimizer"):
             if offload:  # gradients to the host (the layers' are there already), update there
                 grads = jax.device_put(grads, on_host)

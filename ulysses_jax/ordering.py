@@ -1,0 +1,118 @@
+"""Data paths that order a collective against a loop of collectives (the compilation cache).
+
+XLA:CPU runs the steps of a program concurrently where no data dependency orders them; an
+executable read back from JAX's persistent cache (jaxlib 0.10) no longer orders a loop that
+holds collectives against a collective beside it, and the devices then deadlock or crash
+(``compile_cache.py``; ``hlo.unordered_loop_collectives`` finds such pairs). A program is
+safe to cache when every collective step reads, through its operands, what the loops beside
+it wrote, or they read it. Most of ours get there by construction (values the host has travel
+with the batch; reductions share one all-reduce with a value that depends on the loop); these
+two functions give the rest a data path where the program has none:
+
+- ``after(y, x)``: y, computed after x (forward). The collective that reads y waits for x.
+- ``grads_first(x, params)``: identity in the forward; in the backward the cotangent of x
+  waits for the cotangents of ``params``, so a parameter-gradient reduction (inserted by the
+  partitioner where a replicated weight meets sharded activations) runs before whatever the
+  cotangent of x flows into, a loop of collectives above all.
+
+Both add ``0 x`` a scalar read from the other values, with non-finite values replaced first:
+an exact identity, one scalar of work, and a real operand edge that XLA's simplifier keeps
+(a float multiply by zero is not folded) and that the CPU runtime sees as a buffer read
+(an optimization barrier would alias its operands and order nothing at run time).
+
+Only CPU programs need them: they are identities with no edge when JAX's default backend is
+another (a GPU's scheduler is then free to overlap a gradient reduction with the layer
+before it, and no GPU executable loses its order in the cache).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+
+def _zero_from(tree) -> jax.Array:
+    """A float32 0 computed from one element of every floating leaf of ``tree``."""
+    total = jnp.zeros((), jnp.float32)
+    for leaf in jax.tree.leaves(tree):
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.number) and leaf.size:
+            total = total + _finite(jnp.ravel(leaf)[0])
+    return total * 0.0
+
+
+_disabled = False
+
+
+def active() -> bool:
+    """Whether programs traced now get the edges (CPU programs: JAX's default backend)."""
+    return not _disabled and jax.default_backend() == "cpu"
+
+
+@contextlib.contextmanager
+def disabled():
+    """Programs traced inside get no edges: the programs as they were before them, which a
+    read-back executable runs out of order (``benchmarks/cache_collective_repro.py
+    --unordered``; the tests of the fence)."""
+    global _disabled
+    before, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = before
+
+
+def after(y, x):
+    """``y`` (a pytree), with every leaf computed after ``x``: identical values.
+
+    Where x is an array sharing y's leading dims (y [B, S], x [B, S, D]), each leaf of y reads
+    x at index 0 of the remaining dims (x[:, :, 0]), so where the two are split alike over the
+    devices the read is local. Otherwise (x a pytree, or other shapes) y reads the first
+    element of every leaf of x: for replicated values, or inside a ``shard_map`` body, where
+    every read is local (the partitioner would gather a split x to read it).
+    """
+    if not active():
+        return y
+
+    def one(a):
+        k = min(a.ndim, getattr(x, "ndim", 0))
+        if k and a.shape[:k] == x.shape[:k]:
+            zero = _finite(x[(Ellipsis,) + (0,) * (x.ndim - k)]) * 0.0       # a's leading dims
+            zero = zero.reshape(zero.shape + (1,) * (a.ndim - k))
+        else:
+            zero = _zero_from(x)
+        return a + jax.lax.stop_gradient(zero).astype(a.dtype)
+
+    return jax.tree.map(one, y)
+
+
+def _finite(v):
+    """v in float32 with non-finite values replaced by 0 (so 0 x v is exactly 0)."""
+    v = v.astype(jnp.float32)
+    return jnp.where(jnp.isfinite(v), v, 0.0)
+
+
+def grads_first(x, params):
+    """Identity on (x, params); the backward pass gives x's cotangent a data path from the
+    cotangents of ``params`` (see the module docstring). x: an array (the activations);
+    params: a pytree of arrays (or None)."""
+    if not active() or not jax.tree.leaves(params):
+        return x, params
+    return _grads_first(x, params)
+
+
+@jax.custom_vjp
+def _grads_first(x, params):
+    return x, params
+
+
+def _grads_first_fwd(x, params):
+    return (x, params), None
+
+
+def _grads_first_bwd(_, cotangents):
+    gx, gp = cotangents
+    return gx + _zero_from(gp).astype(gx.dtype), gp
+
+
+_grads_first.defvjp(_grads_first_fwd, _grads_first_bwd)
