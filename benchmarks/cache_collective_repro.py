@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if args.fence:
         from ulysses_jax.compile_cache import fence
-        fence(warn=False)
+        fence()
     from ulysses_jax import make_mesh
     from ulysses_jax.config import load_config
     from ulysses_jax.data.text import shard_batch

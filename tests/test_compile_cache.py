@@ -134,3 +134,36 @@ def test_todays_program_reads_back_from_the_cache_and_runs(tmp_path):
                            text=True, timeout=300, env=cli_env(JAX_PLATFORMS="cpu"))
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert fresh.stdout.split()[:2] == read.stdout.split()[:2]
+
+
+def _env_without_cache(**extra):
+    env = cli_env(JAX_PLATFORMS="cpu", **extra)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
+@pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="the CPU runtime's cache")
+def test_fence_without_a_cache_directory_neither_analyses_nor_warns():
+    """JAX calls its cache hooks with or without a cache directory; without one the fence
+    passes them through: the unordered program is not analysed (nothing kept out) and
+    nothing is said about a cache nobody asked for."""
+    out = subprocess.run([sys.executable, REPRO, "--unordered", "--fence", "--runs", "1"],
+                         capture_output=True, text=True, timeout=300, env=_env_without_cache())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "kept out of the cache: []" in out.stdout, out.stdout
+    assert "CacheFenceWarning" not in out.stderr and "compilation cache" not in out.stderr
+
+
+@pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="the CPU runtime's cache")
+def test_main_command_says_nothing_of_a_cache(tmp_path):
+    """The README's main command (the tiny preset, here 2 short steps and an evaluation),
+    with no compilation cache configured: no cache warning on stderr."""
+    out = subprocess.run([sys.executable, "train.py", "--config", "configs/tiny.yaml",
+                          "--workdir", str(tmp_path), "--no-progress", "steps=2",
+                          "seq_len=128", "eval_every=2", "eval_batches=1",
+                          "checkpoint_every=2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=_env_without_cache())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "CacheFenceWarning" not in out.stderr and "compilation cache" not in out.stderr, \
+        out.stderr[-2000:]

@@ -44,7 +44,7 @@ from ..mesh import act_spec, shard
 from . import vocab
 from ..families import family
 from .blocks import block_class as _block_class
-from .layers import gathered as _gathered, norm
+from .layers import gathered as _gathered, grads_first, norm
 from .moe import STAT_KEYS, is_moe_layer
 from .multimodal import prepare
 from .vision import VisionTower, merge_features
@@ -185,6 +185,12 @@ class Decoder(nnx.Module):
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        # The final norm's weight, gathered first of all (ZeRO-3; a no-op when replicated),
+        # with the embedding after it: a gather of the parameter alone would run beside the
+        # layers' loop (ordering.py, the compilation cache).
+        norm_def, norm_state = nnx.split(self.final_norm)
+        norm_state = jax.tree.map(lambda w: _gathered(w, w.dtype, self.mesh), norm_state)
+        tokens = ordering.after(tokens, norm_state)
         with jax.named_scope("embed"):
             if self.vocab_parallel:
                 x = vocab.embed(self.embed[...], tokens, mesh=self.mesh, dtype=self.dtype,
@@ -197,7 +203,10 @@ class Decoder(nnx.Module):
         if vision is not None:
             self._need_tower()
             with jax.named_scope("vision"):
-                x = merge_features(x, self.visual(vision), vision["feature_index"], self.mesh)
+                # The embedding's backward (a loop of collectives) runs after the tower's
+                # parameter gradients are reduced, not beside the tower's backward loop.
+                x, visual = grads_first(x, self.visual)
+                x = merge_features(x, visual(vision), vision["feature_index"], self.mesh)
         # What attention gathers of these (XLA takes it out of the layer loop) is gathered
         # after the embedding, not beside its loop (ordering.py, the compilation cache).
         positions, segment_ids = ordering.after((positions, segment_ids), x)
@@ -207,7 +216,6 @@ class Decoder(nnx.Module):
             x = ordering.after(x, stats)
         # The final norm's weight gradient is reduced over the devices before the layers'
         # backward loop starts, not beside it (ordering.py, the compilation cache).
-        norm_def, norm_state = nnx.split(self.final_norm)
         x, norm_state = ordering.grads_first(x, norm_state)
         return nnx.merge(norm_def, norm_state)(x), stats
 
