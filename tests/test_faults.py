@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from conftest import DEVICES, cli_env
@@ -34,6 +35,21 @@ CURVE = ("loss", "lr", "grad_norm", "tokens")
 
 pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
                                 reason="trainer tests run on fake CPU devices")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_compiles():
+    """Every program here is compiled fresh, in this process and in the runs it launches
+    (``_launch``): these tests compare loss curves across processes bit for bit. In the full
+    suite, with the train step read back from the shared compilation cache, the resumed runs
+    reported losses and gradient norms 1 ulp off the reference at a few steps (2026-12-02;
+    not seen when this module runs alone; cause not yet isolated)."""
+    from jax._src import compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +140,8 @@ def _launch(common, workdir, *extra, file_size_limit=None):
     """train.py as a user runs it, output in files (a pipe nobody reads could block it)."""
     out = open(f"{workdir}.out", "a")
     env = cli_env()
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # compiled fresh (``_fresh_compiles``)
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     limit = ["-c", FILE_SIZE_LIMITED, str(file_size_limit)] if file_size_limit else []
     _LAUNCHED.append(subprocess.Popen(
         [sys.executable, *limit, "train.py", "--config", TINY, "--workdir", str(workdir),
