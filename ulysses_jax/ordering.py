@@ -5,9 +5,9 @@ executable read back from JAX's persistent cache (jaxlib 0.10) no longer orders 
 holds collectives against a collective beside it, and the devices then deadlock or crash
 (``compile_cache.py``; ``hlo.unordered_loop_collectives`` finds such pairs). A program is
 safe to cache when every collective step reads, through its operands, what the loops beside
-it wrote, or they read it. Most of ours get there by construction (values the host has travel
-with the batch; reductions share one all-reduce with a value that depends on the loop); these
-two functions give the rest a data path where the program has none:
+it wrote, or they read it. Some of ours get there by their shape (the loss's token count
+shares one all-reduce with the loss; accumulation reduces every micro-batch's count before
+its loop); these two functions give the rest a data path where the program has none:
 
 - ``after(y, x)``: y, computed after x (forward). The collective that reads y waits for x.
 - ``grads_first(x, params)``: identity in the forward; in the backward the cotangent of x
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 
 def _zero_from(tree) -> jax.Array:
-    """A float32 0 computed from one element of every floating leaf of ``tree``."""
+    """A float32 0 computed from the first element of every numeric leaf of ``tree``."""
     total = jnp.zeros((), jnp.float32)
     for leaf in jax.tree.leaves(tree):
         if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.number) and leaf.size:

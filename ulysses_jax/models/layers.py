@@ -58,6 +58,15 @@ def lora_adapt(module: nnx.Module, weights: dict, cfg: ModelConfig, dtype, mesh:
     return adapt
 
 
+def out_projection(o, wo, adapt, dtype, mesh: Mesh | None):
+    """Attention's output projection with its "o" adapter (``lora_adapt``): o [B, S, N, H],
+    wo [N, H, D] -> [B, S, D]. wo's gradient (and its adapter's) is reduced before the
+    backward pass enters attention itself (ordering.py, the compilation cache)."""
+    o, (wo, pair) = ordering.grads_first(o, (wo, adapt.adapters.get("o")))
+    y = jnp.einsum("BSNH,NHD->BSD", o, gathered(wo, dtype, mesh))
+    return adapt(y, "o", "BSNH,NHD->BSD", o, pair)
+
+
 def grads_first(x, *modules):
     """``ordering.grads_first`` over modules: (x, *modules), the same values, where the
     backward pass gives x's cotangent a data path from the cotangents of every parameter of
@@ -172,11 +181,7 @@ class Attention(nnx.Module):
             o = attend(kind, q, k, v)
         else:
             o = jax.lax.switch(kind, [partial(attend, c) for c in LAYER_KINDS], q, k, v)
-        # wo's gradient (and its adapter's) is reduced before attention's own backward runs
-        # (ordering.py, the compilation cache).
-        o, (wo, o_adapter) = ordering.grads_first(o, (self.wo[...], adapt.adapters.get("o")))
-        y = jnp.einsum("BSNH,NHD->BSD", o, gathered(wo, dt, mesh))
-        return adapt(y, "o", "BSNH,NHD->BSD", o, o_adapter)
+        return out_projection(o, self.wo[...], adapt, dt, mesh)
 
 
 class MLP(nnx.Module):

@@ -52,13 +52,17 @@ class Block(nnx.Module):
         """``kind``: the layer's attention kind (``Attention.__call__``)."""
         # Named scopes label the ops (profiles, ulysses_jax/memory.py's categories).
         with jax.named_scope("attention"):
-            # The parameter gradients of the norm and of attention are reduced before the
-            # backward pass leaves each (layers.grads_first, the compilation cache).
-            x, attn_norm = grads_first(x, self.attn_norm)
-            normed = attn_norm.over_chunks(x, self.mesh, self.chunk)                  # [B, S, D]
-            normed, attn = grads_first(normed, self.attn)
+            x, normed, attn = self._mixer_input(x, self.attn)
             o = attn(normed, positions, segment_ids, kind)                           # [B, S, D]
         return self.feed_forward(x, segment_ids, o)
+
+    def _mixer_input(self, x, *mixers):
+        """(x, its norm [B, S, D], *mixers): the same values, where the parameter gradients
+        of the norm and of the token mixers are reduced before the backward pass leaves
+        each (layers.grads_first, the compilation cache)."""
+        x, attn_norm = grads_first(x, self.attn_norm)
+        normed = attn_norm.over_chunks(x, self.mesh, self.chunk)                      # [B, S, D]
+        return (x, *grads_first(normed, *mixers))
 
     def feed_forward(self, x, segment_ids, mixed=None):
         """x + mlp(norm(x)), dense or MoE; returns (x resharded, router stats or None).

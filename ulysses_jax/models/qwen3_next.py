@@ -38,7 +38,7 @@ from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.linear import gated_deltanet
 from ..config import INT32_MAX, ModelConfig
 from .. import ordering
-from .layers import gathered as _gathered, grads_first, lora_adapt, norm
+from .layers import gathered as _gathered, lora_adapt, norm, out_projection
 from ..families import family
 from . import lora
 from .llama import Block
@@ -88,10 +88,7 @@ class GatedAttention(nnx.Module):
                               max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
                               scale=cfg.attn_scale or None)                        # [B, S, N, H]
         o = o * jax.nn.sigmoid(gate)
-        # wo's gradient is reduced before attention's backward runs (ordering.py).
-        o, (wo, o_adapter) = ordering.grads_first(o, (self.wo[...], adapt.adapters.get("o")))
-        y = jnp.einsum("BSNH,NHD->BSD", o, _gathered(wo, dt, mesh))
-        return adapt(y, "o", "BSNH,NHD->BSD", o, o_adapter)
+        return out_projection(o, self.wo[...], adapt, dt, mesh)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -188,11 +185,7 @@ class Qwen3NextBlock(Block):
 
     def __call__(self, x, positions, segment_ids, kind="G"):
         with jax.named_scope("attention"):
-            # The parameter gradients of the norm and of the mixer are reduced before the
-            # backward pass leaves each (layers.grads_first, the compilation cache).
-            x, attn_norm = grads_first(x, self.attn_norm)
-            normed = attn_norm.over_chunks(x, self.mesh, self.chunk)                  # [B, S, D]
-            normed, linear_attn, attn = grads_first(normed, self.linear_attn, self.attn)
+            x, normed, linear_attn, attn = self._mixer_input(x, self.linear_attn, self.attn)
             if attn is None:
                 o = linear_attn(normed, segment_ids)                                 # [B, S, D]
             else:

@@ -206,8 +206,8 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
     # update costs little, the state keeps one memory kind (the layout checkpoints,
     # evaluation and the dry run know), and each layer's adapters stream to the device with
     # that layer's frozen weights anyway.
-    on_host = lora.trainable_params(shardings["params"], lo) if offload else None
     trained_shardings = lora.trainable_params(shardings["params"], lo)
+    on_host = trained_shardings if offload else None
 
     def step(state, batch):
         params = state["params"]
