@@ -79,6 +79,24 @@ def _train(cfg):
     return out, jax.tree.map(np.asarray, state["params"])
 
 
+def _steps_from_the_same_states(cfg, other):
+    """STEPS steps of ``cfg``; at each, ``other``'s step from the same state (a copy): the
+    metrics of both. For optimizers that round their moments to bfloat16, where a 1-ulp
+    difference in one gradient element can flip that rounding, so that two runs' parameters
+    part by far more than the gradients did after an update (2e-6 in the grad norm of step 3
+    on one CI draw of the data): what is compared is then each step's loss and gradients."""
+    mesh = build_mesh(cfg)
+    graphdef, state, shardings, tx = init_state(cfg, mesh)
+    step, step_other = (make_train_step(c, mesh, graphdef, tx, shardings) for c in (cfg, other))
+    out, out_other = [], []
+    for batch in _batches(cfg, mesh, STEPS):
+        _, m = step_other(jax.tree.map(jnp.copy, state), batch)
+        out_other.append({k: float(m[k]) for k in ("loss", "grad_norm", "tokens")})
+        state, m = step(state, batch)
+        out.append({k: float(m[k]) for k in ("loss", "grad_norm", "tokens")})
+    return out, out_other
+
+
 def _rel(a, b):
     return abs(a - b) / abs(a)
 
@@ -153,8 +171,11 @@ def test_every_option_trains_the_same_with_accumulation(store, option, tmp_path)
     else:
         over.append(f"data.source={store}")
     path = os.path.join(ROOT, "configs", preset)
-    (ref, _), (got, _) = (_train(load_config(path, SMALL + over + [f"grad_accum_steps={k}"]))
-                          for k in (1, 2))
+    cfgs = [load_config(path, SMALL + over + [f"grad_accum_steps={k}"]) for k in (1, 2)]
+    if cfgs[0].optimizer.moment_dtype == "bfloat16":
+        ref, got = _steps_from_the_same_states(*cfgs)
+    else:
+        (ref, _), (got, _) = (_train(cfg) for cfg in cfgs)
     for r, g in zip(ref, got, strict=True):
         assert _rel(r["loss"], g["loss"]) <= 1e-6, (r, g)
         assert _rel(r["grad_norm"], g["grad_norm"]) <= 1e-6, (r, g)

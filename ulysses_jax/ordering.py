@@ -33,11 +33,12 @@ import jax.numpy as jnp
 
 
 def _zero_from(tree) -> jax.Array:
-    """A float32 0 computed from the first element of every numeric leaf of ``tree``."""
+    """A float32 0 computed from the first element of every numeric leaf of ``tree``, read
+    by index (a reshape of a split leaf would gather all of it: ZeRO-3's stacked weights)."""
     total = jnp.zeros((), jnp.float32)
     for leaf in jax.tree.leaves(tree):
         if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.number) and leaf.size:
-            total = total + _finite(jnp.ravel(leaf)[0])
+            total = total + _finite(leaf[(0,) * leaf.ndim])
     return total * 0.0
 
 
