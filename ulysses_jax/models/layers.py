@@ -147,6 +147,29 @@ class Attention(nnx.Module):
         """``kind``: "L" (local: sliding window, local RoPE base and scaling) or "G"; or, when
         the layers mix both, a traced index into LAYER_KINDS (``lax.switch`` between the two)."""
         dt, mesh, cfg = x.dtype, self.mesh, self.cfg
+        q, k, v, adapt = self.project(x)
+
+        def attend(kind, q, k, v):
+            q, k = self.rope(kind, q, k, positions)               # [B, S, N, H], [B, S, K, H]
+            return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
+                                     impl=cfg.attn_impl, head_chunks=self.head_chunks,
+                                     layout=self.layout,
+                                     max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
+                                     scale=cfg.attn_scale or None,
+                                     window=cfg.sliding_window if kind == "L" else None,
+                                     softcap=cfg.attn_softcap or None)               # [B, S, N, H]
+
+        if isinstance(kind, str):
+            o = attend(kind, q, k, v)
+        else:
+            o = jax.lax.switch(kind, [partial(attend, c) for c in LAYER_KINDS], q, k, v)
+        return out_projection(o, self.wo[...], adapt, dt, mesh)
+
+    def project(self, x):
+        """(q [B, S, N, H], k, v [B, S, K, H], adapt): the projections of x with their LoRA
+        adapters, biases and q / k norms, before RoPE; ``adapt`` gives the output projection
+        its adapter (``out_projection``)."""
+        dt, mesh, cfg = x.dtype, self.mesh, self.cfg
         q = jnp.einsum("BSD,DNH->BSNH", x, gathered(self.wq[...], dt, mesh))
         k = jnp.einsum("BSD,DKH->BSKH", x, gathered(self.wk[...], dt, mesh))
         v = jnp.einsum("BSD,DKH->BSKH", x, gathered(self.wv[...], dt, mesh))
@@ -160,28 +183,18 @@ class Attention(nnx.Module):
             v = v + gathered(self.bv[...], dt, mesh)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v, adapt
 
-        def attend(kind, q, k, v):
-            local = kind == "L"
-            theta, scaling = cfg.rope(kind)
-            # INT32_MAX: transformers' fp32 angles at every position (no exact branch at all)
-            exact_from = None if cfg.rope_exact_from >= INT32_MAX else cfg.rope_exact_from
-            rope = partial(apply_rope, positions=positions, theta=theta, scaling=scaling,
-                           exact_from=exact_from, sections=cfg.mrope_section)
-            q, k = rope(q), rope(k)                                   # [B, S, N, H], [B, S, K, H]
-            return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
-                                     impl=cfg.attn_impl, head_chunks=self.head_chunks,
-                                     layout=self.layout,
-                                     max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
-                                     scale=cfg.attn_scale or None,
-                                     window=cfg.sliding_window if local else None,
-                                     softcap=cfg.attn_softcap or None)               # [B, S, N, H]
-
-        if isinstance(kind, str):
-            o = attend(kind, q, k, v)
-        else:
-            o = jax.lax.switch(kind, [partial(attend, c) for c in LAYER_KINDS], q, k, v)
-        return out_projection(o, self.wo[...], adapt, dt, mesh)
+    def rope(self, kind: str, q, k, positions):
+        """q and k rotated at ``positions`` [B, S] (or M-RoPE's [B, S, 3]) with the RoPE of
+        the layer kind ("L" local or "G" global: its base and scaling)."""
+        cfg = self.cfg
+        theta, scaling = cfg.rope(kind)
+        # INT32_MAX: transformers' fp32 angles at every position (no exact branch at all)
+        exact_from = None if cfg.rope_exact_from >= INT32_MAX else cfg.rope_exact_from
+        rope = partial(apply_rope, positions=positions, theta=theta, scaling=scaling,
+                       exact_from=exact_from, sections=cfg.mrope_section)
+        return rope(q), rope(k)
 
 
 class MLP(nnx.Module):

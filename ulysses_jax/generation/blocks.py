@@ -1,0 +1,197 @@
+"""The decoder's blocks run for generation: over a prompt (the layer as in training, keeping
+its K and V) and over one new token per row (reading and extending the cache).
+
+Both walk the model's layer stacks as ``Decoder._run_layers`` does (one ``lax.scan`` per
+position of a group's unit, the caches scanned beside the weights) and call a family's two
+functions (``BLOCKS``) per layer, built from the block's own parts, so the weights, LoRA
+adapters and variants (biases, q/k norms, RoPE scalings, windows) are the ones training uses.
+Letters as in models/decoder.py; C cache slots, T = 1 new token.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
+from ..attention.heads import pad_kv, pad_query, unpad_output
+from ..config import LAYER_KINDS
+from ..models.decoder import layer_groups
+from ..models.layers import out_projection
+from .cache import CacheLayout, to_cache
+
+
+class GenerationError(ValueError):
+    """A model or request generation cannot serve (the message names the rule)."""
+
+
+def cached_attention(q, k, v, valid, *, scale: float | None, softcap: float | None):
+    """Attention of new queries over cache slots, on whatever heads each device holds.
+
+    Args:
+      q: [B, T, N', H]; k, v: [B, C, K', H] with N' a multiple of K' (grouped as the
+        exchange groups them); valid: [B, T, C] bool, the slots each query sees.
+    Returns:
+      [B, T, N', H] in q's dtype (fp32 logits and softmax).
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    scale = h ** -0.5 if scale is None else scale
+    qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("BTKGH,BCKH->BKGTC", qg, k.astype(jnp.float32)) * scale
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("BKGTC,BCKH->BTKGH", probs, v.astype(jnp.float32))
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def visible(slot, pad, slots: int, window: int | None):
+    """[B, 1, C] bool: the slots the token at ``slot`` sees in each row (``pad`` [B] left
+    padding): its row's prompt and tokens up to itself, the last ``window`` of them."""
+    j = jnp.arange(slots)[None, :]
+    seen = (j >= pad[:, None]) & (j <= slot)
+    if window:
+        seen &= slot - j < window
+    return seen[:, None, :]
+
+
+# ------------------------------------------------------------------------- the llama block
+
+def _llama_prefill(block, x, positions, segment_ids, kind, layout: CacheLayout, mesh: Mesh):
+    """(x after the layer, (k, v) of the prompt in the cache's layout)."""
+    attn, cfg = block.attn, block.attn.cfg
+    normed = block.attn_norm(x)
+    q, k, v, adapt = attn.project(normed)
+
+    def attend(kind, q, k, v):
+        q, k = attn.rope(kind, q, k, positions)
+        o = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
+                              impl=cfg.attn_impl,
+                              max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
+                              scale=cfg.attn_scale or None,
+                              window=cfg.sliding_window if kind == "L" else None,
+                              softcap=cfg.attn_softcap or None)
+        return o, k
+
+    o, k = _by_kind(attend, kind, q, k, v)
+    o = out_projection(o, attn.wo[...], adapt, x.dtype, mesh)
+    x, _ = block.feed_forward(x, segment_ids, o)
+    return x, to_cache(k, v, layout, mesh)
+
+
+def _llama_decode(block, x, positions, kind, cache, slot, pad, layout: CacheLayout,
+                  mesh: Mesh):
+    """(x after the layer, the layer's cache with this token's k and v at ``slot``)."""
+    attn, cfg = block.attn, block.attn.cfg
+    normed = block.attn_norm(x)                                                  # [B, 1, D]
+    q, k, v, adapt = attn.project(normed)
+    heads = NamedSharding(mesh, layout.spec(mesh))
+
+    def attend(kind, q, k, v, ck, cv):
+        q, k = attn.rope(kind, q, k, positions)
+        k, v = (jax.lax.with_sharding_constraint(a.astype(ck.dtype), heads)
+                for a in pad_kv(k, v, layout.heads))
+        ck = jax.lax.dynamic_update_slice_in_dim(ck, k, slot, axis=1)
+        cv = jax.lax.dynamic_update_slice_in_dim(cv, v, slot, axis=1)
+        q = jax.lax.with_sharding_constraint(pad_query(q, layout.heads), heads)
+        seen = visible(slot, pad, layout.slots, cfg.sliding_window if kind == "L" else None)
+        o = cached_attention(q, ck, cv, seen, scale=cfg.attn_scale or None,
+                             softcap=cfg.attn_softcap or None)
+        return unpad_output(o, layout.heads), ck, cv
+
+    o, ck, cv = _by_kind(attend, kind, q, k, v, *cache)
+    o = out_projection(o, attn.wo[...], adapt, x.dtype, mesh)
+    x = x + o
+    x = x + block.mlp(x, block.mlp_norm)
+    return x, (ck, cv)
+
+
+def _by_kind(fn, kind, *args):
+    """fn(kind, *args) for a static kind letter, or a ``lax.switch`` on a traced index."""
+    if isinstance(kind, str):
+        return fn(kind, *args)
+    return jax.lax.switch(kind, [partial(fn, c) for c in LAYER_KINDS], *args)
+
+
+# Per block family: (prefill, decode).
+BLOCKS = {"llama": (_llama_prefill, _llama_decode)}
+
+
+def block_functions(cfg):
+    """The family's (prefill, decode), or GenerationError naming what is missing."""
+    if cfg.family not in BLOCKS:
+        raise GenerationError(f"generation is built for the model families "
+                              f"{sorted(BLOCKS)}; model.family={cfg.family} is not yet")
+    if cfg.num_experts:
+        raise GenerationError("generation of mixture-of-experts models (model.num_experts="
+                              f"{cfg.num_experts}) is not built yet")
+    return BLOCKS[cfg.family]
+
+
+def run_layers(model, x, layer_fn, caches=None):
+    """Every layer stack of ``model`` in order: ``layer_fn(block, x, kind, cache)`` ->
+    (x, cache) per layer, the caches scanned with the weights.
+
+    Args:
+      caches: None (prefill: made by the layers), or what a previous call returned.
+    Returns:
+      (x, caches): caches a list per (group, unit position) of (k, v) [R, B, C, K'R, H].
+    """
+    cfg = model.cfg
+    homogeneous = not isinstance(model.layers, nnx.List)
+    groups = [[model.layers]] if homogeneous else model.layers
+    kinds = cfg.layer_kinds()
+    out, at = [], 0
+    for (first, unit, repeats), units in zip(layer_groups(cfg), groups):
+        graphdefs, states = zip(*(nnx.split(m) for m in units))
+        unit_kinds = [kinds[first + u::len(unit)][:repeats] for u in range(len(unit))]
+        static = [k[0] if len(set(k)) == 1 else None for k in unit_kinds]
+        ids = [None if st else jnp.asarray([LAYER_KINDS.index(c) for c in k], jnp.int32)
+               for st, k in zip(static, unit_kinds)]
+        mine = None if caches is None else caches[at:at + len(unit)]
+
+        def body(x, xs, graphdefs=graphdefs, static=static):
+            states, ids, cache = xs
+            made = []
+            for u, (g, state) in enumerate(zip(graphdefs, states)):
+                kind = static[u] if static[u] else ids[u]
+                x, c = layer_fn(nnx.merge(g, state), x, kind, None if cache is None
+                                else cache[u])
+                made.append(c)
+            return x, made
+
+        x, made = jax.lax.scan(body, x, (list(states), ids, mine))
+        out.extend(made)
+        at += len(unit)
+    return x, out
+
+
+def embed(model, tokens, mesh: Mesh):
+    """Token embeddings [B, S, D] in the compute dtype, as the decoder embeds (the
+    vocabulary-parallel lookup where the model uses it and S splits over the devices)."""
+    from ..models import vocab
+    from ..families import family
+    from ..models.layers import gathered
+    if model.vocab_parallel and tokens.shape[1] % vocab.shards(mesh) == 0:
+        x = vocab.embed(model.embed[...], tokens, mesh=mesh, dtype=model.dtype,
+                        chunk=model.cfg.loss_chunk)
+    else:
+        x = jnp.take(gathered(model.embed[...], model.dtype, mesh), tokens, axis=0)
+    if family(model.cfg.family).embed_scale:
+        x = x * jnp.asarray(model.cfg.d_model ** 0.5, x.dtype)
+    return x
+
+
+def logits(model, h, mesh: Mesh):
+    """fp32 logits [B, V] of final hidden states h [B, D] (final norm applied here)."""
+    from ..models.layers import gathered
+    h = model.final_norm(h)
+    w = gathered(model.head_weight(), model.dtype, mesh)
+    out = jnp.einsum("BD,DV->BV", h, w, preferred_element_type=jnp.float32)
+    cap = model.cfg.final_softcap
+    return cap * jnp.tanh(out / cap) if cap else out

@@ -1,0 +1,47 @@
+"""Decode: one new token per row through every layer, its K and V written into the cache at
+one slot, attention over the cache on each device's own heads, and the next token chosen.
+
+The new token's activations are [B, 1, D] on every device of the ``seq`` axis; each device
+projects and attends with its block of heads against its block of the cache, and only the
+attention output (a [B, 1, D] all-reduce after the output projection) crosses devices: the
+cache never moves. One compiled program per (batch, cache slots), reused for every token.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from .blocks import block_functions, embed, logits, run_layers
+from .cache import CacheLayout
+from .sampling import Sampling, choose
+
+
+def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling, seed: int):
+    """Jitted ``(params, caches, tokens [B], slot, pad [B], rows [B], step) ->
+    (next tokens [B], logits [B, V], caches)``; the caches are donated.
+
+    ``slot``: the cache slot of ``tokens`` (its position in row b is slot - pad[b]);
+    ``rows``: each row's index in the request and ``step`` the token's index in its answer
+    (the sampling key, ``sampling.row_keys``)."""
+
+    def run(params, caches, tokens, slot, pad, rows, step):
+        model = nnx.merge(graphdef, params)
+        _, decode_block = block_functions(model.cfg)
+        x = embed(model, tokens[:, None], mesh)                                   # [B, 1, D]
+        positions = (slot - pad)[:, None]                                         # [B, 1]
+
+        def layer(block, x, kind, cache):
+            return decode_block(block, x, positions, kind, cache, slot, pad, layout, mesh)
+
+        x, caches = run_layers(model, x, layer, caches)
+        out = logits(model, x[:, 0], mesh)                                        # [B, V]
+        return choose(out, sampling, seed, rows, step), out, caches
+
+    return jax.jit(run, donate_argnums=1)
+
+
+def first_token(out: jax.Array, sampling: Sampling, seed: int, rows: jax.Array):
+    """The token chosen from the prefill's logits (step 0)."""
+    return choose(out, sampling, seed, rows, jnp.int32(0))

@@ -1,0 +1,151 @@
+"""Generation of token ids from token ids: batches of prompts, prefill, then one decode step
+per new token until every row has stopped or reached its limit.
+
+``Generator(graphdef, params, cfg, mesh)`` keeps the compiled programs of each (batch,
+prompt length, cache slots) it has seen; ``generate(prompts, ...)`` returns each row's new
+ids and why it stopped. The timings it gathers (compile, prefill, decode) are the CLI's
+summary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ..config import ModelConfig
+from ..mesh import DATA, SEQ, act_spec, axis_size
+from .blocks import GenerationError, block_functions
+from .cache import cache_layout
+from .decode import decode_program, first_token
+from .prefill import prefill_program
+from .sampling import Sampling
+
+
+@dataclasses.dataclass
+class Completion:
+    """A row's new token ids (the stop token included when one was chosen) and why it
+    ended: "stop" (an end-of-sequence id) or "length" (``max_new_tokens``)."""
+    ids: list[int]
+    finish_reason: str
+    logits: list[np.ndarray] | None = None    # [V] fp32 per new token, when asked for
+
+
+def prompt_slots(longest: int, seq: int) -> int:
+    """The padded prompt length S: a multiple of the ``seq`` axis size and of 16, at least
+    ``longest``; rounded up to a power of two times that unit so that prompts of nearby
+    lengths share one compiled program."""
+    unit = seq * 16 // math.gcd(seq, 16)
+    n = -(-longest // unit)
+    return unit * (1 << (n - 1).bit_length())
+
+
+class Generator:
+    """Greedy or sampled generation with ``cfg``'s model on ``mesh`` (axes data, seq)."""
+
+    def __init__(self, graphdef, params, cfg: ModelConfig, mesh: Mesh):
+        # The programs of generation keep nothing for a backward pass and split no tokens
+        # into chunks: remat, tiled MLP and checkpoint offload do not apply.
+        self.cfg = dataclasses.replace(cfg, remat="none", mlp_chunk=0,
+                                       offload_checkpoints=False)
+        block_functions(self.cfg)  # GenerationError now, not after a compile
+        from ..models.decoder import Decoder
+        abstract = nnx.eval_shape(lambda: Decoder(self.cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+        self.graphdef = nnx.split(abstract)[0]
+        self.params, self.mesh = params, mesh
+        self.seq = axis_size(mesh, SEQ)
+        self._programs: dict = {}
+        self.timings = {"compile_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0,
+                        "decode_tokens": 0}
+
+    def _compiled(self, key, build, *args):
+        """The compiled program of ``key``, built and compiled (timed) on first use."""
+        if key not in self._programs:
+            t = time.perf_counter()
+            self._programs[key] = build().lower(*args).compile()
+            self.timings["compile_s"] += time.perf_counter() - t
+        return self._programs[key]
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int,
+                 eos_ids: set[int] | frozenset = frozenset(),
+                 sampling: Sampling = Sampling(), seed: int = 0,
+                 rows: list[int] | None = None, keep_logits: bool = False,
+                 on_token=None) -> list[Completion]:
+        """New tokens for each prompt (lists of token ids, of any lengths), one batch.
+
+        Args:
+          rows: each prompt's index in the whole request (the sampling keys); default 0..B-1.
+          keep_logits: also return each new token's fp32 logits (tests).
+          on_token: called after each decode step (progress).
+        """
+        if not prompts or min(len(p) for p in prompts) < 1:
+            raise GenerationError("every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sampling.check()
+        b, mesh = len(prompts), self.mesh
+        s = prompt_slots(max(len(p) for p in prompts), self.seq)
+        slots = s + max_new_tokens
+        layout = cache_layout(self.cfg, mesh, b, slots)
+        pad = np.array([s - len(p) for p in prompts], np.int32)
+        j = np.arange(s, dtype=np.int32)[None, :]
+        tokens = np.zeros((b, s), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, pad[i]:] = p
+        positions = np.maximum(j - pad[:, None], 0).astype(np.int32)
+        segments = (j >= pad[:, None]).astype(np.int32)
+        spec = act_spec(mesh) if b % axis_size(mesh, DATA) == 0 else P(None, SEQ)
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+        batch = [put(a) for a in (tokens, positions, segments)]
+        rep = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
+        rows_a = rep(np.asarray(rows if rows is not None else range(b), np.int32))
+        pad_a = rep(pad)
+
+        prefill = self._compiled(("prefill", b, s, slots),
+                                 lambda: prefill_program(self.graphdef, layout, mesh),
+                                 self.params, *batch)
+        t = time.perf_counter()
+        out, caches = prefill(self.params, *batch)
+        pick = self._compiled(("first", b, sampling, seed),
+                              lambda: jax.jit(lambda o, r: first_token(o, sampling, seed, r)),
+                              out, rows_a)
+        tok = pick(out, rows_a)
+        tok_host = np.asarray(tok)
+        self.timings["prefill_s"] += time.perf_counter() - t
+
+        ids = [[] for _ in range(b)]
+        kept = [[] for _ in range(b)] if keep_logits else None
+        done = np.zeros(b, bool)
+        reason = ["length"] * b
+        decode = None
+        t = time.perf_counter()
+        for step in range(max_new_tokens):
+            for i in np.flatnonzero(~done):
+                ids[i].append(int(tok_host[i]))
+                if keep_logits:
+                    kept[i].append(np.asarray(out[i]))
+                if int(tok_host[i]) in eos_ids:
+                    done[i], reason[i] = True, "stop"
+            if on_token is not None:
+                on_token()
+            if done.all() or step == max_new_tokens - 1:
+                break
+            args = (self.params, caches, tok, jnp.int32(s + step), pad_a, rows_a,
+                    jnp.int32(step + 1))
+            if decode is None:
+                t_compile = time.perf_counter()
+                decode = self._compiled(("decode", b, slots, sampling, seed),
+                                        lambda: decode_program(self.graphdef, layout, mesh,
+                                                               sampling, seed), *args)
+                t += time.perf_counter() - t_compile  # compiling is not decoding
+            tok, out, caches = decode(*args)
+            tok_host = np.asarray(tok)
+            self.timings["decode_tokens"] += int((~done).sum())
+        self.timings["decode_s"] += time.perf_counter() - t
+        return [Completion(ids[i], reason[i], kept[i] if keep_logits else None)
+                for i in range(b)]

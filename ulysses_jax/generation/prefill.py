@@ -1,0 +1,36 @@
+"""Prefill: one forward pass over the prompts, split over the devices by sequence as training
+splits it (Ulysses attention), that fills the KV cache and gives the logits of each row's
+last prompt token.
+
+The prompts come left-padded to a common length S that the ``seq`` axis divides (padding:
+segment id 0, never attended by a real token), with their true positions; each layer's K and
+V leave the sequence split for the cache's head split (``cache.to_cache``).
+"""
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from ..mesh import act_spec, shard
+from .blocks import block_functions, embed, logits, run_layers
+from .cache import CacheLayout
+
+
+def prefill_program(graphdef, layout: CacheLayout, mesh: Mesh):
+    """Jitted ``(params, tokens, positions, segment_ids) -> (logits [B, V], caches)``.
+
+    tokens, positions, segment_ids: [B, S] int32, S a multiple of the ``seq`` axis."""
+
+    def run(params, tokens, positions, segment_ids):
+        model = nnx.merge(graphdef, params)
+        prefill_block, _ = block_functions(model.cfg)
+        x = shard(embed(model, tokens, mesh), mesh, act_spec(mesh, 1))          # [B, S, D]
+
+        def layer(block, x, kind, _):
+            return prefill_block(block, x, positions, segment_ids, kind, layout, mesh)
+
+        x, caches = run_layers(model, x, layer)
+        return logits(model, x[:, -1], mesh), caches
+
+    return jax.jit(run)
