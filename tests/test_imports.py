@@ -53,12 +53,13 @@ LAYERS = (
                 "ulysses_jax.compile_cache", "ulysses_jax.ordering")),
     ("attention", ("ulysses_jax.attention",)),
     ("models", ("ulysses_jax.models",)),
+    ("generation", ("ulysses_jax.generation",)),
     ("interop", ("ulysses_jax.interop",)),
     ("data", ("ulysses_jax.data",)),
     ("training", ("ulysses_jax.training",)),
     ("CLIs", ("ulysses_jax", "ulysses_jax.data.__main__", "ulysses_jax.evaluate",
-              "ulysses_jax.export", "ulysses_jax.plan", "ulysses_jax.plot", "ulysses_jax.compare",
-              "ulysses_jax.hf")),
+              "ulysses_jax.export", "ulysses_jax.generate", "ulysses_jax.plan",
+              "ulysses_jax.plot", "ulysses_jax.compare", "ulysses_jax.hf")),
 )
 # Libraries that read, tokenize or decode data: the data package's, never the loop's.
 DATA_LIBRARIES = ("tokenizers", "pyarrow", "PIL", "jinja2", "transformers")

@@ -54,6 +54,10 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
 
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A prompt to generate from: the bytes (this tokenizer adds no special tokens)."""
+        return self.encode(text)
+
     def decode(self, ids) -> str:
         """Drops ids >= 256 (EOS); invalid UTF-8 (a cut character) becomes U+FFFD."""
         ids = np.asarray(ids).reshape(-1)
@@ -104,6 +108,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A prompt to generate from, as transformers tokenizes it: with the tokenizer's own
+        special tokens (a BOS where its post-processor adds one)."""
+        return np.asarray(self._tok.encode(text).ids, np.int32)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encs = self._tok.encode_batch(list(texts), add_special_tokens=False)

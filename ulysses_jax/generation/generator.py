@@ -1,7 +1,7 @@
 """Generation of token ids from token ids: batches of prompts, prefill, then one decode step
 per new token until every row has stopped or reached its limit.
 
-``Generator(graphdef, params, cfg, mesh)`` keeps the compiled programs of each (batch,
+``Generator(params, cfg, mesh)`` keeps the compiled programs of each (batch,
 prompt length, cache slots) it has seen; ``generate(prompts, ...)`` returns each row's new
 ids and why it stopped. The timings it gathers (compile, prefill, decode) are the CLI's
 summary.
@@ -48,7 +48,8 @@ def prompt_slots(longest: int, seq: int) -> int:
 class Generator:
     """Greedy or sampled generation with ``cfg``'s model on ``mesh`` (axes data, seq)."""
 
-    def __init__(self, graphdef, params, cfg: ModelConfig, mesh: Mesh):
+    def __init__(self, params, cfg: ModelConfig, mesh: Mesh):
+        """params: the Decoder's pure dict (``nnx.to_pure_dict``) on ``mesh``."""
         # The programs of generation keep nothing for a backward pass and split no tokens
         # into chunks: remat, tiled MLP and checkpoint offload do not apply.
         self.cfg = dataclasses.replace(cfg, remat="none", mlp_chunk=0,

@@ -1,0 +1,292 @@
+"""Generation from the command line (and as a function): prompts in, completions out.
+
+    python -m ulysses_jax.generate MODEL --prompts FILE --out FILE [--max-new-tokens N]
+        [--temperature T] [--top-p P] [--top-k K] [--seed S] [--mesh-seq P]
+        [--batch-size B] [--step N] [--no-progress]
+
+MODEL: a Hugging Face directory (an export or a checkpoint) or a training run's --workdir
+(its newest checkpoint, or ``--step``; its tokenizer; its LoRA adapters applied).
+FILE: jsonl (or parquet) rows ``{"prompt": "text"}``, tokenized as transformers tokenizes
+(the tokenizer's own BOS where it adds one), or ``{"messages": [...]}``, rendered with the
+model's chat template (a run's: its chat store's) and the generation prompt.
+
+Each output row is the input row with ``completion`` (text, special tokens left out),
+``completion_ids`` (the stop token included when one was chosen), ``prompt_tokens`` and
+``finish_reason``: ``"stop"`` at an end-of-sequence id (generation_config.json's
+``eos_token_id``, else config.json's, else the tokenizer's EOS), ``"length"`` at
+``--max-new-tokens``. Sampling defaults come from generation_config.json where it has them
+(greedy unless it sets ``do_sample``); ``--temperature 0`` is greedy. The last stdout line is
+a JSON summary: rows, prompt_tokens, completion_tokens, compile_s, prefill_s, decode_s,
+decode_tokens_per_s.
+
+The prompts are split over ``--mesh-seq`` devices by sequence (Ulysses attention) and each
+device keeps the KV cache of its heads (``ulysses_jax/generation``, docs/GENERATION.md).
+
+Exit codes: 0 done; 2 a bad input (no model there, an empty prompts file, a row with neither
+prompt nor messages, a chat row for a model without a chat template, a prompt plus new tokens
+beyond the model's positions) with a one-line ``error: ...``, no traceback and no output
+file.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+class GenerateError(ValueError):
+    """Bad input: the CLI prints it on one line and exits 2."""
+
+
+@dataclasses.dataclass
+class Settings:
+    """What generation_config.json gives, for the flags left unset."""
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_ids: tuple[int, ...] = ()
+    max_positions: int | None = None
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            out = json.load(f)
+    except (OSError, ValueError) as e:
+        raise GenerateError(f"{path} is not readable JSON: {e}") from None
+    return out if isinstance(out, dict) else {}
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def model_settings(directory: str | None, tokenizer_eos: int | None) -> Settings:
+    """Defaults of a Hugging Face directory's generation_config.json and config.json (none
+    for a directory without them): as transformers' ``generate`` reads them."""
+    gen = _read_json(os.path.join(directory, "generation_config.json")) if directory else {}
+    cfg = _read_json(os.path.join(directory, "config.json")) if directory else {}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    eos = _ids(gen.get("eos_token_id")) or _ids(text.get("eos_token_id")) \
+        or _ids(cfg.get("eos_token_id")) or _ids(tokenizer_eos)
+    s = Settings(eos_ids=eos, max_positions=text.get("max_position_embeddings"))
+    if gen.get("max_new_tokens"):
+        s.max_new_tokens = int(gen["max_new_tokens"])
+    if gen.get("do_sample"):  # transformers' defaults where the file is silent
+        s.temperature = float(gen.get("temperature", 1.0))
+        s.top_k = int(gen.get("top_k", 50) or 0)
+        s.top_p = float(gen.get("top_p", 1.0))
+    return s
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of a jsonl or parquet prompts file; GenerateError names a bad row."""
+    if not os.path.isfile(path):
+        raise GenerateError(f"prompts file {path} does not exist")
+    rows = []
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001 (pyarrow raises many kinds)
+            raise GenerateError(f"{path} is not a readable parquet file: {e}") from None
+    else:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise GenerateError(f"{path}:{n} is not JSON: {e}") from None
+                if not isinstance(row, dict):
+                    raise GenerateError(f"{path}:{n} is not a JSON object")
+                rows.append(row)
+    if not rows:
+        raise GenerateError(f"prompts file {path} has no rows")
+    for n, row in enumerate(rows, 1):
+        has_prompt = isinstance(row.get("prompt"), str)
+        has_messages = isinstance(row.get("messages"), list) and row["messages"]
+        if not has_prompt and not has_messages:
+            raise GenerateError(f"{path} row {n} has neither \"prompt\" (text) nor "
+                                f"\"messages\" (a list of messages)")
+    return rows
+
+
+def _template_of(loaded, path: str):
+    """The chat template of MODEL: a run's chat store's, else its tokenizer directory's;
+    a Hugging Face directory's own. None when there is none."""
+    from .data.chat import ChatTemplate
+    from .data.chat_templates import stored_template
+    from .data.store import TokenStore, is_store
+    try:
+        if loaded.run_data and is_store(loaded.source):
+            store = TokenStore(loaded.source)
+            found = stored_template(loaded.source, store.manifest)
+            if found is not None:
+                return found
+        directory = path if not loaded.run_data else (
+            os.path.dirname(loaded.tokenizer_file) if loaded.tokenizer_file else None)
+        return ChatTemplate.from_dir(directory) if directory else None
+    except ValueError:
+        return None
+
+
+def encode_rows(rows: list[dict], tokenizer, template, where: str) -> list[list[int]]:
+    """Each row's prompt ids: text with the tokenizer's own special tokens, or the messages
+    rendered with the generation prompt (the template writes any BOS itself)."""
+    out = []
+    for n, row in enumerate(rows, 1):
+        if isinstance(row.get("prompt"), str):
+            out.append([int(i) for i in tokenizer.encode_prompt(row["prompt"])])
+            continue
+        if template is None:
+            raise GenerateError(f"{where} row {n} is a chat (\"messages\"), but the model has "
+                                f"no chat template (tokenizer_config.json \"chat_template\" "
+                                f"or chat_template.jinja)")
+        try:
+            text = template.render(row["messages"], add_generation_prompt=True)
+        except (ValueError, TypeError) as e:
+            raise GenerateError(f"{where} row {n}: {e}") from None
+        out.append([int(i) for i in tokenizer.encode(text)])
+    return out
+
+
+def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
+             temperature: float | None = None, top_p: float | None = None,
+             top_k: int | None = None, seed: int = 0, mesh_seq: int = 1, batch_size: int = 8,
+             step: int | None = None, progress: bool = False, where: str = "prompts",
+             devices=None) -> tuple[list[dict], dict]:
+    """Completions of ``rows`` (dicts with "prompt" or "messages") by the model at ``path``.
+
+    Returns (the rows with completion, completion_ids, prompt_tokens, finish_reason; the
+    summary). Raises GenerateError on bad input, before anything is compiled.
+    """
+    import jax
+    from .evaluate import EvalError, load
+    from .generation import GenerationError, Generator, Sampling
+    from .mesh import make_mesh
+    devices = list(devices or jax.devices())
+    if mesh_seq < 1 or mesh_seq > len(devices):
+        raise GenerateError(f"--mesh-seq must be between 1 and the {len(devices)} devices "
+                            f"there are, got {mesh_seq}")
+    if batch_size < 1:
+        raise GenerateError(f"--batch-size must be >= 1, got {batch_size}")
+    mesh = make_mesh(seq=mesh_seq, data=1, devices=devices[:mesh_seq])
+    try:
+        loaded = load(path, mesh, step)
+    except EvalError as e:
+        raise GenerateError(str(e)) from None
+    hf_dir = None if loaded.run_data else path
+    defaults = model_settings(hf_dir, getattr(loaded.tokenizer, "eos_id", None))
+    sampling = Sampling(defaults.temperature if temperature is None else temperature,
+                        defaults.top_k if top_k is None else top_k,
+                        defaults.top_p if top_p is None else top_p)
+    new = defaults.max_new_tokens if max_new_tokens is None else max_new_tokens
+    try:
+        sampling.check()
+    except ValueError as e:
+        raise GenerateError(str(e)) from None
+    if new < 1:
+        raise GenerateError(f"--max-new-tokens must be >= 1, got {new}")
+    prompts = encode_rows(rows, loaded.tokenizer, _template_of(loaded, path), where)
+    for n, ids in enumerate(prompts, 1):
+        if not ids:
+            raise GenerateError(f"{where} row {n} has an empty prompt (no tokens)")
+        if defaults.max_positions and len(ids) + new > defaults.max_positions:
+            raise GenerateError(f"{where} row {n}: its {len(ids)} prompt tokens plus "
+                                f"{new} new tokens exceed the model's "
+                                f"{defaults.max_positions} positions "
+                                f"(max_position_embeddings); lower --max-new-tokens")
+    try:
+        gen = Generator(loaded.params, loaded.model, mesh)
+    except GenerationError as e:
+        raise GenerateError(str(e)) from None
+    from tqdm import tqdm
+    bar = tqdm(total=len(rows), desc="generate", unit="row", dynamic_ncols=True,
+               disable=not progress)
+    out = []
+    eos = frozenset(defaults.eos_ids)
+    for start in range(0, len(rows), batch_size):
+        stop = min(start + batch_size, len(rows))
+        done = gen.generate(prompts[start:stop], max_new_tokens=new, eos_ids=eos,
+                            sampling=sampling, seed=seed, rows=list(range(start, stop)))
+        for i, c in zip(range(start, stop), done):
+            text_ids = [t for t in c.ids if t not in eos]
+            out.append({**rows[i], "completion": loaded.tokenizer.decode(text_ids),
+                        "completion_ids": c.ids, "prompt_tokens": len(prompts[i]),
+                        "finish_reason": c.finish_reason})
+        bar.update(stop - start)
+    bar.close()
+    t = gen.timings
+    summary = {"rows": len(out), "prompt_tokens": sum(map(len, prompts)),
+               "completion_tokens": sum(len(r["completion_ids"]) for r in out),
+               "compile_s": round(t["compile_s"], 3), "prefill_s": round(t["prefill_s"], 3),
+               "decode_s": round(t["decode_s"], 3),
+               "decode_tokens_per_s": round(t["decode_tokens"] / t["decode_s"], 2)
+               if t["decode_s"] > 0 else None}
+    return out, summary
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m ulysses_jax.generate",
+                                description="Completions of prompts, sequence-parallel.")
+    p.add_argument("path", metavar="MODEL",
+                   help="a Hugging Face model directory, or a run's --workdir")
+    p.add_argument("--prompts", required=True, help="jsonl or parquet: prompt or messages")
+    p.add_argument("--out", required=True, help="jsonl of the rows with their completions")
+    p.add_argument("--max-new-tokens", type=int,
+                   help=f"new tokens per row at most (default: generation_config.json's, "
+                        f"else {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--temperature", type=float, help="0 is greedy (default: "
+                   "generation_config.json's when it samples, else 0)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--top-k", type=int, help="sample among the k likeliest (default 0: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--mesh-seq", type=int, default=1, help="devices per sequence (Ulysses)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per batch (default 8)")
+    p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import logging
+    args = parse_args(argv)
+    from .mesh import request_cpu_devices
+    request_cpu_devices(max(args.mesh_seq, 1))
+    from .compile_cache import fence
+    fence()
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    try:
+        rows = read_rows(args.prompts)
+        out, summary = generate(args.path, rows, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, mesh_seq=args.mesh_seq,
+                                batch_size=args.batch_size, step=args.step,
+                                progress=not args.no_progress, where=args.prompts)
+    except GenerateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tmp = args.out + ".tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in out:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, args.out)  # never a half file at --out
+    print(f"wrote {len(out)} rows to {args.out}", file=sys.stderr)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
