@@ -93,6 +93,14 @@ CONVERSATIONS = [
      {"role": "assistant", "content": "Good morning in French is 'bonjour'."}],
 ]
 
+# Prompts of the generation checks (transformers' greedy answers are made with the model):
+# three texts of different lengths, and a chat whose answer ends before the limit.
+GENERATION_ROWS = [{"prompt": "The town library opens at nine in the morning"},
+                   {"prompt": TEXTS["garden"].split(". ")[0] + "."},
+                   {"prompt": TEXTS["train"] + " The passengers"},
+                   {"messages": CONVERSATIONS[1][:-1]}]
+GENERATION_NEW = 12
+
 
 @dataclasses.dataclass
 class Converted:
@@ -102,6 +110,7 @@ class Converted:
     logits: np.ndarray     # float32 [2, S, V]: transformers' (eager attention) on them
     shuffled_loss: float   # transformers' mean next-token loss on the tokens shuffled
     renderings: list       # the GGUF tokenizer's chat template output for CONVERSATIONS
+    greedy: list           # per GENERATION_ROWS: prompt_ids and transformers' greedy ids
 
 
 def _gguf_path() -> str:
@@ -202,6 +211,19 @@ def _convert(gguf_file: str, out) -> None:
         logits = model(torch.from_numpy(np.concatenate([tokens, shuffled])).long()).logits.numpy()
     np.savez(out / "reference.npz", tokens=tokens, logits=logits[:2],
              shuffled_loss=_next_token_loss(logits[2:], shuffled))
+    # transformers' greedy answers, one prompt at a time (no padding): the texts tokenized as
+    # its tokenizer tokenizes a prompt, the chat rendered with the generation prompt.
+    greedy = []
+    for row in GENERATION_ROWS:
+        ids = (tokenizer(row["prompt"])["input_ids"] if "prompt" in row else
+               list(tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)))
+        with torch.no_grad():
+            made = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                  max_new_tokens=GENERATION_NEW, do_sample=False)
+        greedy.append({"prompt_ids": ids, "ids": made[0, len(ids):].tolist()})
+    with open(out / "greedy.json", "w") as f:
+        json.dump(greedy, f)
 
 
 @pytest.fixture(scope="session")
@@ -216,9 +238,11 @@ def smollm2(tmp_path_factory):
     ref = np.load(os.path.join(root, "reference.npz"))
     with open(os.path.join(root, "renderings.json")) as f:
         renderings = json.load(f)
+    with open(os.path.join(root, "greedy.json")) as f:
+        greedy = json.load(f)
     path = os.path.join(root, "hf")
     return Converted(path, transformers.AutoTokenizer.from_pretrained(path), ref["tokens"],
-                     ref["logits"], float(ref["shuffled_loss"]), renderings)
+                     ref["logits"], float(ref["shuffled_loss"]), renderings, greedy)
 
 
 def test_converted_directory_is_the_real_model(smollm2):
@@ -254,6 +278,57 @@ def test_logits_match_transformers(smollm2, p):
     # shufflings of them.
     assert loss < 4.0, loss
     assert loss < smollm2.shuffled_loss - 3, (loss, smollm2.shuffled_loss)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_greedy_generation_matches_transformers(smollm2, p):
+    """The Generator on p sequence devices (2 and 4 pad the heads, so the cache holds padded
+    kv copies), all prompts in one left-padded batch: transformers' greedy tokens, each
+    prompt generated alone, stopping where it stops (the chat at its end of turn)."""
+    from ulysses_jax.generate import model_settings
+    from ulysses_jax.generation import Generator
+    from ulysses_jax.interop.hf import load_params
+    mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+    cfg, params = load_params(smollm2.path, mesh)
+    eos = model_settings(smollm2.path, None).eos_ids
+    gen = Generator(params, cfg, mesh)
+    got = gen.generate([g["prompt_ids"] for g in smollm2.greedy],
+                       max_new_tokens=GENERATION_NEW, eos_ids=set(eos))
+    for mine, want in zip(got, smollm2.greedy, strict=True):
+        assert mine.ids == want["ids"], (p, mine.ids, want["ids"])
+        assert mine.finish_reason == ("stop" if want["ids"][-1] in eos else "length")
+    assert [c.finish_reason for c in got] == ["length"] * 3 + ["stop"], got
+
+
+def test_generate_cli_on_three_devices(smollm2, tmp_path):
+    """python -m ulysses_jax.generate (its main) at --mesh-seq 3 on text and chat rows:
+    transformers' tokens for the prompts and for the answers, the texts they decode to, the
+    finish reasons, and the summary as the last stdout line."""
+    from ulysses_jax.generate import main as generate_main
+    need_devices(3)
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in GENERATION_ROWS))
+    argv = [smollm2.path, "--prompts", str(prompts), "--out", str(out), "--mesh-seq", "3",
+            "--max-new-tokens", str(GENERATION_NEW), "--batch-size", "3", "--no-progress"]
+    import contextlib
+    import io
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert generate_main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(GENERATION_ROWS)
+    for row, given, want in zip(rows, GENERATION_ROWS, smollm2.greedy, strict=True):
+        assert {k: row[k] for k in given} == given
+        assert row["prompt_tokens"] == len(want["prompt_ids"])
+        assert row["completion_ids"] == want["ids"]
+        assert row["completion"] == smollm2.tokenizer.decode(want["ids"],
+                                                             skip_special_tokens=True)
+    assert [r["finish_reason"] for r in rows] == ["length"] * 3 + ["stop"]
+    summary = json.loads(stdout.getvalue().strip().splitlines()[-1])
+    assert summary["rows"] == 4 and summary["completion_tokens"] == sum(
+        len(g["ids"]) for g in smollm2.greedy)
+    assert summary["prompt_tokens"] == sum(len(g["prompt_ids"]) for g in smollm2.greedy)
+    assert summary["decode_tokens_per_s"] > 0 and summary["compile_s"] > 0
 
 
 def _cli(*args) -> str:
