@@ -1,0 +1,202 @@
+"""Generation on tiny models (ulysses_jax/generation, python -m ulysses_jax.generate): each
+decode step's logits equal a full forward pass of the unsharded model over prompt + generated
+tokens (sliding windows, biases, q/k norms, padded heads); sampling gives the same tokens on
+every mesh and in any batch; the sampling filters are transformers' warpers; the cache is 1/P
+per device by the compiled memory analysis; the CLI on a run directory, and its bad input.
+(The real checkpoint against transformers' generate: test_real_checkpoint.py.)"""
+import contextlib
+import io
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import DEVICES, need_devices
+from ulysses_jax import make_mesh
+from ulysses_jax.config import load_config
+from ulysses_jax.generate import main as generate_main
+from ulysses_jax.generation import Generator, Sampling
+from ulysses_jax.generation.cache import cache_layout
+from ulysses_jax.generation.sampling import filtered
+from ulysses_jax.models.decoder import Decoder
+
+pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
+                                reason="generation tests run on fake CPU devices")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["model.d_model=32", "model.ffn_dim=64", "model.head_dim=8", "model.vocab_size=97"]
+PROMPTS = [[5, 17, 3, 44, 9, 12, 60, 2, 31], [7, 8], [90, 1, 4, 4, 4, 15]]
+
+
+def _model(p: int, *over):
+    """(cfg, mesh of p seq devices, params): the tiny preset's model, seed 0."""
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL + list(over)).model
+    mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+    params = nnx.to_pure_dict(nnx.state(Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
+    return cfg, mesh, params
+
+
+VARIANTS = {
+    "p1": (1, []),
+    # 8 query / 2 kv heads on 3 devices: padded heads; a window that the prompts outgrow
+    "p3_window_bias_qk_norm": (3, ["model.sliding_window=4", "model.layer_pattern=LG",
+                                   "model.qkv_bias=true", "model.qk_norm=true"]),
+    "p4_window": (4, ["model.sliding_window=3", "model.layer_pattern=L"]),  # kv heads copied
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_logits_equal_a_full_forward_pass(variant):
+    p, over = VARIANTS[variant]
+    cfg, mesh, params = _model(p, *over)
+    got = Generator(params, cfg, mesh).generate(PROMPTS, max_new_tokens=5, keep_logits=True)
+    ref = Decoder(cfg, mesh=make_mesh(seq=1, data=1, devices=DEVICES[:1]), rngs=nnx.Rngs(0))
+    forward = nnx.jit(lambda m, t: m(t))
+    for prompt, c in zip(PROMPTS, got, strict=True):
+        assert len(c.ids) == 5 and c.finish_reason == "length"
+        whole = np.asarray(forward(ref, jnp.asarray([prompt + c.ids[:-1]])))[0]   # [S, V]
+        want = whole[len(prompt) - 1:]                    # the logits that chose each new id
+        np.testing.assert_allclose(np.stack(c.logits), want, atol=1e-4, rtol=0)
+        assert c.ids == list(want.argmax(-1)), (c.ids, want.argmax(-1))
+
+
+def test_sampling_is_the_same_on_every_mesh_and_in_any_batch():
+    """Temperature, top-k and top-p with one seed: the same tokens on 1 and 4 devices, and a
+    row generated alone (its index given) as in the batch; another seed changes them."""
+    s = Sampling(temperature=1.5, top_k=20, top_p=0.9)
+    runs = {}
+    for p in (1, 4):
+        cfg, mesh, params = _model(p)
+        gen = Generator(params, cfg, mesh)
+        runs[p] = [c.ids for c in gen.generate(PROMPTS, max_new_tokens=6, sampling=s, seed=3)]
+    assert runs[1] == runs[4], runs
+    alone = gen.generate(PROMPTS[2:], max_new_tokens=6, sampling=s, seed=3, rows=[2])
+    assert alone[0].ids == runs[4][2]
+    other = [c.ids for c in gen.generate(PROMPTS, max_new_tokens=6, sampling=s, seed=4)]
+    assert other != runs[4]
+    greedy = [c.ids for c in gen.generate(PROMPTS, max_new_tokens=6)]
+    assert greedy != runs[4]
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 5, 1.0), (0.7, 0, 0.8), (1.3, 10, 0.5),
+                                   (1.0, 0, 0.999)])
+def test_filters_are_transformers_warpers(t, k, p):
+    """``sampling.filtered``: what transformers' temperature, top-k and top-p warpers leave
+    (the same tokens removed, the same values kept)."""
+    torch = pytest.importorskip("torch")
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    logits = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32) * 3
+    logits[1, :5] = logits[1, 5]  # ties at the boundary
+    theirs = torch.from_numpy(logits.copy())
+    for warper in ([lp.TemperatureLogitsWarper(t)] + ([lp.TopKLogitsWarper(k)] if k else [])
+                   + ([lp.TopPLogitsWarper(p)] if p < 1 else [])):
+        theirs = warper(None, theirs)
+    theirs = theirs.numpy()
+    ours = np.asarray(filtered(jnp.asarray(logits), Sampling(t, k, p)))
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(theirs))
+    np.testing.assert_allclose(ours[~np.isinf(ours)], theirs[~np.isinf(theirs)], rtol=1e-6)
+
+
+def test_the_cache_is_split_over_the_devices():
+    """The decode program's arguments per device (XLA's compiled memory analysis): on 2
+    devices smaller than on 1 by exactly half of the cache (8 query / 2 kv heads: one kv
+    head per device), the parameters being replicated on both."""
+    sizes = {}
+    for p in (1, 2):
+        cfg, mesh, params = _model(p)
+        gen = Generator(params, cfg, mesh)
+        gen.generate(PROMPTS, max_new_tokens=3)
+        decode = next(v for k, v in gen._programs.items() if k[0] == "decode")
+        sizes[p] = decode.memory_analysis().argument_size_in_bytes
+        slots = next(k for k in gen._programs if k[0] == "decode")[2]
+        layout = cache_layout(gen.cfg, mesh, len(PROMPTS), slots)
+        assert layout.heads.k_local == 2 // p
+    whole = layout.bytes_per_device(make_mesh(seq=1, data=1, devices=DEVICES[:1]),
+                                    cfg.n_layers)
+    assert whole > 0 and sizes[1] - sizes[2] == whole // 2, (sizes, whole)
+
+
+@pytest.fixture(scope="module")
+def hf_without_template(chat_store_run, tmp_path_factory):
+    """The store run exported as a Hugging Face directory, with its chat template removed
+    and max_position_embeddings set to 64."""
+    from ulysses_jax.export import export_run
+    run, _, _ = chat_store_run
+    out = tmp_path_factory.mktemp("gen_export") / "hf"
+    export_run(run, str(out), progress=False)
+    for name in ("chat_template.jinja",):
+        if (out / name).exists():
+            (out / name).unlink()
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(hf, max_position_embeddings=64)))
+    return str(out)
+
+
+def _main(argv):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = generate_main(argv)
+    return code, stdout.getvalue()
+
+
+def test_cli_on_a_run_directory(chat_store_run, tmp_path):
+    """A run directory: a text row and a chat row (the store's template), 2 devices; every
+    output field, the summary last, and the same ids as a second call on 1 device."""
+    run, _, _ = chat_store_run
+    rows = [{"prompt": "Say hi", "id": 7},
+            {"messages": [{"role": "user", "content": "Say hi again"}]}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outs = []
+    for p in (2, 1):
+        out = tmp_path / f"out{p}.jsonl"
+        code, stdout = _main([run, "--prompts", str(prompts), "--out", str(out),
+                              "--max-new-tokens", "4", "--mesh-seq", str(p), "--no-progress"])
+        assert code == 0
+        outs.append([json.loads(line) for line in out.read_text().splitlines()])
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        assert set(summary) == {"rows", "prompt_tokens", "completion_tokens", "compile_s",
+                                "prefill_s", "decode_s", "decode_tokens_per_s"}
+        assert summary["rows"] == 2
+    for got in outs:
+        assert [{k: r[k] for k in given} for r, given in zip(got, rows)] == rows
+        for r in got:
+            assert 1 <= len(r["completion_ids"]) <= 4 and r["prompt_tokens"] >= 1
+            assert r["finish_reason"] in ("stop", "length") and isinstance(r["completion"], str)
+    assert [r["completion_ids"] for r in outs[0]] == [r["completion_ids"] for r in outs[1]]
+    assert outs[0][1]["prompt_tokens"] > outs[0][0]["prompt_tokens"]  # the template's turns
+
+
+@pytest.mark.parametrize("case,words", [
+    ("no_model", ["is neither a training run", "nor a Hugging Face"]),
+    ("empty", ["has no rows"]),
+    ("neither", ["row 2 has neither \"prompt\"", "nor \"messages\""]),
+    ("chat_without_template", ["row 1 is a chat", "has no chat template"]),
+    ("too_long", ["row 1: its", "prompt tokens plus 60 new tokens exceed the model's 64 "
+                  "positions"]),
+])
+def test_bad_input_exits_2_and_writes_nothing(hf_without_template, tmp_path, capsys, case,
+                                             words):
+    model = str(tmp_path / "nothing") if case == "no_model" else hf_without_template
+    rows = {"no_model": [{"prompt": "a"}], "empty": [],
+            "neither": [{"prompt": "a"}, {"text": "b"}],
+            "chat_without_template": [{"messages": [{"role": "user", "content": "hi"}]}],
+            "too_long": [{"prompt": "hello there, a few words"}]}[case]
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = ["--max-new-tokens", "60"] if case == "too_long" else []
+    code, _ = _main([model, "--prompts", str(prompts), "--out", str(out), "--no-progress",
+                     *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+    for word in words:
+        assert word in err, err
+    assert not out.exists() and not os.path.exists(str(out) + ".tmp")
+    shutil.rmtree(tmp_path, ignore_errors=True)
