@@ -53,6 +53,12 @@ def test_same_numbers_on_one_and_four_devices(run):
     assert np.array(one["passkey"]["accuracy"]).shape == (2, 3)
     np.testing.assert_allclose(four["passkey"]["answer_loss"], one["passkey"]["answer_loss"],
                                rtol=1e-5)
+    # By generation: the same on both meshes, and every prompt retrieved under teacher
+    # forcing is retrieved by the greedy answer (one trial per cell: it writes the answer).
+    written = np.array(one["passkey"]["generated_accuracy"])
+    assert written.shape == (2, 3)
+    assert four["passkey"]["generated_accuracy"] == one["passkey"]["generated_accuracy"]
+    assert np.all(written >= np.array(one["passkey"]["accuracy"]))
 
 
 def test_token_losses_and_predictions_equal_the_full_logits(run):
@@ -95,7 +101,9 @@ def test_cli_writes_json_and_png(run, tmp_path, capsys):
     assert np.array(result["passkey"]["accuracy"]).shape == (2, 2)
     with open(os.path.join(out, "eval.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert "passkey accuracy" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "passkey accuracy" in printed and "passkey accuracy by generation" in printed
+    assert np.array(result["passkey"]["generated_accuracy"]).shape == (2, 2)
 
 
 def test_trainer_logs_the_loss_by_position_at_each_eval(run):
@@ -146,7 +154,7 @@ def test_heldout_fraction_one_holds_out_all_of_data(run):
     with open(one, encoding="utf-8", errors="replace") as f:
         pairs = len(data_lib.ByteTokenizer().encode(f.read()))
     result = evaluate(run, **dict(GRID, batches=100, batch_size=4, lengths=[256],
-                                  depths=[0.5]), data=one, heldout_fraction=1)
+                                  depths=[0.5]), data=one, heldout_fraction=1, generate=False)
     lp = result["loss_by_position"]
     assert lp["heldout_fraction"] == 1 and lp["batches"] == -(-(-(-pairs // 256)) // 4)
     assert sum(lp["tokens"]) == pairs > 256
@@ -161,7 +169,7 @@ def test_byte_level_export_evaluates_as_its_run(run, tmp_path, capsys):
     assert export_run(run, out, progress=False)["tokenizer_files"] == []
     source = load_config(os.path.join(run, "config.yaml")).data.source
     grid = dict(GRID, mesh_seq=2, batches=1, lengths=[256], depths=[0.5], data=source,
-                heldout_fraction=0.25)
+                heldout_fraction=0.25, generate=False)
     ours, exported = evaluate(run, **grid), evaluate(out, **grid)
     assert ours["tokenizer"] == "bytes"
     assert exported["tokenizer"].startswith(f"bytes ({out} has no tokenizer.json and "
@@ -196,7 +204,7 @@ def test_store_run_uses_the_store_tokenizer_and_its_heldout_rows(chat_store_run)
     np.testing.assert_array_equal(loaded.tokenizer.encode(text), store_tok.encode(text))
     assert loaded.tokenizer_file == tok_file
     result = evaluate(run, mesh_seq=2, batches=1, batch_size=2, lengths=[128], depths=[0.5],
-                      trials=1, progress=False)
+                      trials=1, progress=False, generate=False)
     assert result["tokenizer"] == f"{tok_file} (the tokenizer of the store {store})"
     with open(os.path.join(run, "metrics.jsonl")) as f:
         logged = [r for r in map(json.loads, f) if "eval_loss" in r][-1]

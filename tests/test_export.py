@@ -173,7 +173,7 @@ def test_evaluate_gives_the_same_numbers_on_the_run_and_its_export(run):
     run_dir, _, out = run
     source = load_config(os.path.join(run_dir, "config.yaml")).data.source
     grid = dict(seq_len=256, mesh_seq=2, batches=1, lengths=[256], depths=[0.5], trials=1,
-                progress=False, data=source, heldout_fraction=0.25)
+                progress=False, data=source, heldout_fraction=0.25, generate=False)
     ours, exported = evaluate(run_dir, **grid), evaluate(out, **grid)
     assert ours["loss_by_position"]["tokens"] == exported["loss_by_position"]["tokens"]
     np.testing.assert_allclose(exported["loss_by_position"]["loss"],
@@ -227,7 +227,7 @@ def test_chat_store_run_exports_the_store_tokenizer_and_chat_template(chat_store
         os.path.join(tok_dir, "tokenizer.json")).encode(text, add_special_tokens=False).ids
     assert tok.eos_token == "<|im_end|>"
     grid = dict(seq_len=128, mesh_seq=2, batches=1, batch_size=2, lengths=[128], depths=[0.5],
-                trials=1, progress=False)
+                trials=1, progress=False, generate=False)
     ours = evaluate(run, **grid)
     exported = evaluate(out, data=store, heldout_fraction=0.2, **grid)
     assert exported["tokenizer"] == os.path.join(out, "tokenizer.json")

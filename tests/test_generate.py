@@ -32,9 +32,9 @@ SMALL = ["model.d_model=32", "model.ffn_dim=64", "model.head_dim=8", "model.voca
 PROMPTS = [[5, 17, 3, 44, 9, 12, 60, 2, 31], [7, 8], [90, 1, 4, 4, 4, 15]]
 
 
-def _model(p: int, *over):
-    """(cfg, mesh of p seq devices, params): the tiny preset's model, seed 0."""
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL + list(over)).model
+def _model(p: int, *over, preset="tiny.yaml"):
+    """(cfg, mesh of p seq devices, params): a preset's model, seed 0."""
+    cfg = load_config(os.path.join(ROOT, "configs", preset), SMALL + list(over)).model
     mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
     params = nnx.to_pure_dict(nnx.state(Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
     return cfg, mesh, params
@@ -46,13 +46,23 @@ VARIANTS = {
     "p3_window_bias_qk_norm": (3, ["model.sliding_window=4", "model.layer_pattern=LG",
                                    "model.qkv_bias=true", "model.qk_norm=true"]),
     "p4_window": (4, ["model.sliding_window=3", "model.layer_pattern=L"]),  # kv heads copied
+    # Gemma 3 / 2: (1 + w) norms, post norms, GeGLU, sqrt(D) embeddings, a local RoPE base,
+    # attention and final softcaps, a softmax scale of its own
+    "p2_gemma": (2, ["model.family=gemma", "model.sliding_window=4", "model.layer_pattern=LG",
+                     "model.rope_local_theta=10000", "model.qk_norm=true",
+                     "model.attn_softcap=20", "model.final_softcap=10",
+                     "model.attn_scale=0.25"]),
+    # 8 experts over the 4 devices, top-2: a new token's experts reached by all-to-all
+    "p4_moe": (4, ["model.moe_ffn_dim=16", "--preset=tiny-moe.yaml"]),
 }
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_logits_equal_a_full_forward_pass(variant):
     p, over = VARIANTS[variant]
-    cfg, mesh, params = _model(p, *over)
+    preset = [o.split("=", 1)[1] for o in over if o.startswith("--preset=")] or ["tiny.yaml"]
+    cfg, mesh, params = _model(p, *[o for o in over if not o.startswith("--preset=")],
+                               preset=preset[0])
     got = Generator(params, cfg, mesh).generate(PROMPTS, max_new_tokens=5, keep_logits=True)
     ref = Decoder(cfg, mesh=make_mesh(seq=1, data=1, devices=DEVICES[:1]), rngs=nnx.Rngs(0))
     forward = nnx.jit(lambda m, t: m(t))

@@ -2,7 +2,7 @@
 
     python -m ulysses_jax.evaluate RUN_DIR_or_HF_DIR [--seq-len S] [--mesh-seq P] [--out DIR]
         [--step N] [--batches N] [--batch-size B] [--data SOURCE] [--heldout-fraction F]
-        [--lengths L ...] [--depths F ...] [--trials N] [--seed N]
+        [--lengths L ...] [--depths F ...] [--trials N] [--seed N] [--no-generation]
 
 The model runs on a ("data"=1, "seq"=P) mesh, each sequence of S tokens split over P devices
 as in training (Ulysses attention); nothing ever holds [B, S, V] logits: the loss and the
@@ -26,7 +26,9 @@ greedy prediction of every token come from chunks of each device's tokens
     and the number again as the answer. A prompt counts as retrieved when the model's greedy
     prediction of every answer token is right under teacher forcing (one forward pass, no
     generation loop). Accuracy per (length, depth) over ``--trials`` numbers; the mean loss
-    of the answer tokens beside it.
+    of the answer tokens beside it; and ``generated_accuracy``: the share whose greedy
+    answer, generated after the question (``ulysses_jax.generation``), contains the number
+    (None for a model family generation does not serve yet; ``--no-generation`` skips it).
 (c) ``DIR/eval.json`` and ``DIR/eval.png`` (the loss-by-position curve and the passkey
     heatmap); DIR defaults to the run or model directory.
 
@@ -243,8 +245,9 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
              data: str | None = None, heldout_fraction: float | None = None,
              lengths: list[int] | None = None,
              depths: list[float] | None = None, trials: int = 2, seed: int = 0,
-             progress: bool = True, devices=None) -> dict:
+             progress: bool = True, generate: bool = True, devices=None) -> dict:
     """Runs (a) and (b) of the module docstring; returns the dict written to eval.json.
+    ``generate``: also (b) by generation (``generated_accuracy``).
 
     ``data`` / ``heldout_fraction`` replace the held-out source and fraction (default: the
     run's; for a Hugging Face directory the stdlib corpus and 0.02); a fraction of 0 leaves
@@ -326,6 +329,8 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
             answer_loss.setdefault((L, d), []).append(float(losses[i][answer].mean()))
         bar.update(1)
     bar.close()
+    written = _passkeys_by_generation(loaded, mesh, cells, seq_len, batch_size) \
+        if generate else None
     return {
         "model": os.path.abspath(path), "seq_len": seq_len, "mesh_seq": mesh_seq,
         "tokenizer": loaded.tokenizer_note,
@@ -337,8 +342,35 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
             "lengths": lengths, "depths": depths, "trials": trials,
             "accuracy": [[float(np.mean(hits[(L, d)])) for d in depths] for L in lengths],
             "answer_loss": [[float(np.mean(answer_loss[(L, d)])) for d in depths]
-                            for L in lengths]},
+                            for L in lengths],
+            "generated_accuracy": None if written is None else [
+                [float(np.mean(written[(L, d)])) for d in depths] for L in lengths]},
     }
+
+
+def _passkeys_by_generation(loaded: Loaded, mesh, cells, seq_len: int, batch_size: int):
+    """{(length, depth): [retrieved]}: whether the greedy answer to each passkey prompt (the
+    prompt up to the question, ``ulysses_jax.generation``) contains its key; None for a
+    model that generation does not serve yet."""
+    from .generation import GenerationError, Generator
+    try:
+        gen = Generator(loaded.params, loaded.model, mesh)
+    except GenerationError:
+        return None
+    tok = loaded.tokenizer
+    out = {}
+    for start in range(0, len(cells), batch_size):
+        group = cells[start:start + batch_size]
+        prompts = []
+        for length, depth, key in group:
+            row = passkey_batch(tok, length, depth, key, seq_len)
+            answer = len(tok.encode(ANSWER.format(key=key)))
+            prompts.append([int(t) for t in row["tokens"][:length - answer]])
+        new = max(len(tok.encode(ANSWER.format(key=key))) for _, _, key in group) + 2
+        done = gen.generate(prompts, max_new_tokens=new, eos_ids={tok.eos_id})
+        for (length, depth, key), c in zip(group, done):
+            out.setdefault((length, depth), []).append(str(key) in tok.decode(c.ids))
+    return out
 
 
 def plot(result: dict, path: str) -> None:
@@ -392,6 +424,8 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=2, help="passkeys per (length, depth)")
     p.add_argument("--seed", type=int, default=0, help="seed of the passkeys")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-generation", action="store_true",
+                   help="no passkey accuracy by generation")
     return p.parse_args(argv)
 
 
@@ -408,7 +442,8 @@ def main(argv=None) -> int:
                           step=args.step, batches=args.batches, batch_size=args.batch_size,
                           data=args.data, heldout_fraction=args.heldout_fraction,
                           lengths=args.lengths, depths=args.depths,
-                          trials=args.trials, seed=args.seed, progress=not args.no_progress)
+                          trials=args.trials, seed=args.seed, progress=not args.no_progress,
+                          generate=not args.no_generation)
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -423,6 +458,8 @@ def main(argv=None) -> int:
         f"{lo}: {v:.3f}" for lo, v in zip(lp["bounds"], lp["loss"]) if v is not None))
     print(f"passkey accuracy, lengths {pk['lengths']} x depths {pk['depths']}: "
           f"{pk['accuracy']}")
+    if pk["generated_accuracy"] is not None:
+        print(f"passkey accuracy by generation: {pk['generated_accuracy']}")
     print(f"wrote {os.path.join(out, 'eval.json')} and {os.path.join(out, 'eval.png')}")
     return 0
 

@@ -1,6 +1,11 @@
 """The decoder's blocks run for generation: over a prompt (the layer as in training, keeping
 its K and V) and over one new token per row (reading and extending the cache).
 
+Families: the Llama block (dense or mixture of experts) and the Gemma block share the
+attention part and differ in what follows it (``_llama_rest``, ``_gemma_rest``). The new
+tokens of a decode step reach their experts as one row of B tokens, padded to a multiple of
+the devices (``_moe_tokens``), by the expert-parallel dispatch training uses.
+
 Both walk the model's layer stacks as ``Decoder._run_layers`` does (one ``lax.scan`` per
 position of a group's unit, the caches scanned beside the weights) and call a family's two
 functions (``BLOCKS``) per layer, built from the block's own parts, so the weights, LoRA
@@ -19,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.heads import pad_kv, pad_query, unpad_output
 from ..config import LAYER_KINDS
+from ..mesh import act_spec, shard
 from ..models.decoder import layer_groups
 from ..models.layers import out_projection
 from .cache import CacheLayout, to_cache
@@ -60,13 +66,13 @@ def visible(slot, pad, slots: int, window: int | None):
     return seen[:, None, :]
 
 
-# ------------------------------------------------------------------------- the llama block
+# ------------------------------------------------------------------------- attention blocks
 
-def _llama_prefill(block, x, positions, segment_ids, kind, layout: CacheLayout, mesh: Mesh):
-    """(x after the layer, (k, v) of the prompt in the cache's layout)."""
+def _attend_prompt(block, x, positions, segment_ids, kind, layout: CacheLayout, mesh: Mesh):
+    """The block's attention over the prompt as training runs it: (the projected output
+    [B, S, D], the prompt's (k, v) in the cache's layout)."""
     attn, cfg = block.attn, block.attn.cfg
-    normed = block.attn_norm(x)
-    q, k, v, adapt = attn.project(normed)
+    q, k, v, adapt = attn.project(block.attn_norm(x))
 
     def attend(kind, q, k, v):
         q, k = attn.rope(kind, q, k, positions)
@@ -79,17 +85,15 @@ def _llama_prefill(block, x, positions, segment_ids, kind, layout: CacheLayout, 
         return o, k
 
     o, k = _by_kind(attend, kind, q, k, v)
-    o = out_projection(o, attn.wo[...], adapt, x.dtype, mesh)
-    x, _ = block.feed_forward(x, segment_ids, o)
-    return x, to_cache(k, v, layout, mesh)
+    return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), to_cache(k, v, layout, mesh)
 
 
-def _llama_decode(block, x, positions, kind, cache, slot, pad, layout: CacheLayout,
-                  mesh: Mesh):
-    """(x after the layer, the layer's cache with this token's k and v at ``slot``)."""
+def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLayout,
+                   mesh: Mesh):
+    """The block's attention for one new token per row: (the projected output [B, 1, D],
+    the layer's cache with this token's k and v at ``slot``)."""
     attn, cfg = block.attn, block.attn.cfg
-    normed = block.attn_norm(x)                                                  # [B, 1, D]
-    q, k, v, adapt = attn.project(normed)
+    q, k, v, adapt = attn.project(block.attn_norm(x))                      # [B, 1, ., H]
     heads = NamedSharding(mesh, layout.spec(mesh))
 
     def attend(kind, q, k, v, ck, cv):
@@ -105,10 +109,51 @@ def _llama_decode(block, x, positions, kind, cache, slot, pad, layout: CacheLayo
         return unpad_output(o, layout.heads), ck, cv
 
     o, ck, cv = _by_kind(attend, kind, q, k, v, *cache)
-    o = out_projection(o, attn.wo[...], adapt, x.dtype, mesh)
+    return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), (ck, cv)
+
+
+def _moe_tokens(moe, x, mesh: Mesh):
+    """The experts on the [B, 1, D] new tokens: laid out as one row of B tokens padded to a
+    multiple of the sequence devices (the padding marked invalid), as training splits rows."""
+    from ..models import vocab
+    b, _, d = x.shape
+    n = -(-b // vocab.shards(mesh)) * vocab.shards(mesh)
+    row = jnp.pad(x.reshape(1, b, d), ((0, 0), (0, n - b), (0, 0)))
+    valid = (jnp.arange(n) < b).astype(jnp.float32)[None]
+    y, _ = moe(row, valid)
+    return y[0, :b].reshape(b, 1, d)
+
+
+def _llama_rest(block, x, o, segment_ids, mesh: Mesh):
+    """Llama: x + o, then + the MLP (dense, or the experts) of its norm."""
     x = x + o
-    x = x + block.mlp(x, block.mlp_norm)
-    return x, (ck, cv)
+    if block.moe is None:
+        return x + block.mlp(x, block.mlp_norm)
+    if segment_ids is None:  # a new token per row
+        return x + _moe_tokens(block.moe, block.mlp_norm(x), mesh)
+    y, _ = block.moe(block.mlp_norm(x), (segment_ids > 0).astype(jnp.float32))
+    return x + y
+
+
+def _gemma_rest(block, x, o, segment_ids, mesh: Mesh):
+    """Gemma 2 / 3: x + post_norm(o), then + post_norm(mlp(norm(x)))."""
+    x = x + block.attn_post_norm(o)
+    return x + block.mlp(x, block.mlp_norm, block.mlp_post_norm)
+
+
+def _prefill(rest):
+    def layer(block, x, positions, segment_ids, kind, layout, mesh):
+        o, cache = _attend_prompt(block, x, positions, segment_ids, kind, layout, mesh)
+        x = rest(block, x, o, segment_ids, mesh)
+        return shard(x, mesh, act_spec(mesh, 1)), cache
+    return layer
+
+
+def _decode(rest):
+    def layer(block, x, positions, kind, cache, slot, pad, layout, mesh):
+        o, cache = _attend_cached(block, x, positions, kind, cache, slot, pad, layout, mesh)
+        return rest(block, x, o, None, mesh), cache
+    return layer
 
 
 def _by_kind(fn, kind, *args):
@@ -118,8 +163,9 @@ def _by_kind(fn, kind, *args):
     return jax.lax.switch(kind, [partial(fn, c) for c in LAYER_KINDS], *args)
 
 
-# Per block family: (prefill, decode).
-BLOCKS = {"llama": (_llama_prefill, _llama_decode)}
+# Per block family: (prefill, decode) layer functions.
+BLOCKS = {"llama": (_prefill(_llama_rest), _decode(_llama_rest)),
+          "gemma": (_prefill(_gemma_rest), _decode(_gemma_rest))}
 
 
 def block_functions(cfg):
@@ -127,9 +173,6 @@ def block_functions(cfg):
     if cfg.family not in BLOCKS:
         raise GenerationError(f"generation is built for the model families "
                               f"{sorted(BLOCKS)}; model.family={cfg.family} is not yet")
-    if cfg.num_experts:
-        raise GenerationError("generation of mixture-of-experts models (model.num_experts="
-                              f"{cfg.num_experts}) is not built yet")
     return BLOCKS[cfg.family]
 
 
