@@ -191,6 +191,8 @@ def test_cli_on_a_run_directory(chat_store_run, tmp_path):
     ("chat_without_template", ["row 1 is a chat", "has no chat template"]),
     ("too_long", ["row 1: its", "prompt tokens plus 60 new tokens exceed the model's 64 "
                   "positions"]),
+    ("nan_temperature", ["temperature must be >= 0", "got nan"]),
+    ("out_is_a_directory", ["is a directory; give a file name"]),
 ])
 def test_bad_input_exits_2_and_writes_nothing(hf_without_template, tmp_path, capsys, case,
                                              words):
@@ -198,15 +200,20 @@ def test_bad_input_exits_2_and_writes_nothing(hf_without_template, tmp_path, cap
     rows = {"no_model": [{"prompt": "a"}], "empty": [],
             "neither": [{"prompt": "a"}, {"text": "b"}],
             "chat_without_template": [{"messages": [{"role": "user", "content": "hi"}]}],
-            "too_long": [{"prompt": "hello there, a few words"}]}[case]
+            "too_long": [{"prompt": "hello there, a few words"}]}.get(case, [{"prompt": "a"}])
     prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extra = ["--max-new-tokens", "60"] if case == "too_long" else []
+    extra = {"too_long": ["--max-new-tokens", "60"], "nan_temperature": ["--temperature", "nan"]
+             }.get(case, [])
+    if case == "out_is_a_directory":
+        out = tmp_path / "a_directory"
+        out.mkdir()
     code, _ = _main([model, "--prompts", str(prompts), "--out", str(out), "--no-progress",
                      *extra])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
     for word in words:
         assert word in err, err
-    assert not out.exists() and not os.path.exists(str(out) + ".tmp")
+    assert (out.is_dir() if case == "out_is_a_directory" else not out.exists())
+    assert not os.path.exists(str(out) + ".tmp")
     shutil.rmtree(tmp_path, ignore_errors=True)

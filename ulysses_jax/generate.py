@@ -53,6 +53,13 @@ class Settings:
     max_positions: int | None = None
 
 
+# generation_config.json fields that change transformers' tokens, with their neutral values:
+# a file that sets one is warned about, not silently followed in part.
+UNSUPPORTED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
+               "min_p": None, "typical_p": 1.0, "num_beams": 1, "epsilon_cutoff": 0.0,
+               "eta_cutoff": 0.0, "encoder_repetition_penalty": 1.0}
+
+
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
@@ -79,6 +86,12 @@ def model_settings(directory: str | None, tokenizer_eos: int | None) -> Settings
     eos = _ids(gen.get("eos_token_id")) or _ids(text.get("eos_token_id")) \
         or _ids(cfg.get("eos_token_id")) or _ids(tokenizer_eos)
     s = Settings(eos_ids=eos, max_positions=text.get("max_position_embeddings"))
+    ignored = {k: gen[k] for k, default in UNSUPPORTED.items()
+               if gen.get(k) is not None and gen[k] != default}
+    if ignored:
+        print(f"warning: {directory}/generation_config.json sets "
+              + ", ".join(f"{k}={v}" for k, v in ignored.items())
+              + ", which this generator does not apply (transformers would)", file=sys.stderr)
     if gen.get("max_new_tokens"):
         s.max_new_tokens = int(gen["max_new_tokens"])
     if gen.get("do_sample"):  # transformers' defaults where the file is silent
@@ -100,8 +113,9 @@ def read_rows(path: str) -> list[dict]:
         except Exception as e:  # noqa: BLE001 (pyarrow raises many kinds)
             raise GenerateError(f"{path} is not a readable parquet file: {e}") from None
     else:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(path, encoding="utf-8", errors="strict") as f:
+            lines = _lines(f, path)
+            for n, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
                 try:
@@ -120,6 +134,13 @@ def read_rows(path: str) -> list[dict]:
             raise GenerateError(f"{path} row {n} has neither \"prompt\" (text) nor "
                                 f"\"messages\" (a list of messages)")
     return rows
+
+
+def _lines(f, path: str) -> list[str]:
+    try:
+        return f.readlines()
+    except UnicodeDecodeError as e:
+        raise GenerateError(f"{path} is not UTF-8 text: {e}") from None
 
 
 def _template_of(loaded, path: str):
@@ -141,6 +162,17 @@ def _template_of(loaded, path: str):
         return None
 
 
+def _init_from(run: str) -> str | None:
+    """A run's init_from: the Hugging Face directory whose generation_config.json (stop ids,
+    sampling defaults) and positions the run's model keeps; None for a run from scratch."""
+    from .export import ExportError, run_config
+    try:
+        source = run_config(run).init_from
+    except ExportError:
+        return None
+    return source if source and os.path.isfile(os.path.join(source, "config.json")) else None
+
+
 def encode_rows(rows: list[dict], tokenizer, template, where: str) -> list[list[int]]:
     """Each row's prompt ids: text with the tokenizer's own special tokens, or the messages
     rendered with the generation prompt (the template writes any BOS itself)."""
@@ -155,8 +187,9 @@ def encode_rows(rows: list[dict], tokenizer, template, where: str) -> list[list[
                                 f"or chat_template.jinja)")
         try:
             text = template.render(row["messages"], add_generation_prompt=True)
-        except (ValueError, TypeError) as e:
-            raise GenerateError(f"{where} row {n}: {e}") from None
+        except Exception as e:  # noqa: BLE001 (jinja2 raises its own kinds for a bad row)
+            raise GenerateError(f"{where} row {n}: the chat template cannot render its "
+                                f"messages: {type(e).__name__}: {e}") from None
         out.append([int(i) for i in tokenizer.encode(text)])
     return out
 
@@ -181,12 +214,14 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
                             f"there are, got {mesh_seq}")
     if batch_size < 1:
         raise GenerateError(f"--batch-size must be >= 1, got {batch_size}")
+    if not 0 <= seed < 2 ** 32:
+        raise GenerateError(f"--seed must be in [0, 2**32), got {seed}")
     mesh = make_mesh(seq=mesh_seq, data=1, devices=devices[:mesh_seq])
     try:
         loaded = load(path, mesh, step)
     except EvalError as e:
         raise GenerateError(str(e)) from None
-    hf_dir = None if loaded.run_data else path
+    hf_dir = path if not loaded.run_data else _init_from(path)
     defaults = model_settings(hf_dir, getattr(loaded.tokenizer, "eos_id", None))
     sampling = Sampling(defaults.temperature if temperature is None else temperature,
                         defaults.top_k if top_k is None else top_k,
@@ -268,6 +303,8 @@ def main(argv=None) -> int:
     fence()
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
+        if os.path.isdir(args.out):
+            raise GenerateError(f"--out {args.out} is a directory; give a file name")
         rows = read_rows(args.prompts)
         out, summary = generate(args.path, rows, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_p=args.top_p,
@@ -277,12 +314,20 @@ def main(argv=None) -> int:
     except GenerateError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        lines = [json.dumps(row, ensure_ascii=False) + "\n" for row in out]
+    except (TypeError, ValueError) as e:  # a parquet column JSON cannot hold
+        print(f"error: a row of {args.prompts} cannot be written as JSON: {e}", file=sys.stderr)
+        return 2
     tmp = args.out + ".tmp"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in out:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, args.out)  # never a half file at --out
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+        os.replace(tmp, args.out)  # never a half file at --out
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     print(f"wrote {len(out)} rows to {args.out}", file=sys.stderr)
     print(json.dumps(summary))
     return 0

@@ -3,8 +3,8 @@ then decode steps that move only the new token's activations (docs/GENERATION.md
 
 Modules: ``cache`` (the cache's layout), ``blocks`` (the decoder's blocks over a prompt and
 over one token), ``prefill``, ``decode``, ``sampling`` and ``generator`` (the loop over new
-tokens). Above the models, below training: the trainer's RL objective calls it; it imports
-no trainer and no data code.
+tokens). Above the models, below training (the RL objective to come samples with it); it
+imports no trainer and no data code.
 """
 from .blocks import GenerationError
 from .generator import Completion, Generator

@@ -9,7 +9,6 @@ cache never moves. One compiled program per (batch, cache slots), reused for eve
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -18,15 +17,15 @@ from .cache import CacheLayout
 from .sampling import Sampling, choose
 
 
-def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling, seed: int):
-    """Jitted ``(params, caches, tokens [B], slot, pad [B], rows [B], step) ->
+def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling):
+    """Jitted ``(params, caches, tokens [B], slot, pad [B], rows [B], step, seed) ->
     (next tokens [B], logits [B, V], caches)``; the caches are donated.
 
     ``slot``: the cache slot of ``tokens`` (its position in row b is slot - pad[b]);
-    ``rows``: each row's index in the request and ``step`` the token's index in its answer
-    (the sampling key, ``sampling.row_keys``)."""
+    ``rows``: each row's index in the request, ``step`` the token's index in its answer and
+    ``seed`` (uint32) the request's seed (the sampling key, ``sampling.row_keys``)."""
 
-    def run(params, caches, tokens, slot, pad, rows, step):
+    def run(params, caches, tokens, slot, pad, rows, step, seed):
         model = nnx.merge(graphdef, params)
         _, decode_block = block_functions(model.cfg)
         x = embed(model, tokens[:, None], mesh)                                   # [B, 1, D]
@@ -41,7 +40,3 @@ def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling
 
     return jax.jit(run, donate_argnums=1)
 
-
-def first_token(out: jax.Array, sampling: Sampling, seed: int, rows: jax.Array):
-    """The token chosen from the prefill's logits (step 0)."""
-    return choose(out, sampling, seed, rows, jnp.int32(0))

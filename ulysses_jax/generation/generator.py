@@ -19,10 +19,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import ModelConfig
-from ..mesh import DATA, SEQ, act_spec, axis_size
+from ..mesh import DATA, RING, SEQ, act_spec, axis_size
 from .blocks import GenerationError, block_functions
 from .cache import cache_layout
-from .decode import decode_program, first_token
+from .decode import decode_program
 from .prefill import prefill_program
 from .sampling import Sampling
 
@@ -37,12 +37,13 @@ class Completion:
 
 
 def prompt_slots(longest: int, seq: int) -> int:
-    """The padded prompt length S: a multiple of the ``seq`` axis size and of 16, at least
-    ``longest``; rounded up to a power of two times that unit so that prompts of nearby
-    lengths share one compiled program."""
+    """The padded prompt length S: a multiple of unit = lcm(P, 16), at least ``longest``,
+    rounded up to one of 8 steps per power of two of units (at most 1/8 padding beyond the
+    unit), so that prompts of nearby lengths share one compiled program."""
     unit = seq * 16 // math.gcd(seq, 16)
     n = -(-longest // unit)
-    return unit * (1 << (n - 1).bit_length())
+    step = 1 << max((n - 1).bit_length() - 3, 0)
+    return unit * -(-n // step) * step
 
 
 class Generator:
@@ -51,14 +52,22 @@ class Generator:
     def __init__(self, params, cfg: ModelConfig, mesh: Mesh):
         """params: the Decoder's pure dict (``nnx.to_pure_dict``) on ``mesh``."""
         # The programs of generation keep nothing for a backward pass and split no tokens
-        # into chunks: remat, tiled MLP and checkpoint offload do not apply.
+        # into chunks: remat, tiled MLP and checkpoint offload do not apply; experts drop
+        # no assignment (transformers' never do).
         self.cfg = dataclasses.replace(cfg, remat="none", mlp_chunk=0,
-                                       offload_checkpoints=False)
+                                       offload_checkpoints=False, moe_capacity_factor=0.0)
         block_functions(self.cfg)  # GenerationError now, not after a compile
+        if axis_size(mesh, RING) > 1 or axis_size(mesh, DATA) > 1:
+            raise GenerationError(f"generation runs on a (data=1, seq=P) mesh; this one is "
+                                  f"{dict(mesh.shape)}")
         from ..models.decoder import Decoder
+        from ..models.param_layout import param_shardings
         abstract = nnx.eval_shape(lambda: Decoder(self.cfg, mesh=mesh, rngs=nnx.Rngs(0)))
         self.graphdef = nnx.split(abstract)[0]
-        self.params, self.mesh = params, mesh
+        # Every weight but the experts' on every device (a ZeRO-3 run's are split): a decode
+        # step then gathers no weight.
+        self.params = jax.device_put(params, param_shardings(params, mesh, "replicated"))
+        self.mesh = mesh
         self.seq = axis_size(mesh, SEQ)
         self._programs: dict = {}
         self.timings = {"compile_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0,
@@ -82,7 +91,7 @@ class Generator:
         Args:
           rows: each prompt's index in the whole request (the sampling keys); default 0..B-1.
           keep_logits: also return each new token's fp32 logits (tests).
-          on_token: called after each decode step (progress).
+          on_token: called once per new token of the batch (progress).
         """
         if not prompts or min(len(p) for p in prompts) < 1:
             raise GenerationError("every prompt needs at least one token")
@@ -104,18 +113,17 @@ class Generator:
         put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
         batch = [put(a) for a in (tokens, positions, segments)]
         rep = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
-        rows_a = rep(np.asarray(rows if rows is not None else range(b), np.int32))
-        pad_a = rep(pad)
+        rows = list(range(b)) if rows is None else list(rows)
+        if len(rows) != b:
+            raise GenerationError(f"rows names {len(rows)} rows for {b} prompts")
+        rows_a = rep(np.asarray(rows, np.int32))
+        pad_a, seed_a = rep(pad), rep(np.uint32(seed))
 
-        prefill = self._compiled(("prefill", b, s, slots),
-                                 lambda: prefill_program(self.graphdef, layout, mesh),
-                                 self.params, *batch)
+        prefill = self._compiled(("prefill", b, s, slots, sampling),
+                                 lambda: prefill_program(self.graphdef, layout, mesh, sampling),
+                                 self.params, *batch, rows_a, seed_a)
         t = time.perf_counter()
-        out, caches = prefill(self.params, *batch)
-        pick = self._compiled(("first", b, sampling, seed),
-                              lambda: jax.jit(lambda o, r: first_token(o, sampling, seed, r)),
-                              out, rows_a)
-        tok = pick(out, rows_a)
+        tok, out, caches = prefill(self.params, *batch, rows_a, seed_a)
         tok_host = np.asarray(tok)
         self.timings["prefill_s"] += time.perf_counter() - t
 
@@ -137,12 +145,12 @@ class Generator:
             if done.all() or step == max_new_tokens - 1:
                 break
             args = (self.params, caches, tok, jnp.int32(s + step), pad_a, rows_a,
-                    jnp.int32(step + 1))
+                    jnp.int32(step + 1), seed_a)
             if decode is None:
                 t_compile = time.perf_counter()
-                decode = self._compiled(("decode", b, slots, sampling, seed),
+                decode = self._compiled(("decode", b, slots, sampling),
                                         lambda: decode_program(self.graphdef, layout, mesh,
-                                                               sampling, seed), *args)
+                                                               sampling), *args)
                 t += time.perf_counter() - t_compile  # compiling is not decoding
             tok, out, caches = decode(*args)
             tok_host = np.asarray(tok)

@@ -9,20 +9,24 @@ V leave the sequence split for the cache's head split (``cache.to_cache``).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from ..mesh import act_spec, shard
 from .blocks import block_functions, embed, logits, run_layers
 from .cache import CacheLayout
+from .sampling import Sampling, choose
 
 
-def prefill_program(graphdef, layout: CacheLayout, mesh: Mesh):
-    """Jitted ``(params, tokens, positions, segment_ids) -> (logits [B, V], caches)``.
+def prefill_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling):
+    """Jitted ``(params, tokens, positions, segment_ids, rows, seed) -> (first new tokens
+    [B], their logits [B, V], caches)``.
 
-    tokens, positions, segment_ids: [B, S] int32, S a multiple of the ``seq`` axis."""
+    tokens, positions, segment_ids: [B, S] int32, S a multiple of the ``seq`` axis; rows and
+    seed as in ``decode.decode_program`` (the first token is step 0)."""
 
-    def run(params, tokens, positions, segment_ids):
+    def run(params, tokens, positions, segment_ids, rows, seed):
         model = nnx.merge(graphdef, params)
         prefill_block, _ = block_functions(model.cfg)
         x = shard(embed(model, tokens, mesh), mesh, act_spec(mesh, 1))          # [B, S, D]
@@ -31,6 +35,7 @@ def prefill_program(graphdef, layout: CacheLayout, mesh: Mesh):
             return prefill_block(block, x, positions, segment_ids, kind, layout, mesh)
 
         x, caches = run_layers(model, x, layer)
-        return logits(model, x[:, -1], mesh), caches
+        out = logits(model, x[:, -1], mesh)                                       # [B, V]
+        return choose(out, sampling, seed, rows, jnp.int32(0)), out, caches
 
     return jax.jit(run)

@@ -8,6 +8,7 @@ same seed gives the same tokens however rows are batched and on every mesh.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ class Sampling:
     top_p: float = 1.0
 
     def check(self) -> None:
-        if self.temperature < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top-k must be >= 0 (0 keeps every token), got {self.top_k}")
@@ -49,13 +50,14 @@ def filtered(logits: jax.Array, s: Sampling) -> jax.Array:
     return x
 
 
-def row_keys(seed: int, rows: jax.Array, step) -> jax.Array:
-    """[B] keys: one per row index in ``rows`` [B] and ``step``."""
+def row_keys(seed, rows: jax.Array, step) -> jax.Array:
+    """[B] keys: one per row index in ``rows`` [B] and ``step``; ``seed`` an int or a traced
+    uint32."""
     base = jax.random.key(seed)
     return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(rows)
 
 
-def choose(logits: jax.Array, s: Sampling, seed: int, rows: jax.Array, step) -> jax.Array:
+def choose(logits: jax.Array, s: Sampling, seed, rows: jax.Array, step) -> jax.Array:
     """[B] int32 next tokens from [B, V] fp32 logits."""
     if s.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
