@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..attention.heads import pad_kv
 from ..config import ModelConfig
 from ..head_layout import HeadLayout, head_layout
-from ..mesh import DATA, SEQ, axis_size
+from ..mesh import DATA, SEQ, act_spec, axis_size, shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,12 @@ def to_cache(k: jax.Array, v: jax.Array, layout: CacheLayout, mesh: Mesh):
     sharding = NamedSharding(mesh, layout.spec(mesh))
 
     def slots(x):
+        # Heads padded and copied on each device's tokens, then one move from the sequence
+        # split to the head split, then the slots for new tokens added (a dimension no
+        # longer split); padding a split dimension would make XLA gather it whole.
+        x = shard(x, mesh, act_spec(mesh, 2))                          # [B, S/P, K'R, H]
+        x = jax.lax.with_sharding_constraint(x.astype(layout.dtype), sharding)
         x = jnp.pad(x, ((0, 0), (0, layout.slots - x.shape[1]), (0, 0), (0, 0)))
-        return jax.lax.with_sharding_constraint(x.astype(layout.dtype), sharding)
+        return jax.lax.with_sharding_constraint(x, sharding)           # [B, C, K'R/P, H]
 
     return tuple(slots(x) for x in pad_kv(k, v, layout.heads))
