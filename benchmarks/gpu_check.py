@@ -34,6 +34,9 @@ finishes (a timeout keeps what ran); a failing section records its error and the
                    parameters; the first step's losses are equal (B starts at 0).
   transformers     transformers' LlamaForCausalLM of the same shape (bf16, SDPA, gradient
                    checkpointing, forward+backward, no optimizer): tokens/s and peak memory.
+  generate         generation (issue 38): the same preset's model (random weights, bf16) and
+                   transformers' of its shape (bf16, SDPA): prefill tokens/s of one 32k-token
+                   prompt and decode ms per token over 32 greedy tokens, ours and theirs.
   longest_8b       the longest sequence whose compiled 8B step fits this GPU (planner search;
                    returns at once with "none" when the shortest probe does not fit).
   offload_8b       the one-GPU 8B preset (host offload of checkpoints and optimizer): the GPU
@@ -530,6 +533,65 @@ def _transformers(smoke: bool, steps: int = 5) -> dict:
     return out
 
 
+def _generate(smoke: bool, new: int = 32) -> dict:
+    """Generation (issue 38) on one GPU: the 1B preset's model (random weights, bf16) and
+    transformers' LlamaForCausalLM of the same shape (bf16, SDPA): prefill tokens/s of one
+    32k prompt, decode ms per token over ``new`` greedy tokens (no stop id)."""
+    import jax
+    import numpy as np
+    import torch
+    import transformers
+    from flax import nnx
+    from ulysses_jax import make_mesh
+    from ulysses_jax.config import load_config
+    from ulysses_jax.generation import Generator
+    from ulysses_jax.models.decoder import Decoder
+    s = 256 if smoke else 32768
+    over = ["model.dtype=bfloat16"] + (SMOKE_1B if smoke else [])
+    cfg = load_config(os.path.join(ROOT, "configs", "llama-1b-32k.yaml"), over).model
+    mesh = make_mesh(seq=1, data=1, devices=jax.devices()[:1])
+    params = nnx.to_pure_dict(nnx.state(Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
+    gen = Generator(params, cfg, mesh)
+    prompt = list(np.random.default_rng(0).integers(0, cfg.vocab_size, s))
+    gen.generate([prompt], max_new_tokens=new)  # compile
+    before = dict(gen.timings)
+    gen.generate([prompt], max_new_tokens=new)
+    t = {k: gen.timings[k] - before[k] for k in ("prefill_s", "decode_s", "decode_tokens")}
+    out = {"prompt_tokens": s, "new_tokens": new,
+           "ours": {"prefill_s": t["prefill_s"], "prefill_tokens_per_s": s / t["prefill_s"],
+                    "decode_ms_per_token": 1e3 * t["decode_s"] / t["decode_tokens"]}}
+    del gen, params
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = transformers.LlamaConfig(
+        hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, tie_word_embeddings=True,
+        rope_theta=cfg.rope_theta, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(hf).to(dev, torch.bfloat16).eval()
+    x = torch.tensor([prompt], device=dev)
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, eos_token_id=None,
+              pad_token_id=0)
+
+    def timed(n):
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(x, max_new_tokens=n, min_new_tokens=n, **kw)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    timed(2)
+    first, whole = timed(1), timed(new)
+    out["transformers"] = {"prefill_s": first, "prefill_tokens_per_s": s / first,
+                           "decode_ms_per_token": 1e3 * (whole - first) / (new - 1)}
+    del model
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def _longest_8b(smoke: bool) -> dict:
     import jax
     from ulysses_jax.config import load_config
@@ -748,7 +810,8 @@ def _qwen2_5_vl(smoke: bool, repeats: int = 3) -> dict:
 
 
 SECTIONS = ("env", "attention_bf16", "packed_attention", "window_attention", "throughput",
-            "accumulation", "lora", "transformers", "longest_8b", "offload_8b", "qwen3_next", "qwen2_5_vl", "pytest")
+            "accumulation", "lora", "transformers", "generate", "longest_8b", "offload_8b",
+            "qwen3_next", "qwen2_5_vl", "pytest")
 
 
 def main():
@@ -787,6 +850,7 @@ def main():
         "accumulation": lambda: _accumulation(args.smoke),
         "lora": lambda: _lora(args.smoke),
         "transformers": lambda: _transformers(args.smoke),
+        "generate": lambda: _generate(args.smoke),
         "longest_8b": lambda: _longest_8b(args.smoke),
         "offload_8b": lambda: _offload_8b(args.smoke, args.offload_seq_len),
         "qwen3_next": lambda: _qwen3_next(args.smoke),
