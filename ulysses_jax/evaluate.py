@@ -361,13 +361,10 @@ def _passkeys_by_generation(loaded: Loaded, mesh, cells, seq_len: int, batch_siz
     out = {}
     for start in range(0, len(cells), batch_size):
         group = cells[start:start + batch_size]
-        prompts = []
-        for length, depth, key in group:
-            row = passkey_batch(tok, length, depth, key, seq_len)
-            answer = len(tok.encode(ANSWER.format(key=key)))
-            prompts.append([int(t) for t in row["tokens"][:length - answer]])
-        new = max(len(tok.encode(ANSWER.format(key=key))) for _, _, key in group) + 2
-        done = gen.generate(prompts, max_new_tokens=new, eos_ids={tok.eos_id})
+        answers = [len(tok.encode(ANSWER.format(key=key))) for _, _, key in group]
+        prompts = [[int(t) for t in passkey_batch(tok, length, depth, key, seq_len)["tokens"][
+            :length - answer]] for (length, depth, key), answer in zip(group, answers)]
+        done = gen.generate(prompts, max_new_tokens=max(answers) + 2, eos_ids={tok.eos_id})
         for (length, depth, key), c in zip(group, done):
             out.setdefault((length, depth), []).append(str(key) in tok.decode(c.ids))
     return out

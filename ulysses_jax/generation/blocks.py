@@ -21,11 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.heads import pad_kv, pad_query, unpad_output
 from ..config import LAYER_KINDS
 from ..mesh import act_spec, shard
-from ..models.decoder import layer_groups
+from ..models.decoder import layer_groups, unit_kinds
 from ..models.layers import out_projection
 from .cache import CacheLayout, to_cache
 
@@ -71,18 +70,12 @@ def visible(slot, pad, slots: int, window: int | None):
 def _attend_prompt(block, x, positions, segment_ids, kind, layout: CacheLayout, mesh: Mesh):
     """The block's attention over the prompt as training runs it: (the projected output
     [B, S, D], the prompt's (k, v) in the cache's layout)."""
-    attn, cfg = block.attn, block.attn.cfg
+    attn = block.attn
     q, k, v, adapt = attn.project(block.attn_norm(x))
 
     def attend(kind, q, k, v):
         q, k = attn.rope(kind, q, k, positions)
-        o = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
-                              impl=cfg.attn_impl,
-                              max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
-                              scale=cfg.attn_scale or None,
-                              window=cfg.sliding_window if kind == "L" else None,
-                              softcap=cfg.attn_softcap or None)
-        return o, k
+        return attn.attend(kind, q, k, v, segment_ids), k
 
     o, k = _by_kind(attend, kind, q, k, v)
     return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), to_cache(k, v, layout, mesh)
@@ -94,7 +87,7 @@ def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLay
     the layer's cache with this token's k and v at ``slot``)."""
     attn, cfg = block.attn, block.attn.cfg
     q, k, v, adapt = attn.project(block.attn_norm(x))                      # [B, 1, ., H]
-    heads = NamedSharding(mesh, layout.spec(mesh))
+    heads = NamedSharding(mesh, layout.spec())
 
     def attend(kind, q, k, v, ck, cv):
         q, k = attn.rope(kind, q, k, positions)
@@ -188,14 +181,10 @@ def run_layers(model, x, layer_fn, caches=None):
     cfg = model.cfg
     homogeneous = not isinstance(model.layers, nnx.List)
     groups = [[model.layers]] if homogeneous else model.layers
-    kinds = cfg.layer_kinds()
     out, at = [], 0
     for (first, unit, repeats), units in zip(layer_groups(cfg), groups):
         graphdefs, states = zip(*(nnx.split(m) for m in units))
-        unit_kinds = [kinds[first + u::len(unit)][:repeats] for u in range(len(unit))]
-        static = [k[0] if len(set(k)) == 1 else None for k in unit_kinds]
-        ids = [None if st else jnp.asarray([LAYER_KINDS.index(c) for c in k], jnp.int32)
-               for st, k in zip(static, unit_kinds)]
+        static, ids = unit_kinds(cfg, first, unit, repeats)
         mine = None if caches is None else caches[at:at + len(unit)]
 
         def body(x, xs, graphdefs=graphdefs, static=static):
@@ -212,29 +201,3 @@ def run_layers(model, x, layer_fn, caches=None):
         out.extend(made)
         at += len(unit)
     return x, out
-
-
-def embed(model, tokens, mesh: Mesh):
-    """Token embeddings [B, S, D] in the compute dtype, as the decoder embeds (the
-    vocabulary-parallel lookup where the model uses it and S splits over the devices)."""
-    from ..models import vocab
-    from ..families import family
-    from ..models.layers import gathered
-    if model.vocab_parallel and tokens.shape[1] % vocab.shards(mesh) == 0:
-        x = vocab.embed(model.embed[...], tokens, mesh=mesh, dtype=model.dtype,
-                        chunk=model.cfg.loss_chunk)
-    else:
-        x = jnp.take(gathered(model.embed[...], model.dtype, mesh), tokens, axis=0)
-    if family(model.cfg.family).embed_scale:
-        x = x * jnp.asarray(model.cfg.d_model ** 0.5, x.dtype)
-    return x
-
-
-def logits(model, h, mesh: Mesh):
-    """fp32 logits [B, V] of final hidden states h [B, D] (final norm applied here)."""
-    from ..models.layers import gathered
-    h = model.final_norm(h)
-    w = gathered(model.head_weight(), model.dtype, mesh)
-    out = jnp.einsum("BD,DV->BV", h, w, preferred_element_type=jnp.float32)
-    cap = model.cfg.final_softcap
-    return cap * jnp.tanh(out / cap) if cap else out

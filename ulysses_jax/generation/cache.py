@@ -4,8 +4,8 @@ head as Ulysses attention splits them.
 Layout. Inside Ulysses attention each of the P devices of the ``seq`` axis holds the whole
 sequence for its block of heads (``head_layout``: N' query heads, K'R kv head copies, padded
 and copied as the exchange pads and copies them). The cache keeps that layout: per layer
-``k`` and ``v`` [B, C, K'R, H] for C slots, split over ``seq`` on the head axis (and over
-``data`` on the batch axis), so each device holds 1/P of it and a decode step reads only its
+``k`` and ``v`` [B, C, K'R, H] for C slots, split over ``seq`` on the head axis, so each
+device holds 1/P of it and a decode step reads only its
 own heads. Layers stacked in the model (``decoder.layer_groups``) stay stacked here: one
 [R, B, C, K'R, H] pair per position of a group's unit, scanned with the layer weights.
 
@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..attention.heads import pad_kv
 from ..config import ModelConfig
 from ..head_layout import HeadLayout, head_layout
-from ..mesh import DATA, SEQ, act_spec, axis_size, shard
+from ..mesh import SEQ, act_spec, axis_size, shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,17 +41,15 @@ class CacheLayout:
         """[B, C, K'R, H]."""
         return self.batch, self.slots, self.heads.kv_sent, self.head_dim
 
-    def spec(self, mesh: Mesh) -> P:
-        """Rows over ``data`` (where it divides them), heads over ``seq``."""
-        data = DATA if DATA in mesh.axis_names and self.batch % axis_size(mesh, DATA) == 0 \
-            else None
-        return P(data, None, SEQ, None)
+    @staticmethod
+    def spec() -> P:
+        """Heads over ``seq`` (generation runs on a (data=1, seq) mesh)."""
+        return P(None, None, SEQ, None)
 
     def bytes_per_device(self, mesh: Mesh, layers: int) -> int:
         """K and V of ``layers`` layers, on one device."""
         whole = 2 * layers * int(np.prod(self.shape)) * jnp.dtype(self.dtype).itemsize
-        data = axis_size(mesh, DATA) if self.spec(mesh)[0] else 1
-        return whole // (axis_size(mesh, SEQ) * data)
+        return whole // axis_size(mesh, SEQ)
 
 
 def cache_layout(cfg: ModelConfig, mesh: Mesh, batch: int, slots: int) -> CacheLayout:
@@ -63,7 +61,7 @@ def cache_layout(cfg: ModelConfig, mesh: Mesh, batch: int, slots: int) -> CacheL
 def to_cache(k: jax.Array, v: jax.Array, layout: CacheLayout, mesh: Mesh):
     """A prompt's [B, S, K, H] keys and values as the first S slots of a layer's cache,
     split by head over ``seq`` (XLA moves them from the sequence split: an all-to-all)."""
-    sharding = NamedSharding(mesh, layout.spec(mesh))
+    sharding = NamedSharding(mesh, layout.spec())
 
     def slots(x):
         # Heads padded and copied on each device's tokens, then one move from the sequence

@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from .blocks import block_functions, embed, logits, run_layers
+from .blocks import block_functions, run_layers
 from .cache import CacheLayout
 from .sampling import Sampling, choose
 
@@ -28,14 +28,14 @@ def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling
     def run(params, caches, tokens, slot, pad, rows, step, seed):
         model = nnx.merge(graphdef, params)
         _, decode_block = block_functions(model.cfg)
-        x = embed(model, tokens[:, None], mesh)                                   # [B, 1, D]
+        x = model.embed_tokens(tokens[:, None], split=False)                      # [B, 1, D]
         positions = (slot - pad)[:, None]                                         # [B, 1]
 
         def layer(block, x, kind, cache):
             return decode_block(block, x, positions, kind, cache, slot, pad, layout, mesh)
 
         x, caches = run_layers(model, x, layer, caches)
-        out = logits(model, x[:, 0], mesh)                                        # [B, V]
+        out = model.logits(model.final_norm(x[:, 0]))                             # [B, V]
         return choose(out, sampling, seed, rows, step), out, caches
 
     return jax.jit(run, donate_argnums=1)

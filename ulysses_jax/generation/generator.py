@@ -109,8 +109,7 @@ class Generator:
             tokens[i, pad[i]:] = p
         positions = np.maximum(j - pad[:, None], 0).astype(np.int32)
         segments = (j >= pad[:, None]).astype(np.int32)
-        spec = act_spec(mesh) if b % axis_size(mesh, DATA) == 0 else P(None, SEQ)
-        put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, act_spec(mesh)))  # noqa: E731
         batch = [put(a) for a in (tokens, positions, segments)]
         rep = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
         rows = list(range(b)) if rows is None else list(rows)

@@ -13,8 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from ..mesh import act_spec, shard
-from .blocks import block_functions, embed, logits, run_layers
+from .blocks import block_functions, run_layers
 from .cache import CacheLayout
 from .sampling import Sampling, choose
 
@@ -29,13 +28,13 @@ def prefill_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Samplin
     def run(params, tokens, positions, segment_ids, rows, seed):
         model = nnx.merge(graphdef, params)
         prefill_block, _ = block_functions(model.cfg)
-        x = shard(embed(model, tokens, mesh), mesh, act_spec(mesh, 1))          # [B, S, D]
+        x = model.embed_tokens(tokens)                                            # [B, S, D]
 
         def layer(block, x, kind, _):
             return prefill_block(block, x, positions, segment_ids, kind, layout, mesh)
 
         x, caches = run_layers(model, x, layer)
-        out = logits(model, x[:, -1], mesh)                                       # [B, V]
+        out = model.logits(model.final_norm(x[:, -1]))                            # [B, V]
         return choose(out, sampling, seed, rows, jnp.int32(0)), out, caches
 
     return jax.jit(run)

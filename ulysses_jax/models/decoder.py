@@ -93,6 +93,19 @@ def layer_groups(cfg: ModelConfig) -> list[tuple[int, tuple[tuple[bool, str], ..
     return groups
 
 
+def unit_kinds(cfg: ModelConfig, first: int, unit: tuple, repeats: int):
+    """The attention kinds of a layer group (``layer_groups``), per position u of its unit
+    over the repeats: (static, ids), each a list over u: a kind letter in ``static`` where
+    every repeat has the same (its ids entry None), else None there and an int32 [repeats]
+    of indices into LAYER_KINDS in ``ids`` (the layer loop switches on it)."""
+    kinds = cfg.layer_kinds()
+    per_u = [kinds[first + u::len(unit)][:repeats] for u in range(len(unit))]
+    static = [k[0] if len(set(k)) == 1 else None for k in per_u]
+    ids = [None if st else jnp.asarray([LAYER_KINDS.index(c) for c in k], jnp.int32)
+           for st, k in zip(static, per_u)]
+    return static, ids
+
+
 def stacked_layer_indices(cfg: ModelConfig, keys: tuple) -> tuple[list[int], tuple]:
     """Which layers a stacked parameter under ``layers`` holds, in stack order.
 
@@ -191,15 +204,7 @@ class Decoder(nnx.Module):
         norm_def, norm_state = nnx.split(self.final_norm)
         norm_state = jax.tree.map(lambda w: _gathered(w, w.dtype, self.mesh), norm_state)
         tokens = ordering.after(tokens, norm_state)
-        with jax.named_scope("embed"):
-            if self.vocab_parallel:
-                x = vocab.embed(self.embed[...], tokens, mesh=self.mesh, dtype=self.dtype,
-                                chunk=self.cfg.loss_chunk)                          # [B, S, D]
-            else:
-                x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)
-                x = shard(x, self.mesh, act_spec(self.mesh, 1))
-            if family(self.cfg.family).embed_scale:  # x sqrt(D), the factor in the compute dtype
-                x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)
+        x = self.embed_tokens(tokens)                                               # [B, S, D]
         if vision is not None:
             self._need_tower()
             with jax.named_scope("vision"):
@@ -218,6 +223,31 @@ class Decoder(nnx.Module):
         # backward loop starts, not beside it (ordering.py, the compilation cache).
         x, norm_state = ordering.grads_first(x, norm_state)
         return nnx.merge(norm_def, norm_state)(x), stats
+
+    def embed_tokens(self, tokens, split: bool = True) -> jax.Array:
+        """Embeddings [B, S, D] of tokens [B, S] in the compute dtype (x sqrt(D) where the
+        family scales them). ``split``: the tokens are split over the sequence devices as
+        activations are (the vocabulary-parallel lookup where the model uses it); False for
+        tokens every device holds whole (a decode step's one token per row)."""
+        with jax.named_scope("embed"):
+            if split and self.vocab_parallel:
+                x = vocab.embed(self.embed[...], tokens, mesh=self.mesh, dtype=self.dtype,
+                                chunk=self.cfg.loss_chunk)
+            else:
+                x = jnp.take(_gathered(self.embed[...], self.dtype, self.mesh), tokens, axis=0)
+                if split:
+                    x = shard(x, self.mesh, act_spec(self.mesh, 1))
+            if family(self.cfg.family).embed_scale:  # x sqrt(D), the factor in the compute dtype
+                x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)
+        return x
+
+    def logits(self, h) -> jax.Array:
+        """fp32 logits [..., V] of final-normed hidden states h [..., D] (the final softcap
+        applied)."""
+        w = _gathered(self.head_weight(), self.dtype, self.mesh)
+        logits = jnp.einsum("...D,DV->...V", h, w, preferred_element_type=jnp.float32)
+        cap = self.cfg.final_softcap
+        return cap * jnp.tanh(logits / cap) if cap else logits
 
     def _need_tower(self) -> None:
         if self.visual is None:
@@ -240,16 +270,10 @@ class Decoder(nnx.Module):
         offload, stream = self.cfg.offload_checkpoints, self.stream_layers
         homogeneous = not isinstance(self.layers, nnx.List)
         groups = [[self.layers]] if homogeneous else self.layers
-        kinds = self.cfg.layer_kinds()
         totals = None
         for (first, unit, repeats), units in zip(layer_groups(self.cfg), groups):
             graphdefs, states = zip(*(nnx.split(m) for m in units))
-            # The kinds of unit position u over the repeats: one static letter, or an index
-            # into LAYER_KINDS per repeat ([repeats] int32) when they mix.
-            unit_kinds = [kinds[first + u::len(unit)][:repeats] for u in range(len(unit))]
-            static = [k[0] if len(set(k)) == 1 else None for k in unit_kinds]
-            ids = [None if st else jnp.asarray([LAYER_KINDS.index(c) for c in k], jnp.int32)
-                   for st, k in zip(static, unit_kinds)]
+            static, ids = unit_kinds(self.cfg, first, unit, repeats)
 
             def apply(graphdef, kind):
                 def fn(x, state, kind_id):
@@ -296,9 +320,5 @@ class Decoder(nnx.Module):
             positions, vision = prepare(np.asarray(tokens), self.cfg, segment_ids=(
                 None if segment_ids is None else np.asarray(segment_ids)),
                 shards=self.visual.shards(), **images)
-        h = self.hidden(tokens, positions, segment_ids, vision)
-        w = _gathered(self.head_weight(), self.dtype, self.mesh)
-        logits = jnp.einsum("BSD,DV->BSV", h, w, preferred_element_type=jnp.float32)
-        cap = self.cfg.final_softcap
-        return cap * jnp.tanh(logits / cap) if cap else logits
+        return self.logits(self.hidden(tokens, positions, segment_ids, vision))
 

@@ -151,13 +151,7 @@ class Attention(nnx.Module):
 
         def attend(kind, q, k, v):
             q, k = self.rope(kind, q, k, positions)               # [B, S, N, H], [B, S, K, H]
-            return ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
-                                     impl=cfg.attn_impl, head_chunks=self.head_chunks,
-                                     layout=self.layout,
-                                     max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
-                                     scale=cfg.attn_scale or None,
-                                     window=cfg.sliding_window if kind == "L" else None,
-                                     softcap=cfg.attn_softcap or None)               # [B, S, N, H]
+            return self.attend(kind, q, k, v, segment_ids)                       # [B, S, N, H]
 
         if isinstance(kind, str):
             o = attend(kind, q, k, v)
@@ -184,6 +178,18 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v, adapt
+
+    def attend(self, kind: str, q, k, v, segment_ids):
+        """Ulysses attention of rotated q [B, S, N, H] over k, v [B, S, K, H] with the
+        variants of the layer kind ("L": the sliding window) -> [B, S, N, H]."""
+        cfg = self.cfg
+        return ulysses_attention(q, k, v, mesh=self.mesh, causal=True, segment_ids=segment_ids,
+                                 impl=cfg.attn_impl, head_chunks=self.head_chunks,
+                                 layout=self.layout,
+                                 max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
+                                 scale=cfg.attn_scale or None,
+                                 window=cfg.sliding_window if kind == "L" else None,
+                                 softcap=cfg.attn_softcap or None)
 
     def rope(self, kind: str, q, k, positions):
         """q and k rotated at ``positions`` [B, S] (or M-RoPE's [B, S, 3]) with the RoPE of
