@@ -154,8 +154,32 @@ MEMORY_OPTIONS = [
 ]
 
 
+SMALL_RUN = ["seq_len=64", "batch_size=2", "model.d_model=32", "model.head_dim=8",
+             "model.ffn_dim=64", "model.loss_chunk=16", "log_every=1", "eval_every=2",
+             "eval_batches=1", "checkpoint_every=2", "mesh.seq=2", "model.attn_impl=xla",
+             "optimizer.schedule_steps=3"]
+
+
+def _run_records(workdir, extra, steps):
+    """train.py's run of the shrunk tiny preset with ``extra`` for ``steps`` in ``workdir``
+    (resumed when it holds a checkpoint): its metrics.jsonl records."""
+    from ulysses_jax.config import load_config
+    from ulysses_jax.training.trainer import train
+    train(load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                      SMALL_RUN + extra + [f"steps={steps}"]), str(workdir), progress=False)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The plain run's records (no memory option), the reference of every option that keeps
+    the numbers: made once per module, not once per option."""
+    return _run_records(tmp_path_factory.mktemp("plain"), [], 3)
+
+
 @pytest.mark.parametrize("over,same_numbers", MEMORY_OPTIONS)
-def test_every_path_works_with_each_memory_option(tmp_path, over, same_numbers):
+def test_every_path_works_with_each_memory_option(tmp_path, over, same_numbers, request):
     """The tiny preset (shrunk) with each memory option through every path of the trainer:
     train steps, held-out evaluation, a checkpoint and a resume (equal to the straight run,
     and to the plain run where the option keeps the numbers), the dry run and the export
@@ -163,22 +187,11 @@ def test_every_path_works_with_each_memory_option(tmp_path, over, same_numbers):
     from ulysses_jax import export
     from ulysses_jax.config import load_config
     from ulysses_jax.training.dry_run import dry_run
-    from ulysses_jax.training.trainer import train
-    small = ["seq_len=64", "batch_size=2", "model.d_model=32", "model.head_dim=8",
-             "model.ffn_dim=64", "model.loss_chunk=16", "log_every=1", "eval_every=2",
-             "eval_batches=1", "checkpoint_every=2", "mesh.seq=2", "model.attn_impl=xla",
-             "optimizer.schedule_steps=3"]
     preset = os.path.join(ROOT, "configs", "tiny.yaml")
-
-    def run(name, extra, steps):
-        train(load_config(preset, small + extra + [f"steps={steps}"]), str(tmp_path / name),
-              progress=False)
-        with open(tmp_path / name / "metrics.jsonl") as f:
-            return [json.loads(line) for line in f]
-
-    reference = run("reference", [] if same_numbers else over, 3)
-    run("opt", over, 2)
-    resumed = run("opt", over, 3)   # same workdir: resumes from step 2
+    reference = (request.getfixturevalue("plain_run") if same_numbers
+                 else _run_records(tmp_path / "reference", over, 3))
+    _run_records(tmp_path / "opt", over, 2)
+    resumed = _run_records(tmp_path / "opt", over, 3)   # same workdir: resumes from step 2
     assert [r["step"] for r in resumed] == [1, 2, 3]
     for key in ("loss", "eval_loss"):
         got = [r.get(key) for r in resumed]
@@ -187,6 +200,6 @@ def test_every_path_works_with_each_memory_option(tmp_path, over, same_numbers):
             w is None for w in want], key
         np.testing.assert_allclose([g for g in got if g is not None],
                                    [w for w in want if w is not None], rtol=1e-5)
-    assert dry_run(load_config(preset, small + over))["peak_bytes_per_device"] > 0
+    assert dry_run(load_config(preset, SMALL_RUN + over))["peak_bytes_per_device"] > 0
     assert export.main([str(tmp_path / "opt"), "--out", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "config.json").exists()
