@@ -61,6 +61,23 @@ def test_same_numbers_on_one_and_four_devices(run):
     assert np.all(written >= np.array(one["passkey"]["accuracy"]))
 
 
+def test_a_length_the_devices_do_not_divide_is_padded_inside(run):
+    """seq_len 250 on 3 sequence devices (and 4): the rows are padded to 252 (256) inside and
+    give the numbers of one device, where nothing is padded."""
+    grid = dict(GRID, seq_len=250, batches=1, lengths=[250], depths=[0.5], generate=False)
+    one = evaluate(run, mesh_seq=1, **grid)
+    for p in (3, 4):
+        got = evaluate(run, mesh_seq=p, **grid)
+        assert got["seq_len"] == 250 and got["mesh_seq"] == p
+        lp1, lp = one["loss_by_position"], got["loss_by_position"]
+        assert lp["bounds"] == lp1["bounds"] and lp["tokens"] == lp1["tokens"]
+        assert min(lp1["tokens"]) > 0
+        np.testing.assert_allclose(lp["loss"], lp1["loss"], rtol=1e-5)
+        assert got["passkey"]["accuracy"] == one["passkey"]["accuracy"]
+        np.testing.assert_allclose(got["passkey"]["answer_loss"],
+                                   one["passkey"]["answer_loss"], rtol=1e-5)
+
+
 def test_token_losses_and_predictions_equal_the_full_logits(run):
     """On passkey rows and held-out rows: the 4-device chunked losses and argmax equal those
     of the one-device model's [B, S, V] logits."""
@@ -123,8 +140,6 @@ def test_trainer_logs_the_loss_by_position_at_each_eval(run):
 
 @pytest.mark.parametrize("args, words", [
     (["{tmp}/nothing"], ["is neither a training run (config.yaml) nor a Hugging Face"]),
-    (["{run}", "--seq-len", "256", "--mesh-seq", "3"],
-     ["sequence length 256 is not divisible by --mesh-seq 3"]),
     (["{run}", "--seq-len", "256", "--lengths", "20"], ["passkey lengths must be in ["]),
     (["{run}", "--step", "9"], ["step 9 is not a checkpoint", "steps 4"]),
     (["{run}", "--depths", "1.5"], ["depths are fractions in [0, 1], got [1.5]"]),

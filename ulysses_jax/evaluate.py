@@ -90,6 +90,20 @@ def passkey_batch(tokenizer, length: int, depth: float, key: int, seq_len: int) 
             "positions": positions}
 
 
+def pad_rows(batch: dict, multiple: int) -> dict:
+    """``batch``'s rows [B, S, ...] padded at the end to a length ``multiple`` divides (the
+    sequence devices split it evenly): tokens and targets 0, loss_mask 0, segment 0 (padding,
+    attended by no real token) and position 0. Everything is causal, so the first S positions
+    give what the unpadded rows give; the caller drops the rest."""
+    s = batch["tokens"].shape[1]
+    extra = -s % multiple
+    if not extra:
+        return batch
+    from .data.text import FIELDS
+    return {f: np.pad(v, [(0, 0), (0, extra)] + [(0, 0)] * (v.ndim - 2)) if f in FIELDS else v
+            for f, v in batch.items()}
+
+
 def prompt_overhead(tokenizer, key: int) -> int:
     """Tokens of a passkey prompt that are not filler: needle, question and answer."""
     return sum(len(tokenizer.encode(t.format(key=key))) for t in (NEEDLE, QUESTION, ANSWER))
@@ -276,8 +290,6 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
     seq_len = seq_len or loaded.default_seq_len
     if not seq_len:
         raise EvalError("--seq-len is needed for a Hugging Face directory")
-    if seq_len % mesh_seq:
-        raise EvalError(f"sequence length {seq_len} is not divisible by --mesh-seq {mesh_seq}")
     depths = list(DEPTHS if depths is None else depths)
     if any(not 0 <= d <= 1 for d in depths):
         raise EvalError(f"depths are fractions in [0, 1], got {depths}")
@@ -298,8 +310,8 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
     fn = token_losses(mesh, loaded.graphdef, loaded.model.loss_chunk)
 
     def run(batch):
-        losses, preds = fn(loaded.params, data_lib.shard_batch(batch, mesh))
-        return np.asarray(losses), np.asarray(preds)
+        losses, preds = fn(loaded.params, data_lib.shard_batch(pad_rows(batch, mesh_seq), mesh))
+        return np.asarray(losses)[:, :seq_len], np.asarray(preds)[:, :seq_len]
 
     held = heldout_rows(loaded, source, seq_len, fraction)
     cells = [(L, d) for L in lengths for d in depths for _ in range(trials)]
@@ -406,7 +418,8 @@ def parse_args(argv=None):
                                 description=__doc__.splitlines()[0])
     p.add_argument("path", help="a run's --workdir, or a Hugging Face model directory")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the run's)")
-    p.add_argument("--mesh-seq", type=int, default=1, help="devices per sequence (Ulysses)")
+    p.add_argument("--mesh-seq", type=int, default=1,
+                   help="devices per sequence (Ulysses); any --seq-len: padded inside to a multiple")
     p.add_argument("--out", help="directory for eval.json and eval.png (default: PATH)")
     p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
     p.add_argument("--batches", type=int, default=4, help="held-out batches (default 4)")
