@@ -67,10 +67,15 @@ def _batches(cfg, mesh, n):
     return [it.next_global(mesh, token_order(cfg)) for _ in range(n)]
 
 
-def _train(cfg):
-    """STEPS optimizer steps from the seed's initial state: per-step metrics, final params."""
+def _train(cfg, start=None):
+    """STEPS optimizer steps from the seed's initial state (or a copy of ``start``, the
+    ``init_state`` of a config with the same model, mesh and optimizer): per-step metrics,
+    final params."""
     mesh = build_mesh(cfg)
-    graphdef, state, shardings, tx = init_state(cfg, mesh)
+    if start is None:
+        start = init_state(cfg, mesh)
+    graphdef, state, shardings, tx = start
+    state = jax.tree.map(jnp.copy, state)  # the step donates its state
     step = make_train_step(cfg, mesh, graphdef, tx, shardings)
     out = []
     for batch in _batches(cfg, mesh, STEPS):
@@ -123,10 +128,12 @@ def test_accumulation_equals_one_global_batch(store, mesh):
     every parameter after STEPS steps within 1e-6 (parameters: relative to each tensor's
     norm, since Adam turns float noise in a near-zero gradient into a full-size step)."""
     over = MESHES[mesh]
-    ref, ref_params = _train(_cfg(store, *over))
+    cfg = _cfg(store, *over)
+    start = init_state(cfg, build_mesh(cfg))  # grad_accum_steps changes neither
+    ref, ref_params = _train(cfg, start)
     checked = 0
     for k in (2, 4):
-        got, params = _train(_cfg(store, *over, f"grad_accum_steps={k}"))
+        got, params = _train(_cfg(store, *over, f"grad_accum_steps={k}"), start)
         for r, g in zip(ref, got, strict=True):
             assert g["tokens"] == r["tokens"]
             assert _rel(r["loss"], g["loss"]) <= 1e-6, (k, r, g)
