@@ -27,6 +27,9 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "offload")
 ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
+OBJECTIVES = ("sft", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+DPO_REFERENCES = ("base", "precompute")
 FAMILIES = tuple(_FAMILY_REGISTRY)  # families.py (a leaf module: imports nothing)
 MOMENT_DTYPES = ("float32", "bfloat16")
 INT32_MAX = 2**31 - 1  # integer settings reach jitted code (step counter, positions) as int32
@@ -85,6 +88,19 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class DPOConfig:
+    """Direct preference optimisation (``objective: dpo``; training/objectives/dpo.py)."""
+    beta: float = 0.1
+    loss_type: str = "sigmoid"      # sigmoid | ipo | hinge, as TRL's DPOTrainer defines them
+    label_smoothing: float = 0.0    # sigmoid only: the conservative DPO of TRL (cDPO)
+    # The frozen reference policy: "base" (the LoRA base with the adapters off: no second
+    # copy of the weights) or "precompute" (one pass over the store before step 1 records
+    # every completion's log-probability under the initial model). None: "base" for a LoRA
+    # run, "precompute" for full fine-tuning.
+    reference: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class Config:
     """One training run; keys are addressed as dotted paths (``mesh.seq=4``)."""
     seed: int = 0
@@ -103,11 +119,19 @@ class Config:
     #                                     base; model.lora must match its adapter_config.json)
     gpu_overlap: bool = True        # GPU: XLA latency-hiding scheduler (see train.py)
     log_tensorboard: bool = True    # TensorBoard event files beside metrics.jsonl
+    objective: str = "sft"          # sft (next-token loss) | dpo (a preference store's pairs)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     ulysses: UlyssesConfig = field(default_factory=UlyssesConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+
+
+def dpo_reference(cfg: Config) -> str:
+    """``dpo.reference`` resolved: as set, else "base" for a LoRA run, "precompute" for
+    full fine-tuning."""
+    return cfg.dpo.reference or ("base" if cfg.model.lora.rank else "precompute")
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -305,8 +329,43 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.chat_overflow not in ("truncate", "drop"):
         errors.append(f"data.chat_overflow must be 'truncate' or 'drop', got "
                       f"{cfg.data.chat_overflow!r}")
+    errors += _dpo_errors(cfg)
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def _dpo_errors(cfg: Config) -> list[str]:
+    """The objective and the dpo section."""
+    if cfg.objective not in OBJECTIVES:
+        return [f"objective must be one of {', '.join(OBJECTIVES)}, got {cfg.objective!r}"]
+    d, errors = cfg.dpo, []
+    if d.loss_type not in DPO_LOSSES:
+        errors.append(f"dpo.loss_type must be one of {', '.join(DPO_LOSSES)}, got "
+                      f"{d.loss_type!r}")
+    if d.reference is not None and d.reference not in DPO_REFERENCES:
+        errors.append(f"dpo.reference must be one of {', '.join(DPO_REFERENCES)} (or unset: "
+                      f"base with LoRA, precompute without), got {d.reference!r}")
+    if not d.beta > 0:
+        errors.append(f"dpo.beta must be positive, got {d.beta}")
+    if not 0.0 <= d.label_smoothing < 0.5:
+        errors.append(f"dpo.label_smoothing must be in [0, 0.5), got {d.label_smoothing}")
+    elif d.label_smoothing and d.loss_type != "sigmoid":
+        errors.append(f"dpo.label_smoothing {d.label_smoothing} applies to dpo.loss_type "
+                      f"sigmoid only (TRL's conservative DPO), got loss_type {d.loss_type!r}")
+    if cfg.objective != "dpo":
+        return errors
+    if d.reference == "base" and not cfg.model.lora.rank:
+        errors.append("dpo.reference=base is the LoRA base with the adapters off, so it needs "
+                      "model.lora.rank > 0; full fine-tuning uses dpo.reference=precompute")
+    elif dpo_reference(cfg) == "base" and cfg.model.lora.trainable:
+        errors.append(f"dpo.reference=base (the default with LoRA) is the model with the "
+                      f"adapters off, but model.lora.trainable {list(cfg.model.lora.trainable)} "
+                      f"also trains those groups, so it would move with them; use "
+                      f"dpo.reference=precompute")
+    if traits(cfg.model.family).vision:
+        errors.append(f"objective dpo is not supported for model.family {cfg.model.family!r} "
+                      f"yet (text preference stores only)")
+    return errors
 
 
 def _number_errors(cfg: Config) -> list[str]:

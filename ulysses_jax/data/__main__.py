@@ -1,6 +1,7 @@
 """python -m ulysses_jax.data prepare|show: build a token store; look at a packed row.
 
-    prepare SRC [SRC ...] --out DIR [--tokenizer PATH] [--chat [--chat-template FILE|NAME]]
+    prepare SRC [SRC ...] --out DIR [--tokenizer PATH]
+            [--chat | --preference] [--chat-template FILE|NAME]
             [--text-key text] [--messages-key messages] [--workers N] [--force]
             [--image-min-pixels N] [--image-max-pixels N] [--video-min-pixels N]
             [--video-max-pixels N] [--video-fps F]
@@ -35,6 +36,10 @@ def _parser():
     pr.add_argument("--chat", action="store_true", help="records are conversations "
                     "(assistant-only loss); needs --tokenizer with a chat_template, or "
                     "--chat-template")
+    pr.add_argument("--preference", action="store_true", help="records are TRL's preference "
+                    "pairs: prompt, chosen and rejected, each text or a message list "
+                    "(conversational: rendered with the tokenizer's chat template or "
+                    "--chat-template); for objective: dpo")
     pr.add_argument("--chat-template", metavar="FILE|NAME", help="with --chat: render with "
                     "this jinja file, or the format chatml, llama3 or zephyr, instead of the "
                     "tokenizer's own template (special values such as eos_token still come "
@@ -58,7 +63,9 @@ def _parser():
                         help=f"chat media: smart_resize's area bound (default {default})")
     pr.add_argument("--video-fps", type=float, default=2.0, help="chat media: videos with a "
                     "known \"fps\" are sampled down to this rate (default 2.0)")
-    sh = sub.add_parser("show", help="print row N of epoch 0 with supervised tokens marked")
+    sh = sub.add_parser("show", help="print row N of epoch 0 with supervised tokens marked "
+                        "(a preference store: rows 2i and 2i+1 are pair i's chosen and "
+                        "rejected sequences)")
     sh.add_argument("store")
     sh.add_argument("--seq-len", type=int, required=True)
     sh.add_argument("--row", type=int, required=True)
@@ -82,7 +89,7 @@ def _prepare(args) -> int:
                               image_max_pixels=args.image_max_pixels,
                               video_min_pixels=args.video_min_pixels,
                               video_max_pixels=args.video_max_pixels, video_fps=args.video_fps,
-                              chat_template=args.chat_template)
+                              chat_template=args.chat_template, preference=args.preference)
     if built:
         print(f"wrote {args.out}: {describe(manifest)} in {manifest['seconds']:.1f} s")
     else:
@@ -192,6 +199,12 @@ def _show(args) -> int:
             pad_ids = {i: t for i, t in ((m["image_token_id"], "<|image_pad|>"),
                                          (m["video_token_id"], "<|video_pad|>")) if i is not None}
             decode = _collapse(decode, media, pad_ids, m["merge_size"])
+        if manifest["kind"] == "preference":
+            from ulysses_jax.data.preference import store_names
+            pair = int(rows._perm(args.seed, 0)[args.row // 2])
+            name = store_names(rows.store, [rows.ids[pair]])[0]
+            print(f"=== pair {args.row // 2} of epoch 0 ({name}): the "
+                  f"{('chosen', 'rejected')[args.row % 2]} sequence (row {args.row}) ===")
         print(_text(row, decode))
     return 0
 

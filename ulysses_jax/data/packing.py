@@ -228,6 +228,9 @@ def heldout_store_rows(path: str, seq_len: int, fraction: float, seed: int = 0,
            split_store(store, fraction, seed)[1])
     if not len(ids):
         return None
+    if store.preference:
+        from .preference import PreferenceRows
+        return PreferenceRows(store, ids, seq_len, seed, shuffle=False, overflow=overflow)
     if not store.chat:
         return StoreRows(store, ids, seq_len, shuffle=False)
     if dropped(store, ids, seq_len, overflow).all():
@@ -245,7 +248,15 @@ def store_rows(path: str, seq_len: int, heldout_fraction: float = 0.0, seed: int
     if len(train) == 0:
         raise ValueError(f"{path}: all {store.num_docs} document(s) fall in the held-out "
                          f"split (heldout_fraction {heldout_fraction}); lower it")
-    if store.chat:
+    if store.preference:
+        from .preference import PreferenceRows
+        rows = [PreferenceRows(store, ids, seq_len, seed, shuffle=s, overflow=overflow)
+                for ids, s in ((train, True), (held, False)) if len(ids)]
+        notes = [f"preference store: {sum(r.num_pairs for r in rows)} pairs, two rows of "
+                 f"{seq_len} tokens each (chosen, rejected)"
+                 + (f"; {sum(r.num_long for r in rows)} longer than seq_len were dropped"
+                    if overflow == "drop" else "")]
+    elif store.chat:
         dropped_held = 0
         if len(held) and seq_len > 0 and dropped(store, held, seq_len, overflow).all():
             # Every held-out conversation is too long: no held-out loss, training goes on.

@@ -41,26 +41,41 @@ MAX_NAMED = 5  # bad conversations named in an error, of all counted
 _worker: dict = {}  # per-process tokenizer and template (set by _init_worker)
 
 
-def _load(tokenizer_path: str | None, chat: bool, chat_template: str | None = None):
-    """(tokenizer, chat template or None, the template's origin or None)."""
+def _load(tokenizer_path: str | None, chat: bool, chat_template: str | None = None,
+          preference: bool = False):
+    """(tokenizer, chat template or None, the template's origin or None). Preference data
+    takes the tokenizer directory's template when it has one (its conversational pairs need
+    it; text pairs do not)."""
     from .text import load_tokenizer
-    if chat_template is not None and not chat:
+    if chat and preference:
+        raise ValueError("--chat and --preference exclude each other: --chat reads "
+                         "conversations (assistant-only loss), --preference reads prompt / "
+                         "chosen / rejected pairs, text or conversational")
+    if chat_template is not None and not (chat or preference):
         raise ValueError(f"--chat-template {chat_template} needs --chat: a chat template "
                          f"renders conversations (records with a messages list), and without "
                          f"--chat the records are text documents")
     tokenizer = load_tokenizer(tokenizer_path)
-    if not chat:
+    if not (chat or preference):
         return tokenizer, None, None
     if tokenizer_path is None:
-        raise ValueError("--chat needs --tokenizer: a Hugging Face tokenizer directory "
-                         "(with a chat_template, or give --chat-template)")
+        if preference and chat_template is None:
+            return tokenizer, None, None  # text pairs in bytes
+        raise ValueError(f"{'--chat' if chat else '--chat-template'} needs --tokenizer: a "
+                         f"Hugging Face tokenizer directory (with a chat_template, or give "
+                         f"--chat-template)")
     directory = tokenizer_path if os.path.isdir(tokenizer_path) else \
         os.path.dirname(tokenizer_path)
-    template, origin = chat_templates.load(directory, chat_template, tokenizer)
+    try:
+        template, origin = chat_templates.load(directory, chat_template, tokenizer)
+    except ValueError:
+        if chat or chat_template is not None:
+            raise
+        return tokenizer, None, None  # text pairs need no template
     return tokenizer, template, origin
 
 
-def _init_worker(tokenizer_path, template_args, media_options):
+def _init_worker(tokenizer_path, template_args, media_options, preference=False):
     """``template_args``: (source, special values) of the chat template, None for text."""
     from .text import load_tokenizer
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
@@ -68,21 +83,33 @@ def _init_worker(tokenizer_path, template_args, media_options):
     _worker["template"] = ChatTemplate(*template_args) if template_args else None
     _worker["media"] = media_lib.MediaOptions(**media_options)
     _worker["pads"] = media_lib.placeholder_ids(_worker["tokenizer"], False, False, "")
+    _worker["preference"] = preference
 
 
 def _encode_chunk(chunk: list[tuple[str, object]]):
-    """Worker: [(name, text or messages)] -> ([(name hash, tokens, weights|None, media items,
-    media input paths)], [messages naming the conversations without a supervised token],
-    [the text documents holding image / video placeholder tokens, named])."""
+    """Worker: [(name, text, messages or pair)] -> ([(name hash, tokens, weights|None, media
+    items, media input paths, name)], [messages naming the conversations without a supervised
+    token or the pairs that cannot be encoded], [the text documents holding image / video
+    placeholder tokens, named])."""
     tok, template = _worker["tokenizer"], _worker["template"]
     out, bad, padded = [], [], []
+    if _worker["preference"]:
+        from .preference import encode_pair
+        for name, pair in chunk:
+            try:
+                ids, weights = encode_pair(tok, template, pair, name)
+            except ValueError as e:  # BadPair, NotPrefixStable, a template's refusal
+                bad.append(str(e))
+                continue
+            out.append((name_hash(name), ids, weights, None, [], name))
+        return out, bad, padded
     if template is None:
         for (name, _), ids in zip(chunk, tok.encode_batch([t for _, t in chunk])):
             held = media_lib.text_placeholders(ids, *_worker["pads"])
             if held:
                 padded.append(f"{name}: {held}")
             if len(ids):  # an empty document holds no next-token pair
-                out.append((name_hash(name), np.append(ids, tok.eos_id), None, None, []))
+                out.append((name_hash(name), np.append(ids, tok.eos_id), None, None, [], name))
         return out, bad, padded
     for name, messages in chunk:
         try:
@@ -91,7 +118,7 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
         except NoSupervision as e:
             bad.append(str(e))
             continue
-        out.append((name_hash(name), ids, weights, items, inputs))
+        out.append((name_hash(name), ids, weights, items, inputs, name))
     return out, bad, padded
 
 
@@ -99,6 +126,9 @@ def _chunks(records: Iterator[tuple[str, object]]) -> Iterator[list]:
     chunk, size = [], 0
     for name, payload in records:
         chunk.append((name, payload))
+        if isinstance(payload, dict):  # a preference pair
+            payload = [m for v in payload.values()
+                       for m in (v if isinstance(v, list) else [{"content": v}])]
         size += len(payload) if isinstance(payload, str) else sum(
             len(str(m.get("content") or "")) for m in payload)
         if size >= CHUNK_CHARS:
@@ -191,7 +221,7 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
             image_max_pixels: int = media_lib.images_lib.IMAGE_MAX_PIXELS,
             video_min_pixels: int = media_lib.images_lib.VIDEO_MIN_PIXELS,
             video_max_pixels: int = media_lib.images_lib.VIDEO_MAX_PIXELS,
-            video_fps: float = 2.0) -> tuple[dict, bool]:
+            video_fps: float = 2.0, preference: bool = False) -> tuple[dict, bool]:
     """Builds the token store ``out`` from ``srcs`` (files, directories, globs).
 
     Args:
@@ -206,6 +236,8 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
       image_min_pixels, image_max_pixels, video_min_pixels, video_max_pixels: smart_resize's
         area bounds for images and video frames (chat data with media only).
       video_fps: the rate videos with a known "fps" are sampled down to.
+      preference: records are TRL's preference pairs (``prompt``, ``chosen``, ``rejected``;
+        ``preference.py``): a store of kind "preference".
 
     Returns:
       (manifest, built): built is False when ``out`` already held these inputs' store.
@@ -222,7 +254,7 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     media_opts = media_lib.MediaOptions(image_min_pixels, image_max_pixels, video_min_pixels,
                                         video_max_pixels, float(video_fps))
     pixel_options = media_opts.as_dict()
-    tok, template, origin = _load(tokenizer, chat, chat_template)
+    tok, template, origin = _load(tokenizer, chat, chat_template, preference)
     paths = sources_lib.expand_sources(srcs)
     if tokenizer is not None:
         tok_file = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) \
@@ -233,6 +265,8 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     options = {"chat": chat, "key": messages_key if chat else text_key,
                "tokenizer": tok_info["sha256"], "eos_id": tok.eos_id,
                "template": template.hash if template else None}
+    if preference:  # absent otherwise: older stores stay current
+        options["preference"] = True
     if origin and origin["origin"] != "tokenizer":  # absent otherwise: older stores stay current
         options["template_origin"] = origin
     fp = sources_lib.fingerprint(paths, options)
@@ -261,7 +295,7 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     _remove_dead_leftovers(out)
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    writer = StoreWriter(tmp, token_dtype(tok.vocab_size), chat, shard_tokens)
+    writer = StoreWriter(tmp, token_dtype(tok.vocab_size), chat, shard_tokens, preference)
     bad: list[str] = []
     padded: list[str] = []
     media_inputs: set[str] = set()
@@ -270,16 +304,23 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     try:
         if template is not None:  # the store keeps the template it is rendered with (export)
             chat_templates.write_stored(tmp, template)
-        records = sources_lib.iter_records(paths, text_key, messages_key, chat)
+        records = (sources_lib.iter_pairs(paths) if preference else
+                   sources_lib.iter_records(paths, text_key, messages_key, chat))
         template_args = (template.source, template.special) if template else None
         for docs, bad_names, padded_names in _encoded(_chunks(records), tokenizer,
-                                                      template_args, workers, pixel_options):
-            for h, ids, weights, items, inputs in docs:
-                writer.add(ids, h, weights, items)
+                                                      template_args, workers, pixel_options,
+                                                      preference):
+            for h, ids, weights, items, inputs, name in docs:
+                writer.add(ids, h, weights, items, name)
                 media_inputs.update(inputs)
                 bar.update(len(ids))
             bad += bad_names
             padded += padded_names
+        if bad and preference:
+            raise ValueError(
+                f"{len(bad)} preference record(s) cannot be encoded: "
+                f"{'; '.join(bad[:MAX_NAMED])}{'; ...' if len(bad) > MAX_NAMED else ''}. "
+                f"Remove them from the input or fix them")
         if bad:
             raise NoSupervision(
                 f"{len(bad)} conversation(s) have no supervised token (assistant-only loss "
@@ -307,9 +348,10 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
             fp = _hash([fp, extra["media"]])
         manifest = writer.finish({
             **extra, "fingerprint": fp, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-            "eos_appended": not chat, "tokenizer": tok_info,
+            "eos_appended": not (chat or preference), "tokenizer": tok_info,
             "template_sha256": template.hash if template else None,
-            "text_key": text_key, "messages_key": messages_key if chat else None,
+            "text_key": None if preference else text_key,
+            "messages_key": messages_key if chat else None,
             "sources": [os.path.abspath(p) for p in paths],
             "seconds": round(time.time() - t0, 3)})
         if os.path.exists(out):  # --force: the old store goes only once the new one is whole
@@ -327,16 +369,18 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
         bar.close()
 
 
-def _encoded(chunks, tokenizer: str | None, template_args, workers: int, media_options: dict):
+def _encoded(chunks, tokenizer: str | None, template_args, workers: int, media_options: dict,
+             preference: bool = False):
     """Encoded chunks in input order, ``workers`` processes, at most 2 chunks each in flight."""
     if workers <= 1:
-        _init_worker(tokenizer, template_args, media_options)
+        _init_worker(tokenizer, template_args, media_options, preference)
         for chunk in chunks:
             yield _encode_chunk(chunk)
         return
     # spawn, not fork: the parent may have started JAX's threads (forking them can deadlock)
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, _init_worker, (tokenizer, template_args, media_options)) as pool:
+    with ctx.Pool(workers, _init_worker,
+                  (tokenizer, template_args, media_options, preference)) as pool:
         pending = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -357,6 +401,14 @@ def describe(manifest: dict) -> str:
     line = (f"{manifest['kind']} store: {manifest['num_docs']} documents, "
             f"{manifest['num_tokens']} tokens ({manifest['dtype']}), "
             f"{len(manifest['shards'])} shard(s)")
+    if manifest["kind"] == "preference":
+        line = (f"preference store: {manifest['num_pairs']} pairs, {manifest['num_tokens']} "
+                f"tokens ({manifest['dtype']}; each prompt once), "
+                f"{manifest['num_supervised']} completion tokens, "
+                f"{len(manifest['shards'])} shard(s)")
+        if "chat_template" in manifest:
+            line += (f", chat template from "
+                     f"{chat_templates.describe_origin(manifest['chat_template'])}")
     if manifest["kind"] == "chat":
         line += f", {manifest['num_supervised']} supervised tokens"
         if "chat_template" in manifest:

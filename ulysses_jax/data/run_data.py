@@ -77,6 +77,22 @@ def _load_store(cfg: Config):
     return train_rows, held_rows
 
 
+def check_objective(cfg: Config, train_rows) -> None:
+    """``objective: dpo`` reads a preference store, and a preference store is for DPO."""
+    store = getattr(train_rows, "store", None)
+    preference = store is not None and store.preference
+    if cfg.objective == "dpo" and not preference:
+        what = (f"a {store.manifest['kind']} store" if store is not None else
+                "text files, tokenized on the fly")
+        raise ConfigError(f"objective=dpo trains on preference pairs, but data.source "
+                          f"{cfg.data.source!r} is {what}; prepare one with python -m "
+                          f"ulysses_jax.data prepare SRC --preference --out STORE")
+    if preference and cfg.objective != "dpo":
+        raise ConfigError(f"data.source {cfg.data.source!r} is a preference store (prompt, "
+                          f"chosen, rejected pairs); train it with objective=dpo, got "
+                          f"objective={cfg.objective}")
+
+
 def store_tokenizer(source: str, tokenizer: str | None = None) -> str | None:
     """The tokenizer.json a token store was prepared with, as training resolves it:
     ``tokenizer`` (data.tokenizer: a tokenizer.json or a directory holding one) when given,

@@ -99,8 +99,10 @@ def _jsonl(path: str, key: str, chat: bool) -> Iterator[tuple[str, object]]:
             yield where, _field(record, key, where, chat)
 
 
-def _arrow_batches(path: str, key: str):
-    """(record batches of column ``key``) of a parquet file or a save_to_disk directory."""
+def _arrow_batches(path: str, key: str | Sequence[str]):
+    """(record batches of column ``key``, or of the columns ``key`` lists) of a parquet file
+    or a save_to_disk directory."""
+    keys = [key] if isinstance(key, str) else list(key)
     try:
         import pyarrow.ipc
         import pyarrow.parquet as pq
@@ -110,18 +112,24 @@ def _arrow_batches(path: str, key: str):
         for f in sorted(glob.glob(os.path.join(path, "*.arrow"))):
             with pyarrow.memory_map(f) as mm:  # batches are views of the mapped file
                 reader = pyarrow.ipc.open_stream(mm)
-                if key not in reader.schema.names:
-                    raise ValueError(f'{f}: no column "{key}" (columns {reader.schema.names})')
+                _columns(f, keys, reader.schema.names)
                 for batch in reader:
-                    column = batch.select([key])
+                    column = batch.select(keys)
                     for start in range(0, column.num_rows, _BATCH_ROWS):
                         yield column.slice(start, _BATCH_ROWS)
         return
     # Buffered page reads: a row group (often 100s of MB) is not loaded whole.
     pf = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
-    if key not in pf.schema_arrow.names:
-        raise ValueError(f'{path}: no column "{key}" (columns {pf.schema_arrow.names})')
-    yield from pf.iter_batches(batch_size=_BATCH_ROWS, columns=[key])
+    _columns(path, keys, pf.schema_arrow.names)
+    yield from pf.iter_batches(batch_size=_BATCH_ROWS, columns=keys)
+
+
+def _columns(path: str, keys: list[str], names: list[str]) -> None:
+    missing = [k for k in keys if k not in names]
+    if missing:
+        named = ", ".join('"' + k + '"' for k in missing)
+        raise ValueError(f'{path}: no column {named} '
+                         f'(columns {names})')
 
 
 def _table_rows(path: str, key: str, chat: bool) -> Iterator[tuple[str, object]]:
@@ -149,3 +157,57 @@ def iter_records(paths: Sequence[str], text_key: str = "text", messages_key: str
             yield from _jsonl(path, key, chat)
         else:
             yield from _table_rows(path, key, chat)
+
+
+PAIR_KEYS = ("prompt", "chosen", "rejected")
+
+
+def _pair(record, where: str) -> dict:
+    """A preference record's three fields, each a string or a list of message objects."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: each record must be an object with the fields "
+                         f"{', '.join(PAIR_KEYS)}, got {type(record).__name__}")
+    missing = [k for k in PAIR_KEYS if record.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: a preference record needs the fields "
+                         f"{', '.join(PAIR_KEYS)}; missing {', '.join(missing)} (keys "
+                         f"{sorted(record)})")
+    for k in PAIR_KEYS:
+        v = record[k]
+        if not (isinstance(v, str) or (isinstance(v, list)
+                                       and all(isinstance(m, dict) for m in v))):
+            raise ValueError(f'{where}: "{k}" must be a string or a list of message objects '
+                             f'{{"role": ..., "content": ...}}, got {type(v).__name__}')
+    return {k: record[k] for k in PAIR_KEYS}
+
+
+def iter_pairs(paths: Sequence[str]) -> Iterator[tuple[str, dict]]:
+    """(name, {"prompt", "chosen", "rejected"}) of TRL's preference records in ``paths``
+    (.jsonl, .parquet or datasets directories), names as ``iter_records``' ; ValueError
+    naming the record for one missing a field or holding a value of the wrong type."""
+    for path in paths:
+        if path.endswith((".txt", ".md")):
+            raise ValueError(f"{path}: preference data must be .jsonl, .parquet or a datasets "
+                             f"directory with the fields {', '.join(PAIR_KEYS)}, not plain text")
+        if path.endswith(".jsonl"):
+            with open(path, "rb") as f:
+                for n, line in enumerate(f, 1):
+                    where = f"{path}:{n}"
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line.decode("utf-8"))
+                    except UnicodeDecodeError as e:
+                        raise ValueError(f"{where}: not UTF-8 text (byte {e.start} of the "
+                                         f"line)") from None
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{where}: not valid JSON ({e.msg} at column "
+                                         f"{e.colno})") from None
+                    yield where, _pair(record, where)
+            continue
+        row = 0
+        for batch in _arrow_batches(path, PAIR_KEYS):
+            for record in batch.to_pylist():
+                where = f"{path}:{row}"
+                yield where, _pair(record, where)
+                row += 1

@@ -2,11 +2,15 @@
 
 Layout of a store directory (written by ``prepare.py``)::
 
-    manifest.json        format, version, kind ("text" | "chat"), dtype, counts, tokenizer and
+    manifest.json        format, version, kind ("text" | "chat" | "preference"), dtype, counts,
+                         tokenizer and
                          template hashes, the inputs' fingerprint, the shard list
     tokens-NNNNN.bin     token ids, dtype uint16 when the vocabulary fits (<= 65536), else
                          uint32; the documents back to back (text documents end with EOS)
-    weights-NNNNN.bin    chat only: uint8 per token, 1 on tokens of assistant answers
+    weights-NNNNN.bin    chat: uint8 per token, 1 on tokens of assistant answers; preference:
+                         0 on the prompt, 1 on the chosen and 2 on the rejected completion
+                         (a pair is one document: prompt, chosen, rejected; preference.py)
+    names.txt            preference only: each pair's record name (file:line), a line each
     offsets.bin          int64 [num_docs + 1]: document d is tokens [off[d], off[d+1]) of the
                          shards laid end to end; no document spans two shards
     doc_hash.bin         uint64 [num_docs]: a hash of each document's name (file:line), which
@@ -34,6 +38,7 @@ import numpy as np
 FORMAT, VERSION = "ulysses-jax-token-store", 1
 MANIFEST, OFFSETS, DOC_HASH = "manifest.json", "offsets.bin", "doc_hash.bin"
 MEDIA, MEDIA_OFFSETS, MEDIA_INPUTS = "media.jsonl", "media_offsets.bin", "media_inputs.json"
+NAMES = "names.txt"  # preference stores: each pair's record name (file:line), a line each
 
 
 def is_store(path: str) -> bool:
@@ -71,11 +76,14 @@ class StoreWriter:
       chat: also write per-token weights and each document's media items (the media files are
         removed at ``finish`` when no document had any).
       shard_tokens: start a new shard once one holds at least this many tokens.
+      preference: a store of preference pairs: weights and record names, no media.
     """
 
-    def __init__(self, directory: str, dtype, chat: bool, shard_tokens: int = 1 << 30):
+    def __init__(self, directory: str, dtype, chat: bool, shard_tokens: int = 1 << 30,
+                 preference: bool = False):
         os.makedirs(directory, exist_ok=True)
-        self.dir, self.dtype, self.chat = directory, np.dtype(dtype), chat
+        self.dir, self.dtype, self.chat = directory, np.dtype(dtype), chat or preference
+        self.preference = preference
         self.shard_tokens = shard_tokens
         self.shards: list[dict] = []
         self.num_tokens = self.num_docs = self.num_supervised = 0
@@ -85,7 +93,9 @@ class StoreWriter:
         self._tok = self._wts = None
         self.num_images = self.num_videos = self.max_frame_patches = 0
         self._media = self._media_offsets = None
-        if chat:
+        self._names = open(os.path.join(directory, NAMES), "w", encoding="utf-8") \
+            if preference else None
+        if chat and not preference:
             self._media = open(os.path.join(directory, MEDIA), "wb")
             self._media_offsets = open(os.path.join(directory, MEDIA_OFFSETS), "wb")
             self._media_offsets.write(np.zeros(1, np.int64).tobytes())
@@ -111,15 +121,19 @@ class StoreWriter:
         self._tok = self._wts = None
 
     def add(self, tokens: np.ndarray, name_hash_: int, weights: np.ndarray | None = None,
-            media: list[dict] | None = None):
+            media: list[dict] | None = None, name: str | None = None):
         """One document: tokens [T] (ids < 2**bits of dtype), weights uint8 [T] for chat, and
-        for chat its media items in token order (``TokenStore.media``'s format)."""
+        for chat its media items in token order (``TokenStore.media``'s format); a
+        preference pair's record ``name``."""
         if not self.shards or self.shards[-1]["num_tokens"] >= self.shard_tokens:
             self._open_shard()
         self._tok.write(np.asarray(tokens).astype(self.dtype).tobytes())
         if self.chat:
             self._wts.write(np.asarray(weights, np.uint8).tobytes())
             self.num_supervised += int(np.count_nonzero(weights))
+        if self.preference:
+            self._names.write(("" if self.num_docs == 0 else "\n") + name.replace("\n", " "))
+        elif self.chat:
             media = media or []
             self._media.write(json.dumps(media, separators=(",", ":")).encode() + b"\n")
             self._media_offsets.write(np.array([self._media.tell()], np.int64).tobytes())
@@ -141,18 +155,23 @@ class StoreWriter:
         self._close_shard()
         self._offsets.close()
         self._hashes.close()
-        if self.chat:
+        if self.preference:
+            self._names.close()
+        elif self.chat:
             self._media.close()
             self._media_offsets.close()
             if not self.has_media:  # a text-only chat store stays as it always was
                 os.remove(os.path.join(self.dir, MEDIA))
                 os.remove(os.path.join(self.dir, MEDIA_OFFSETS))
         manifest = {"format": FORMAT, "version": VERSION, **manifest,
-                    "kind": "chat" if self.chat else "text", "dtype": self.dtype.name,
+                    "kind": ("preference" if self.preference else
+                             "chat" if self.chat else "text"), "dtype": self.dtype.name,
                     "num_docs": self.num_docs, "num_tokens": self.num_tokens,
                     "shards": self.shards}
         if self.chat:
             manifest["num_supervised"] = self.num_supervised
+        if self.preference:
+            manifest["num_pairs"] = self.num_docs
         with open(os.path.join(self.dir, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
         return manifest
@@ -165,6 +184,7 @@ class TokenStore:
       manifest: the parsed manifest.json.
       offsets: int64 [num_docs + 1], memory-mapped.
       chat: True for a chat store (weights present).
+      preference: True for a store of preference pairs (``preference.py``).
     """
 
     def __init__(self, path: str):
@@ -180,6 +200,7 @@ class TokenStore:
                              f"{VERSION}: prepare the store again")
         self.manifest = m
         self.chat = m["kind"] == "chat"
+        self.preference = m["kind"] == "preference"
         self.dtype = np.dtype(m["dtype"])
         self.offsets = np.memmap(os.path.join(path, OFFSETS), np.int64, mode="r")
         if len(self.offsets) != m["num_docs"] + 1 or self.offsets[-1] != m["num_tokens"]:

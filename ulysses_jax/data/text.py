@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..mesh import DATA, RING, SEQ, act_spec, axis_size
 
@@ -444,7 +444,8 @@ class BatchIterator:
 
     def next_global(self, mesh: Mesh, order: np.ndarray | None = None) -> dict[str, jax.Array]:
         """The next batch as global arrays sharded P("data", "seq"); see ``shard_batch``."""
-        batch = shard_batch(self.rows_fn(), mesh, (self.batch_size, self.rows.seq_len), order)
+        batch = shard_batch(self.rows_fn(), mesh, (self.batch_size, self.rows.seq_len), order,
+                            getattr(self.rows, "row_fields", ()))
         self.next_row += self.batch_size
         return batch
 
@@ -459,13 +460,14 @@ def eval_batches(rows: PackedRows, batch_size: int,
         batch = rows.rows(ids)
         if len(ids) < batch_size:
             pad = rows.empty_rows(batch_size - len(ids))
-            batch = {f: np.concatenate([batch[f], pad[f]]) for f in FIELDS}
+            batch = {f: np.concatenate([batch[f], pad[f]]) for f in batch}
         yield batch
 
 
 def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
                 shape: tuple[int, int] | None = None,
-                order: np.ndarray | None = None) -> dict[str, jax.Array]:
+                order: np.ndarray | None = None,
+                row_fields: Sequence[str] = ()) -> dict[str, jax.Array]:
     """Global batch arrays [B, S] sharded ``NamedSharding(mesh, P("data", "seq"))``.
 
     Built with ``jax.make_array_from_callback``: each process computes only the row blocks
@@ -480,9 +482,11 @@ def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
       shape: (B, S); required for a rows_fn, read off a numpy batch.
       order: optional token order [S] applied to every row (``x[:, order]``), e.g. the zigzag
         order of ring attention; positions travel with their tokens, so they stay true.
+      row_fields: fields of one value per row, [B] (a preference batch's ``ref_logps``),
+        sharded P("data").
 
     Returns:
-      dict of FIELDS, each a jax.Array [B, S].
+      dict of FIELDS, each a jax.Array [B, S], and of ``row_fields``, each [B].
     """
     if isinstance(source, dict):
         shape = source["tokens"].shape
@@ -506,9 +510,19 @@ def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
         if (start, stop) not in blocks:
             rows_ = source(start, stop)
             if order is not None:
-                rows_ = {f: v[:, order] for f, v in rows_.items()}
+                rows_ = {f: v[:, order] if f in FIELDS else v for f, v in rows_.items()}
             blocks[(start, stop)] = rows_
         return blocks[(start, stop)][field][:, cols]
 
-    return {f: jax.make_array_from_callback(shape, sharding, lambda i, f=f: block(f, i))
-            for f in FIELDS}
+    def row_block(field, index):
+        rows = index[0]
+        block(FIELDS[0], (rows, slice(None)))  # builds (and keeps) the rows' block
+        start, stop, _ = rows.indices(B)
+        return blocks[(start, stop)][field]
+
+    out = {f: jax.make_array_from_callback(shape, sharding, lambda i, f=f: block(f, i))
+           for f in FIELDS}
+    by_row = NamedSharding(mesh, P(act_spec(mesh)[0]))
+    out.update({f: jax.make_array_from_callback((B,), by_row, lambda i, f=f: row_block(f, i))
+                for f in row_fields})
+    return out

@@ -35,7 +35,7 @@ def plain_cross_entropy(logits, targets, loss_mask):
 
 
 def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int = 1024,
-                          softcap: float = 0.0):
+                          softcap: float = 0.0, per_row: bool = False):
     """Mean next-token loss without materialising the logits.
 
     Args:
@@ -45,9 +45,12 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
       mesh: the ("data", "seq") mesh.
       chunk: positions per device per chunk.
       softcap: c > 0 caps the logits at c * tanh(logits / c) (Gemma 2); 0 = none.
+      per_row: return each row's summed loss and count instead (sequence log-probabilities
+        for preference objectives, ``training/objectives/dpo.py``).
 
     Returns:
-      (mean loss, number of counted tokens), both fp32 scalars.
+      (mean loss, number of counted tokens), both fp32 scalars; with ``per_row``
+      (summed loss [B], counted tokens [B]), fp32, sharded over "data".
     """
     axes = tuple(a for a in (DATA, RING, SEQ) if a in mesh.axis_names)
 
@@ -64,14 +67,32 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
                                 preferred_element_type=jnp.float32)          # [B, C, V]
             if softcap:
                 logits = softcap * jnp.tanh(logits / softcap)
-            return jnp.sum(token_losses(logits, tc) * mc)
+            return jnp.sum(token_losses(logits, tc) * mc, axis=1 if per_row else None)
 
         sums = jax.lax.map(chunk_loss, (as_chunks(h), as_chunks(t), as_chunks(m)))  # [S/P/C]
+        if per_row:
+            return row_sums(sums, m, axes)
         # One all-reduce for both: the count then waits for the loss, which read the layers'
         # output, so it never runs beside their loop (ordering.py, the compilation cache).
         total, count = jax.lax.psum(jnp.stack([jnp.sum(sums), jnp.sum(m)]), axes)
         return total / jnp.maximum(count, 1.0), count
 
     act, tok = act_spec(mesh, 1), act_spec(mesh)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(), tok, tok), out_specs=(P(), P()))
+    out = (P(tok[0]),) * 2 if per_row else (P(), P())
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(), tok, tok), out_specs=out)
     return fn(hidden, w_head, targets, loss_mask.astype(jnp.float32))
+
+
+def row_sums(chunk_sums, mask, axes):
+    """Inside a loss's shard_map: (each row's summed loss, its counted tokens), [B/D] each,
+    summed over the sequence devices (not over "data": rows stay where they are).
+
+    Args:
+      chunk_sums: [chunks, B/D] per-chunk sums of each row's token losses on this device.
+      mask: [B/D, L] this device's loss weights.
+      axes: all the mesh's axes (data among them is left out here).
+    """
+    seq = tuple(a for a in axes if a != DATA)
+    total = jnp.stack([jnp.sum(chunk_sums, axis=0), jnp.sum(mask, axis=1)])     # [2, B/D]
+    total = jax.lax.psum(total, seq) if seq else total
+    return total[0], total[1]

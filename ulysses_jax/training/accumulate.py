@@ -58,14 +58,15 @@ def micro_batches(batch: dict, k: int, mesh: Mesh, shardings: dict) -> dict:
 
 
 def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh: Mesh,
-                      batch_shardings: dict, grad_shardings, on_host: bool = False):
+                      batch_shardings: dict, grad_shardings, on_host: bool = False,
+                      equal_weights: bool = False):
     """Gradient and metrics of the global batch's objective, over k micro-batches in a scan.
 
     Args:
       loss_and_grad: ``f(params, micro_batch, ce_weight, aux_weight) -> ((cross-entropy,
         metrics), grads)``: the gradient of ``ce_weight`` x the micro-batch's mean loss plus
         ``aux_weight`` x its other terms (MoE's router loss); metrics as
-        ``train_step.objective``'s (``tokens``, MoE's ``moe_*``).
+        ``objectives.sft.objective``'s (``tokens``, MoE's ``moe_*``).
       params: what ``loss_and_grad`` differentiates (closed over by the scan).
       batch: the global batch, field -> [B, ...].
       k: micro-batches (``grad_accum_steps``).
@@ -74,6 +75,8 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
         (ZeRO-3 sharded where the parameters are).
       on_host: the accumulator lives in host memory and is added to there
         (``optimizer.offload``: ``grad_shardings`` are pinned_host).
+      equal_weights: every micro-batch weighs 1/k (an objective that is a mean over pairs,
+        DPO: each micro-batch holds the same number of pairs), not c_i / C.
 
     Returns:
       (cross-entropy of the global batch, metrics, float32 gradients laid out as
@@ -87,6 +90,8 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
     counts = jnp.sum(stacked["loss_mask"].astype(jnp.float32),
                      axis=tuple(range(1, stacked["loss_mask"].ndim)))              # [k]
     weights = counts / jnp.maximum(jnp.sum(counts), 1.0)                          # c_i / C
+    if equal_weights:
+        weights = jnp.full((k,), 1.0 / k, jnp.float32)
 
     def add(acc, grads):
         with jax.named_scope(SCOPE):

@@ -21,18 +21,17 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import ordering
-from ..models import vocab
-from ..config import Config
+from ..config import Config, dpo_reference
 from ..data.text import FIELDS
+from . import objectives
 from .accumulate import accumulated_grads
+from .objectives.sft import objective  # noqa: F401 (re-exported: the SFT objective)
 from .optimizer import compute_copy_mask, make_optimizer, make_schedule
 from ..data.vision_batches import vision_shardings
-from ..models.loss import chunked_cross_entropy
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
 from ..interop.peft import model_targets
 from ..families import family
-from ..models.moe import aux_loss
 from ..models import lora
 from ..models.param_layout import param_shardings
 
@@ -103,10 +102,13 @@ def init_state(cfg: Config, mesh: Mesh, params: dict | None = None):
 def batch_shardings(mesh: Mesh, cfg: Config | None = None) -> dict:
     """One layout for every batch field (data.text.FIELDS): P("data", seq axes); for a multimodal
     family (``cfg``) also M-RoPE positions [B, S, 3] and the ``vision`` arrays
-    (``vision_batches.vision_shardings``)."""
+    (``vision_batches.vision_shardings``); for DPO with a precomputed reference each row's
+    ``ref_logps`` [B], P("data")."""
     out = {k: NamedSharding(mesh, act_spec(mesh)) for k in FIELDS}
     if cfg is not None and family(cfg.model.family).vision:
         out.update(vision_shardings(mesh, cfg.model.vision.split))
+    if cfg is not None and cfg.objective == "dpo" and dpo_reference(cfg) == "precompute":
+        out["ref_logps"] = NamedSharding(mesh, P(act_spec(mesh)[0]))
     return out
 
 
@@ -120,52 +122,6 @@ def loss_fn(graphdef, params, batch, mesh: Mesh):
     (``objective``)."""
     _, (loss, metrics) = objective(graphdef, params, batch, mesh)
     return loss, metrics["tokens"]
-
-
-def objective(graphdef, params, batch, mesh: Mesh, weights: tuple | None = None):
-    """What training minimises, with the loss and metrics it reports.
-
-    Args:
-      weights: (w_ce, w_aux), for a micro-batch of an accumulated step (accumulate.py): the
-        objective is then w_ce x the mean next-token loss + w_aux x the router term.
-
-    Returns:
-      (objective, (cross-entropy, metrics)): the objective is the mean next-token loss plus,
-      for an MoE model, ``router_aux_loss_coef`` x the load-balancing loss (moe.aux_loss, as
-      transformers' Qwen3MoeForCausalLM adds it). metrics: ``tokens`` (counted tokens) and,
-      for MoE, ``moe_aux_loss``, ``moe_load`` [E] (fraction of assignments per expert,
-      pooled over MoE layers) and ``moe_dropped`` (fraction of assignments dropped).
-    """
-    model = nnx.merge(graphdef, params)
-    hidden, stats = model.hidden_and_stats(batch["tokens"], batch["positions"],
-                                           batch["segment_ids"], batch.get("vision"))
-    args = (batch["targets"], batch["loss_mask"])
-    head = model.head_weight()
-    if model.lm_head is not None:
-        # An untied head's gradient is gathered to its replicated layout before the backward
-        # pass goes on into the layers, not beside their loop (ordering.py). (A tied head's
-        # is part of the embedding's, gathered after the last backward loop.)
-        hidden, head = ordering.grads_first(hidden, head)
-    with jax.named_scope("loss"):
-        if model.vocab_parallel:
-            loss, count = vocab.cross_entropy(hidden, head, *args, mesh=mesh,
-                                              chunk=model.cfg.loss_chunk,
-                                              softcap=model.cfg.final_softcap)
-        else:
-            loss, count = chunked_cross_entropy(hidden, head.astype(model.dtype),
-                                                *args, mesh=mesh, chunk=model.cfg.loss_chunk,
-                                                softcap=model.cfg.final_softcap)
-    metrics = {"tokens": count}
-    if stats is None:
-        return (loss if weights is None else weights[0] * loss), (loss, metrics)
-    cfg = model.cfg
-    aux = aux_loss(stats, cfg.num_experts)
-    assignments = jnp.maximum(stats["tokens"] * cfg.num_experts_per_tok, 1.0)
-    metrics.update(moe_aux_loss=aux, moe_load=stats["load"] / assignments,
-                   moe_dropped=stats["dropped"] / assignments)
-    if weights is None:
-        return loss + cfg.router_aux_loss_coef * aux, (loss, metrics)
-    return weights[0] * loss + weights[1] * cfg.router_aux_loss_coef * aux, (loss, metrics)
 
 
 def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callable:
@@ -196,6 +152,7 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
 
     accum = cfg.grad_accum_steps
     in_batch = batch_shardings(mesh, cfg)
+    minimised = objectives.for_config(cfg)
 
     # With LoRA only the adapters (and model.lora.trainable) are differentiated and updated;
     # the frozen parameters pass through the step untouched (models/lora.py).
@@ -218,17 +175,18 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
 
         def micro_grads(trained, micro, ce_weight, aux_weight):
             (_, reported), grads = jax.value_and_grad(
-                lambda t: objective(graphdef, full(t), micro, mesh, (ce_weight, aux_weight)),
+                lambda t: minimised(graphdef, full(t), micro, mesh, (ce_weight, aux_weight)),
                 has_aux=True)(trained)
             return reported, grads
 
         if accum == 1:
             (_, (loss, extra)), grads = jax.value_and_grad(
-                lambda t: objective(graphdef, full(t), batch, mesh), has_aux=True)(trained)
+                lambda t: minimised(graphdef, full(t), batch, mesh), has_aux=True)(trained)
         else:  # grad_accum_steps micro-batches in a scan (accumulate.py)
             loss, extra, grads = accumulated_grads(
                 micro_grads, trained, batch, accum, mesh, in_batch,
-                on_host if offload else lora.trainable_params(on_device, lo), on_host=offload)
+                on_host if offload else lora.trainable_params(on_device, lo), on_host=offload,
+                equal_weights=objectives.counts_by_pairs(cfg))
         # The optimizer's reductions (the global norm over split parameters) wait for every
         # replicated gradient, the last of the backward pass among them, so none runs beside
         # a backward loop (ordering.py, the compilation cache).
@@ -292,10 +250,14 @@ def params_for_compute(cfg: Config | None, shardings) -> Callable:
 
 def make_eval_step(mesh: Mesh, graphdef, shardings, cfg: Config | None = None) -> Callable:
     """Jitted ``eval(params, batch) -> (mean loss, tokens)``; ``cfg`` for
-    ``params_for_compute`` (host-resident parameters with optimizer.offload)."""
+    ``params_for_compute`` (host-resident parameters with optimizer.offload). For DPO
+    ``-> (summed pair loss, pairs won, pairs, summed margin)`` (``objectives.dpo.eval_sums``)."""
     prepare = params_for_compute(cfg, shardings)
 
     def evaluate(params, batch):
+        if cfg is not None and cfg.objective == "dpo":
+            from .objectives import dpo
+            return dpo.eval_sums(cfg, graphdef, prepare(params), batch, mesh)
         return loss_fn(graphdef, prepare(params), batch, mesh)
 
     return jax.jit(evaluate, in_shardings=(shardings["params"], batch_shardings(mesh, cfg)))

@@ -30,7 +30,8 @@ from .position_loss import bucket_bounds, bucket_sums, token_losses
 from .tb_log import TensorBoardLog, Tee
 from .resume import resolve_init_from, start_state
 from .run_dir import CONFIG, MetricsLog, RunError, WorkdirLock, make_workdir, write_config
-from ..config import Config, ConfigError, load_config, to_dict, to_yaml, validate
+from ..config import (Config, ConfigError, dpo_reference, load_config, to_dict, to_yaml,
+                      validate)
 from ..families import family
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
@@ -99,12 +100,21 @@ def token_order(cfg: Config) -> np.ndarray | None:
     return zigzag_permutation(cfg.seq_len, cfg.mesh.ring)
 
 
+def rows_per_batch(cfg: Config) -> int:
+    """Rows of a global batch: ``batch_size``, or for DPO two per pair (chosen, rejected)."""
+    return cfg.batch_size * (2 if cfg.objective == "dpo" else 1)
+
+
 def _abstract_batch(cfg: Config, mesh):
-    shape = (cfg.batch_size, cfg.seq_len)
+    rows = rows_per_batch(cfg)
+    shape = (rows, cfg.seq_len)
     out = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
                                    sharding=s) for k, s in batch_shardings(mesh).items()}
     if family(cfg.model.family).vision:  # M-RoPE positions and the vision arrays
         out.update(vision_batches.abstract_vision(cfg, mesh))
+    by_row = batch_shardings(mesh, cfg).get("ref_logps")
+    if by_row is not None:  # DPO's precomputed reference, a value per row
+        out["ref_logps"] = jax.ShapeDtypeStruct((rows,), np.float32, sharding=by_row)
     return out
 
 
@@ -112,6 +122,12 @@ def batch_line(cfg: Config) -> str:
     """The start-up line on the batch, in sequences and tokens: per optimizer step, per
     micro-batch (grad_accum_steps) and per data replica at a time."""
     k, s, b = cfg.grad_accum_steps, cfg.seq_len, cfg.batch_size
+    if cfg.objective == "dpo":  # batch_size counts pairs, each two sequences
+        pairs = lambda n: f"{n} pair{'s' * (n != 1)} ({2 * n} sequences)"  # noqa: E731
+        micro = "" if k == 1 else (f" in grad_accum_steps={k} micro-batches of "
+                                   f"{pairs(b // k)}")
+        return (f"batch: {pairs(b)} = {2 * b * s:,} tokens per optimizer step{micro}; "
+                f"{pairs(b // k // cfg.mesh.data)} per data replica at a time")
     seqs = lambda n: f"{n} sequence{'s' * (n != 1)}"  # noqa: E731
     micro = "" if k == 1 else (f" in grad_accum_steps={k} micro-batches of {seqs(b // k)} = "
                                f"{b // k * s:,} tokens")
@@ -178,6 +194,8 @@ def _evaluate(eval_step, params, held_rows, cfg: Config, mesh,
     token counts (a bucket without tokens has loss None)."""
     if held_rows is None or cfg.eval_batches < 1:
         return None, None
+    if cfg.objective == "dpo":
+        return _evaluate_dpo(eval_step, params, held_rows, cfg, mesh), None
     bounds = bucket_bounds(cfg.seq_len)
     sums, counts = np.zeros(len(bounds) - 1), np.zeros(len(bounds) - 1)
     total, count = 0.0, 0.0
@@ -204,6 +222,23 @@ def _evaluate(eval_step, params, held_rows, cfg: Config, mesh,
         "bounds": bounds, "tokens": counts.astype(int).tolist(),
         "loss": [float(a / b) if b else None for a, b in zip(sums, counts)]}
     return (total / count if count else None), by_position
+
+
+def _evaluate_dpo(eval_step, params, held_rows, cfg: Config, mesh) -> dict:
+    """Held-out DPO loss, reward accuracy and margin over ``cfg.eval_batches`` batches of
+    pairs (a micro-batch at a time), as means over the pairs."""
+    k = cfg.grad_accum_steps
+    sums = np.zeros(4)
+    for batch in data_lib.eval_batches(held_rows, 2 * cfg.batch_size // k,
+                                       cfg.eval_batches * k):
+        sharded = data_lib.shard_batch(batch, mesh, order=token_order(cfg),
+                                       row_fields=held_rows.row_fields)
+        sums += [_scalar(x) for x in eval_step(params, sharded)]
+    loss, won, pairs, margin = sums
+    if not pairs:
+        return {}
+    return {"eval_loss": loss / pairs, "eval_rewards/accuracies": won / pairs,
+            "eval_rewards/margins": margin / pairs, "eval_pairs": int(pairs)}
 
 
 def _host(x) -> np.ndarray:
@@ -284,12 +319,13 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
     for note in notes + chunk_notes(cfg) + schedule_notes(cfg, workdir):
         _log(f"note: {note}")
     train_rows, held_rows = run_data.load_data(cfg)
+    run_data.check_objective(cfg, train_rows)
     cfg = run_data.with_segment_bound(cfg, train_rows, held_rows)
     if family(cfg.model.family).vision:
         batches = vision_batches.MediaBatchIterator(train_rows, cfg.batch_size, cfg,
                                                     run_data.pixel_options(train_rows))
     else:
-        batches = data_lib.BatchIterator(train_rows, cfg.batch_size, cfg.seed)
+        batches = data_lib.BatchIterator(train_rows, rows_per_batch(cfg), cfg.seed)
     _log(f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"
          f"{'' if held_rows is None else f', {held_rows.num_rows} held-out rows'}; "
          f"mesh data={cfg.mesh.data} x ring={cfg.mesh.ring} x seq={cfg.mesh.seq} on "
@@ -311,6 +347,10 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
             _log(f"note: dropped the unfinished last line of {log.path} (a run stopped "
                  f"while writing it); step {start + 1} on is logged again")
         _log(param_line(cfg, state["params"]))
+        if cfg.objective == "dpo" and dpo_reference(cfg) == "precompute":
+            _precompute_reference(cfg, mesh, (graphdef, state, shardings), start,
+                                  [r for r in (train_rows, held_rows) if r is not None],
+                                  workdir, progress)
         if start >= cfg.steps:
             summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
         else:
@@ -328,6 +368,24 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
     except BaseException:
         _close_after_error(ckpt)  # the error in flight is the one to report
         raise
+
+
+def _precompute_reference(cfg: Config, mesh, layout: tuple, start: int, rows: list,
+                          workdir: str, progress: bool) -> None:
+    """DPO with ``dpo.reference=precompute``: the reference log-probabilities of every pair
+    (``objectives/reference.py``), attached to the rows the batches read."""
+    from .objectives import dpo, reference
+    graphdef, state, shardings = layout
+    prepare = params_for_compute(cfg, shardings)
+    logps = jax.jit(lambda p, b: dpo.sequence_logps(graphdef, prepare(p), b, mesh)[0],
+                    in_shardings=(shardings["params"], batch_shardings(mesh)))
+    try:
+        ref = reference.load_or_compute(cfg, mesh, logps, state["params"], rows, workdir,
+                                        start, progress, token_order(cfg))
+    except reference.ReferenceError as e:
+        raise ConfigError(str(e)) from None
+    for r in rows:
+        r.attach_reference(ref)
 
 
 def _close_after_error(ckpt: Checkpointer) -> None:
@@ -353,8 +411,8 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
     graphdef, state, shardings, tx = layout
     step_fn = make_train_step(cfg, mesh, graphdef, tx, shardings)
     eval_fn = make_eval_step(mesh, graphdef, shardings, cfg)
-    position_fn = token_losses(mesh, graphdef, cfg.model.loss_chunk,
-                               prepare=params_for_compute(cfg, shardings))
+    position_fn = None if cfg.objective == "dpo" else token_losses(
+        mesh, graphdef, cfg.model.loss_chunk, prepare=params_for_compute(cfg, shardings))
     # Compile ahead of the loop: the loop runs this executable, timings exclude compilation,
     # and its cost analysis is per device (a lowered, unpartitioned program's is global).
     t0 = time.time()
@@ -370,7 +428,10 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
          + (f"MFU against {peak / 1e12:.0f} TFLOP/s ({device.device_kind})" if peak else
             f"no MFU: peak FLOP/s of {getattr(device, 'device_kind', device.platform)!r} "
             f"unknown"))
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = rows_per_batch(cfg) * cfg.seq_len
+    dpo_metrics = ()
+    if cfg.objective == "dpo":
+        from .objectives.dpo import METRICS as dpo_metrics
     order = token_order(cfg)
     summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
 
@@ -406,11 +467,14 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                         record["xla_flops_per_device"] = xla_flops
                     if peak:
                         record["mfu"] = flops / dt / peak
+                    record.update({k: _scalar(metrics[k]) for k in dpo_metrics})
                     record.update(_moe_metrics(metrics))
                     record.update(_memory_in_use(device))
                     if evaluate:
                         record["eval_loss"], by_position = _evaluate(
                             eval_fn, state["params"], held_rows, cfg, mesh, position_fn)
+                        if isinstance(record["eval_loss"], dict):  # DPO: loss and rewards
+                            record.update({"eval_loss": None, **record["eval_loss"]})
                         if by_position is not None:
                             record["heldout_loss_by_position"] = by_position
                         summary["eval_loss"] = record["eval_loss"]
@@ -473,7 +537,7 @@ def _xla_flops(compiled) -> float | None:
 
 
 def _moe_metrics(metrics: dict) -> dict:
-    """An MoE model's router metrics (train_step.objective): ``moe_aux_loss``, ``moe_load``
+    """An MoE model's router metrics (objectives/sft.py): ``moe_aux_loss``, ``moe_load``
     (list, per expert) and ``moe_dropped``; nothing for a dense model."""
     return {k: np.asarray(v.addressable_data(0)).tolist() for k, v in metrics.items()
             if k.startswith("moe_")}

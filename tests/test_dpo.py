@@ -1,0 +1,329 @@
+"""DPO (objective: dpo): preference stores, the loss against transformers + peft + TRL's
+formulas, and training runs.
+
+Exactness: a tiny random Llama written by transformers, wrapped by peft with random nonzero
+adapters, is the policy; the reference is the same model with the adapters disabled (what
+TRL's DPOTrainer does for a peft model). Each sequence's log-probability is computed in torch
+as TRL's concatenated_forward does (log_softmax of the shifted logits, gathered, masked to
+the completion, summed), and the losses with TRL's formulas (sigmoid, sigmoid with label
+smoothing, hinge, length-normalised IPO). Ours, at mesh.seq 1, 2 and 4 (2 and 4 split the
+vocabulary too), must give the same loss (1e-5 relative) and adapter gradients (1e-4), with
+prompts of very different lengths in one batch.
+"""
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import need_devices
+from test_chat import CHATML, write_tokenizer_dir
+from ulysses_jax import make_mesh
+from ulysses_jax.config import ConfigError, DPOConfig, LoraConfig, load_config
+from ulysses_jax.data import prepare as prepare_lib
+from ulysses_jax.data.packing import store_rows
+from ulysses_jax.data.store import TokenStore
+from ulysses_jax.hf import config_from_hf, load_params, read_config
+from ulysses_jax.interop.peft import adapter_tensors, peft_targets, with_adapters
+from ulysses_jax.models import lora
+from ulysses_jax.models.decoder import Decoder
+from ulysses_jax.training.objectives import dpo
+from ulysses_jax.training.train_step import batch_shardings
+
+torch = pytest.importorskip("torch", reason="torch is needed for the reference")
+transformers = pytest.importorskip("transformers", reason="transformers is needed")
+peft = pytest.importorskip("peft", reason="peft gives the adapters-off reference")
+
+V, S = 300, 32
+
+
+# ---- preference stores ---------------------------------------------------------------------
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_prepare_text_and_conversational_pairs(tmp_path):
+    tok_dir = write_tokenizer_dir(tmp_path / "tok", CHATML)
+    src = _jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": "Say hi", "chosen": " hi", "rejected": " the answer is 42"},
+        {"prompt": [{"role": "user", "content": "Say hi"}],
+         "chosen": [{"role": "assistant", "content": "hi"}],
+         "rejected": [{"role": "assistant", "content": "the answer is 42"}]}])
+    manifest, built = prepare_lib.prepare([src], str(tmp_path / "store"), tok_dir,
+                                          preference=True, progress=False)
+    assert built and manifest["kind"] == "preference" and manifest["num_pairs"] == 2
+    store = TokenStore(str(tmp_path / "store"))
+    from ulysses_jax.data.text import load_tokenizer
+    tok = load_tokenizer(tok_dir)
+    from test_chat import decode
+    for d, (prompt, chosen, rejected) in enumerate([
+            ("Say hi", " hi<|im_end|>", " the answer is 42<|im_end|>"),
+            ("<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n", "hi<|im_end|>",
+             "the answer is 42<|im_end|>")]):
+        ids, w = store.doc(d), store.doc(d, weights=True)
+        # the prompt once, then the chosen and the rejected completion (text pairs end with
+        # EOS, which is <|im_end|> here; a chat completion ends with its end-of-turn token)
+        assert [decode(tok, ids[w == k]) for k in (0, 1, 2)] == [prompt, chosen, rejected]
+        assert list(w) == sorted(w)
+    with open(tmp_path / "store" / "names.txt") as f:
+        assert f.read().split("\n") == [f"{src}:1", f"{src}:2"]
+    # Rows: pair i's chosen and rejected sequences at rows 2i, 2i + 1, the completion's
+    # tokens as targets.
+    rows, _, _ = store_rows(str(tmp_path / "store"), 64, 0.0, 0)
+    assert rows.num_rows == 4
+    for r in range(4):
+        row = rows.row(r)
+        pair = int(rows._perm(0, 0)[r // 2])
+        ids, w = store.doc(pair), store.doc(pair, weights=True)
+        seq = ids[(w == 0) | (w == 1 + r % 2)]
+        n = len(seq)
+        assert list(row["tokens"][:n]) == list(seq) and not row["segment_ids"][n:].any()
+        supervised = row["loss_mask"] > 0
+        assert list(row["targets"][supervised]) == list(ids[w == 1 + r % 2])
+
+
+@pytest.mark.parametrize("record,match", [
+    ({"prompt": "a", "chosen": "b"}, r"pairs.jsonl:1: a preference record needs the fields "
+                                     r"prompt, chosen, rejected; missing rejected"),
+    ({"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": "c"},
+     r"pairs.jsonl:1: prompt, chosen and rejected must all be text or all be message lists"),
+    ({"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant",
+      "content": "b"}], "rejected": [{"role": "assistant", "content": "c"}]},
+     r"pairs.jsonl:1: a conversational pair \(message lists\) needs a chat template"),
+    ({"prompt": "", "chosen": "b", "rejected": "c"}, r"the prompt encodes to no token"),
+])
+def test_prepare_refuses_bad_records_by_name(tmp_path, record, match):
+    src = _jsonl(tmp_path / "pairs.jsonl", [record])
+    with pytest.raises(ValueError, match=match):
+        prepare_lib.prepare([src], str(tmp_path / "store"), None, preference=True,
+                            progress=False)
+    assert not os.path.exists(tmp_path / "store")
+
+
+def test_long_pairs_are_refused_by_name_or_dropped(tmp_path):
+    src = _jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": "p" * 10, "chosen": "c" * 5, "rejected": "r" * 30},
+        {"prompt": "p" * 10, "chosen": "c" * 5, "rejected": "r" * 5}])
+    prepare_lib.prepare([src], str(tmp_path / "store"), None, preference=True, progress=False)
+    with pytest.raises(ValueError, match=r"1 preference pair\(s\) are longer than seq_len 32 "
+                                         r".*pairs.jsonl:1 \(41 tokens\).*never truncated"):
+        store_rows(str(tmp_path / "store"), 32, 0.0, 0)
+    rows, _, notes = store_rows(str(tmp_path / "store"), 32, 0.0, 0, overflow="drop")
+    assert rows.num_pairs == 1 and "1 longer than seq_len were dropped" in notes[0]
+
+
+@pytest.mark.parametrize("over,match", [
+    (["objective=dpo", "dpo.reference=base"], "dpo.reference=base .* needs model.lora.rank"),
+    (["objective=dpo", "model.lora.rank=4", "model.lora.trainable=[norms]"],
+     "model.lora.trainable .* use dpo.reference=precompute"),
+    (["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"], "applies to dpo.loss_type sigmoid"),
+    (["dpo.loss_type=kto"], "dpo.loss_type must be one of sigmoid, ipo, hinge"),
+    (["dpo.beta=0"], "dpo.beta must be positive"),
+    (["objective=ppo"], "objective must be one of sft, dpo"),
+])
+def test_config_errors(over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, over)
+
+
+# ---- the loss against transformers + peft + TRL's formulas ---------------------------------
+
+def _trl_losses(pi, ref, n, d: DPOConfig):
+    """TRL's DPOTrainer losses from [B, 2] torch log-probabilities and completion counts."""
+    F = torch.nn.functional
+    ratio = pi - ref
+    delta = ratio[:, 0] - ratio[:, 1]
+    if d.loss_type == "sigmoid":
+        return (-(1 - d.label_smoothing) * F.logsigmoid(d.beta * delta)
+                - d.label_smoothing * F.logsigmoid(-d.beta * delta)).mean()
+    if d.loss_type == "hinge":
+        return torch.relu(1 - d.beta * delta).mean()
+    avg = ratio / n.clamp(min=1.0)
+    return ((avg[:, 0] - avg[:, 1] - 1 / (2 * d.beta)) ** 2).mean()
+
+
+def _pairs_batch(rng, prompt_lens, completion_lens):
+    """Rows [c0, r0, c1, r1, ...]: each a random prompt then a random completion, padded."""
+    rows = {k: [] for k in ("tokens", "targets", "loss_mask", "segment_ids", "positions")}
+    for p, (lc, lr) in zip(prompt_lens, completion_lens):
+        prompt = rng.integers(0, V, p)
+        for n in (lc, lr):
+            seq = np.concatenate([prompt, rng.integers(0, V, n)])
+            tok = np.zeros(S, np.int32)
+            tok[:len(seq)] = seq
+            tgt, mask = np.zeros(S, np.int32), np.zeros(S, np.float32)
+            tgt[p - 1:len(seq) - 1] = seq[p:]
+            mask[p - 1:len(seq) - 1] = 1
+            rows["tokens"].append(tok)
+            rows["targets"].append(tgt)
+            rows["loss_mask"].append(mask)
+            rows["segment_ids"].append((np.arange(S) < len(seq)).astype(np.int32))
+            rows["positions"].append(np.where(np.arange(S) < len(seq), np.arange(S), 0))
+    return {k: np.stack(v).astype(np.float32 if k == "loss_mask" else np.int32)
+            for k, v in rows.items()}
+
+
+def _torch_logps(model, batch):
+    """TRL's per-sequence sums of completion log-probabilities, [2B] -> [B, 2]."""
+    logits = model(torch.from_numpy(batch["tokens"]).long()).logits.float()    # [2B, S, V]
+    logp = torch.log_softmax(logits, -1).gather(
+        -1, torch.from_numpy(batch["targets"]).long()[..., None])[..., 0]
+    mask = torch.from_numpy(batch["loss_mask"])
+    return (logp * mask).sum(-1).reshape(-1, 2), mask.sum(-1).reshape(-1, 2)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A random tiny Llama checkpoint and its peft wrapper with random adapters."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=V, head_dim=16, tie_word_embeddings=True),
+        attn_implementation="eager")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.3 * noise if p.ndim == 1 else 0.08 * noise)
+    path = str(tmp_path_factory.mktemp("llama"))
+    model.save_pretrained(path, safe_serialization=True)
+    ours = LoraConfig(rank=4, alpha=8.0)
+    cfg = dataclasses.replace(config_from_hf(read_config(path)), lora=ours)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8.0, lora_dropout=0.0, **peft_targets(cfg))).eval()
+    with torch.no_grad():
+        for n, p in wrapped.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return path, wrapped
+
+
+def test_loss_and_gradients_match_trl(llama):
+    path, wrapped = llama
+    rng = np.random.default_rng(0)
+    # prompts of 2 and 20 tokens; completions of 3 to 11
+    batch = _pairs_batch(rng, [2, 20], [(9, 3), (11, 4)])
+    d = DPOConfig(beta=0.1)
+    wrapped.zero_grad()
+    pi, n = _torch_logps(wrapped, batch)
+    with torch.no_grad(), wrapped.disable_adapter():
+        ref, _ = _torch_logps(wrapped, batch)
+    want = _trl_losses(pi, ref, n, d)
+    want.backward()
+    want_grads = {k.replace(".default", ""): p.grad.numpy().copy()
+                  for k, p in wrapped.named_parameters() if "lora_" in k}
+    theirs = {k.replace(".default", ""): p.detach().numpy()
+              for k, p in wrapped.named_parameters() if "lora_" in k}
+    # the other formulas on the same log-probabilities
+    others = [DPOConfig(beta=0.1, label_smoothing=0.2), DPOConfig(beta=0.5, loss_type="hinge"),
+              DPOConfig(beta=0.3, loss_type="ipo")]
+    want_other = [float(_trl_losses(pi.detach(), ref, n, o)) for o in others]
+    for p in (1, 2, 4):
+        mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+        base_cfg, base = load_params(path, mesh, attn_impl="xla")
+        mcfg = dataclasses.replace(base_cfg, lora=LoraConfig(rank=4, alpha=8.0))
+        cfg = load_config(None, ["objective=dpo", "model.lora.rank=4"])
+        cfg = dataclasses.replace(cfg, model=mcfg, dpo=d)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(mcfg, mesh=mesh,
+                                                                   rngs=nnx.Rngs(0))))
+        params = jax.tree.map(jnp.asarray, lora.overlay(
+            with_adapters(mcfg, nnx.to_pure_dict(state), theirs), base))
+        sh = batch_shardings(mesh)
+        sharded = {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
+        trained = lora.trainable_params(params, mcfg.lora)
+
+        @jax.jit
+        def run(trained, batch):
+            def f(t):
+                return dpo.objective(cfg, graphdef, lora.overlay(params, t), batch, mesh)
+            (obj, (loss, metrics)), grads = jax.value_and_grad(f, has_aux=True)(trained)
+            logps, counts, _ = dpo.sequence_logps(graphdef, lora.overlay(params, trained),
+                                                  batch, mesh)
+            ref = dpo.reference_logps(cfg, graphdef, params, batch, mesh)
+            return loss, metrics, grads, logps, counts, ref
+
+        loss, metrics, grads, logps, counts, ref_ours = run(trained, sharded)
+        assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want)), (p, loss, want)
+        got = adapter_tensors(mcfg, grads)
+        assert sorted(got) == sorted(want_grads)
+        for k, g in got.items():
+            err = np.max(np.abs(g - want_grads[k])) / np.max(np.abs(want_grads[k]))
+            assert err <= 1e-4, (p, k, err)
+        np.testing.assert_allclose(np.asarray(logps).reshape(-1, 2), pi.detach().numpy(),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(ref_ours).reshape(-1, 2), ref.numpy(), rtol=1e-5)
+        rewards = 0.1 * (pi.detach() - ref).numpy()
+        assert float(metrics["rewards/margins"]) == pytest.approx(
+            float(np.mean(rewards[:, 0] - rewards[:, 1])), rel=1e-4, abs=1e-6)
+        assert float(metrics["rewards/accuracies"]) == np.mean(rewards[:, 0] > rewards[:, 1])
+        for o, w in zip(others, want_other):
+            got_o, _ = dpo.pair_losses(logps, ref_ours, counts, o)
+            assert float(jnp.mean(got_o)) == pytest.approx(w, rel=1e-5), (p, o)
+
+
+# ---- training --------------------------------------------------------------------------------
+
+TRAIN = ["objective=dpo", "seq_len=64", "batch_size=4", "steps=4", "log_every=1",
+         "eval_every=2", "eval_batches=1", "model.vocab_size=257", "model.d_model=32",
+         "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8",
+         "model.ffn_dim=64", "model.loss_chunk=8", "optimizer.warmup_steps=0",
+         "optimizer.lr=0.003", "log_tensorboard=false", "checkpoint_every=0"]
+
+
+@pytest.fixture(scope="module")
+def pair_store(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "the", "cat", "dog", "runs", "sleeps"]
+    records = []
+    for _ in range(40):
+        prompt = " ".join(rng.choice(words, rng.integers(1, 8)))
+        records.append({"prompt": prompt,
+                        "chosen": " " + " ".join(rng.choice(words[:3], rng.integers(1, 3))),
+                        "rejected": " " + " ".join(rng.choice(words[3:], rng.integers(1, 3)))})
+    tmp = tmp_path_factory.mktemp("pairs")
+    src = _jsonl(tmp / "pairs.jsonl", records)
+    prepare_lib.prepare([src], str(tmp / "store"), None, preference=True, progress=False)
+    return str(tmp / "store")
+
+
+def _run(store, workdir, *over):
+    from ulysses_jax.training.trainer import train
+    cfg = load_config(None, TRAIN + [f"data.source={store}", "data.heldout_fraction=0.1",
+                                     *over])
+    train(cfg, str(workdir), progress=False)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_full_fine_tuning_with_a_precomputed_reference(pair_store, tmp_path):
+    """Step 1 is ln 2 (policy = reference); the curve at mesh.seq 4 and with two data
+    replicas x 2 sequence devices and 2 accumulated micro-batches equals mesh.seq 1's."""
+    one = _run(pair_store, tmp_path / "seq1", "mesh.seq=1")
+    assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert one[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert one[-1]["loss"] < 0.6  # falls from ln 2 in 4 steps
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
+            "logps/rejected", "eval_rewards/accuracies"} <= set(one[-1])
+    assert os.path.exists(tmp_path / "seq1" / "reference_logps.npy")
+    for name, over in (("seq4", ["mesh.seq=4"]),
+                       ("data2_accum2", ["mesh.seq=2", "mesh.data=2", "grad_accum_steps=2"])):
+        other = _run(pair_store, tmp_path / name, *over)
+        for a, b in zip(one, other):
+            assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=1e-6), (name, a, b)
+            if "eval_loss" in a:
+                assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=2e-5), name
+
+
+def test_lora_run_uses_the_base_as_reference(pair_store, tmp_path):
+    run = _run(pair_store, tmp_path / "lora", "mesh.seq=2", "model.lora.rank=4",
+               "model.lora.alpha=8", "optimizer.lr=0.01")
+    assert run[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert run[-1]["loss"] < run[0]["loss"]
+    assert not os.path.exists(tmp_path / "lora" / "reference_logps.npy")
