@@ -274,7 +274,8 @@ TRAIN = ["objective=dpo", "seq_len=64", "batch_size=4", "steps=4", "log_every=1"
          "eval_every=2", "eval_batches=1", "model.vocab_size=257", "model.d_model=32",
          "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8",
          "model.ffn_dim=64", "model.loss_chunk=8", "optimizer.warmup_steps=0",
-         "optimizer.lr=0.003", "log_tensorboard=false", "checkpoint_every=0"]
+         "optimizer.lr=0.003", "optimizer.schedule_steps=4", "log_tensorboard=false",
+         "checkpoint_every=0"]
 
 
 @pytest.fixture(scope="module")
@@ -302,16 +303,24 @@ def _run(store, workdir, *over):
         return [json.loads(line) for line in f]
 
 
-def test_full_fine_tuning_with_a_precomputed_reference(pair_store, tmp_path):
+@pytest.fixture(scope="module")
+def seq1(pair_store, tmp_path_factory):
+    """A full fine-tuning DPO run at mesh.seq 1 (dpo.reference=precompute): (workdir,
+    metrics records)."""
+    workdir = tmp_path_factory.mktemp("seq1")
+    return workdir, _run(pair_store, workdir, "mesh.seq=1")
+
+
+def test_full_fine_tuning_with_a_precomputed_reference(pair_store, seq1, tmp_path):
     """Step 1 is ln 2 (policy = reference); the curve at mesh.seq 4 and with two data
     replicas x 2 sequence devices and 2 accumulated micro-batches equals mesh.seq 1's."""
-    one = _run(pair_store, tmp_path / "seq1", "mesh.seq=1")
+    workdir, one = seq1
     assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert one[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
     assert one[-1]["loss"] < 0.6  # falls from ln 2 in 4 steps
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
             "logps/rejected", "eval_rewards/accuracies"} <= set(one[-1])
-    assert os.path.exists(tmp_path / "seq1" / "reference_logps.npy")
+    assert os.path.exists(workdir / "reference_logps.npy")
     for name, over in (("seq4", ["mesh.seq=4"]),
                        ("data2_accum2", ["mesh.seq=2", "mesh.data=2", "grad_accum_steps=2"])):
         other = _run(pair_store, tmp_path / name, *over)
@@ -319,6 +328,39 @@ def test_full_fine_tuning_with_a_precomputed_reference(pair_store, tmp_path):
             assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=1e-6), (name, a, b)
             if "eval_loss" in a:
                 assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=2e-5), name
+
+
+def test_resume_reads_the_recorded_reference_and_continues_exactly(pair_store, seq1,
+                                                                    tmp_path, capsys):
+    _, one = seq1
+    first = _run(pair_store, tmp_path, "mesh.seq=1", "steps=2")
+    assert "reference log-probabilities of" in capsys.readouterr().out
+    both = _run(pair_store, tmp_path, "mesh.seq=1")
+    assert "read from" in capsys.readouterr().out
+    assert [r["loss"] for r in both] == [r["loss"] for r in first + both[2:]]
+    for a, b in zip(one, both):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), (a, b)
+    # A run that has trained cannot make its reference again: a missing record is refused.
+    os.remove(tmp_path / "reference_logps.npy")
+    with pytest.raises(ConfigError, match="resumes at step 4, but .* can only be computed "
+                                          "from the step-0 model"):
+        _run(pair_store, tmp_path, "mesh.seq=1", "steps=6")
+
+
+def test_evaluate_gives_the_held_out_dpo_loss(seq1, tmp_path):
+    """python -m ulysses_jax.evaluate on the run (its recorded reference, its held-out
+    pairs) at mesh.seq 3 and seq_len 128 (the run's 64 is below the passkey's shortest
+    prompt; padded inside to 129) gives the trainer's last held-out loss."""
+    from ulysses_jax.evaluate import main
+    workdir, one = seq1
+    assert main([str(workdir), "--mesh-seq", "3", "--seq-len", "128", "--out", str(tmp_path),
+                 "--batches", "4", "--batch-size", "2", "--no-generation", "--no-progress",
+                 "--trials", "1", "--depths", "0.5", "--lengths", "120"]) == 0
+    with open(tmp_path / "eval.json") as f:
+        got = json.load(f)["dpo"]
+    assert got["pairs"] == one[-1]["eval_pairs"]
+    assert got["loss"] == pytest.approx(one[-1]["eval_loss"], rel=1e-5)
+    assert got["rewards/accuracies"] == pytest.approx(one[-1]["eval_rewards/accuracies"])
 
 
 def test_lora_run_uses_the_base_as_reference(pair_store, tmp_path):

@@ -3,6 +3,7 @@
     python -m ulysses_jax.evaluate RUN_DIR_or_HF_DIR [--seq-len S] [--mesh-seq P] [--out DIR]
         [--step N] [--batches N] [--batch-size B] [--data SOURCE] [--heldout-fraction F]
         [--lengths L ...] [--depths F ...] [--trials N] [--seed N] [--no-generation]
+        [--reference DIR] [--beta B]
 
 The model runs on a ("data"=1, "seq"=P) mesh, each sequence of S tokens split over P devices
 as in training (Ulysses attention); nothing ever holds [B, S, V] logits: the loss and the
@@ -29,6 +30,13 @@ greedy prediction of every token come from chunks of each device's tokens
     of the answer tokens beside it; and ``generated_accuracy``: the share whose greedy
     answer, generated after the question (``ulysses_jax.generation``), contains the number
     (None for a model family generation does not serve yet; ``--no-generation`` skips it).
+(d) A preference store as the held-out data (``--data STORE``, or a DPO run's own): a ``dpo``
+    section with the DPO loss of the held-out pairs (``--batch-size`` pairs a batch), their
+    ``rewards/accuracies`` and ``rewards/margins`` (TRL's names) and ``pairs``, against the
+    reference ``--reference`` (a run or Hugging Face directory; default: a run's init_from)
+    with ``--beta`` (default: the run's dpo.beta, else 0.1) and the run's dpo.loss_type and
+    label_smoothing (sigmoid, 0 for a Hugging Face directory). (a) is then the loss of the
+    completion tokens by position.
 (c) ``DIR/eval.json`` and ``DIR/eval.png`` (the loss-by-position curve and the passkey
     heatmap); DIR defaults to the run or model directory.
 
@@ -134,6 +142,7 @@ class Loaded:
     default_seq_len: int | None
     chat_overflow: str = "truncate"
     run_data: bool = False
+    run: object = None  # a run directory's Config (None for a Hugging Face directory)
 
 
 def load(path: str, mesh, step: int | None = None) -> Loaded:
@@ -170,7 +179,7 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
             spec = leaf_spec(keys, x.shape, mesh, cfg.param_sharding)
             node[keys[-1]] = jax.device_put(x, NamedSharding(mesh, spec))
         source, fraction, seed = cfg.data.source, cfg.data.heldout_fraction, cfg.seed
-        seq_len, overflow, run_data = cfg.seq_len, cfg.data.chat_overflow, True
+        seq_len, overflow, run_data, run = cfg.seq_len, cfg.data.chat_overflow, True, cfg
     elif os.path.isfile(os.path.join(path, "config.json")):
         tok_file = note = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):  # checked before the (maybe large) weights load
@@ -181,7 +190,7 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
             raise EvalError(f"{path}: {e}") from None
         tokenizer = _tokenizer(tok_file)
         source, fraction, seed, seq_len = "stdlib", 0.02, 0, None
-        overflow, run_data = "truncate", False
+        overflow, run_data, run = "truncate", False, None
     else:
         raise EvalError(f"{path} is neither a training run (config.yaml) nor a Hugging Face "
                         f"model directory (config.json)")
@@ -189,7 +198,7 @@ def load(path: str, mesh, step: int | None = None) -> Loaded:
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, params)
     return Loaded(graphdef, nnx.to_pure_dict(state), model, tokenizer, tok_file, note, source,
-                  fraction, seed, seq_len, overflow, run_data)
+                  fraction, seed, seq_len, overflow, run_data, run)
 
 
 def _byte_export(path: str) -> str:
@@ -259,9 +268,11 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
              data: str | None = None, heldout_fraction: float | None = None,
              lengths: list[int] | None = None,
              depths: list[float] | None = None, trials: int = 2, seed: int = 0,
-             progress: bool = True, generate: bool = True, devices=None) -> dict:
-    """Runs (a) and (b) of the module docstring; returns the dict written to eval.json.
-    ``generate``: also (b) by generation (``generated_accuracy``).
+             progress: bool = True, generate: bool = True, devices=None,
+             reference: str | None = None, beta: float | None = None) -> dict:
+    """Runs (a), (b) and for a preference store (d) of the module docstring; returns the
+    dict written to eval.json. ``generate``: also (b) by generation (``generated_accuracy``);
+    ``reference``, ``beta``: (d)'s reference model and beta.
 
     ``data`` / ``heldout_fraction`` replace the held-out source and fraction (default: the
     run's; for a Hugging Face directory the stdlib corpus and 0.02); a fraction of 0 leaves
@@ -343,7 +354,11 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
     bar.close()
     written = _passkeys_by_generation(loaded, mesh, cells, seq_len, batch_size) \
         if generate else None
-    return {
+    preference = held is not None and getattr(getattr(held, "store", None), "preference",
+                                              False)
+    extra = {"dpo": _dpo_section(loaded, path, mesh, held, seq_len, batch_size, batches,
+                                 reference, beta, progress)} if preference else {}
+    return extra | {
         "model": os.path.abspath(path), "seq_len": seq_len, "mesh_seq": mesh_seq,
         "tokenizer": loaded.tokenizer_note,
         "loss_by_position": {
@@ -358,6 +373,82 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
             "generated_accuracy": None if written is None else [
                 [float(np.mean(written[(L, d)])) for d in depths] for L in lengths]},
     }
+
+
+def _dpo_section(loaded: Loaded, path: str, mesh, held, seq_len: int, batch_size: int,
+                 batches: int, reference: str | None, beta: float | None,
+                 progress: bool) -> dict:
+    """(d): the DPO loss, reward accuracy and margin of ``held``'s pairs against the
+    reference model, ``batch_size`` pairs a batch, at most ``batches`` batches."""
+    import jax
+    from .config import DPOConfig
+    from .data import text as data_lib
+    from .training.objectives import dpo
+    run = loaded.run
+    reference = reference or (run.init_from if run is not None else None)
+    recorded = None if reference is not None else _recorded_reference(path, held)
+    if reference is None and recorded is None:
+        raise EvalError(f"the held-out data is a preference store: its DPO loss needs the "
+                        f"reference model, --reference DIR (a run's init_from is the default, "
+                        f"or the reference log-probabilities a dpo.reference=precompute run "
+                        f"recorded for this store; {path} has neither)")
+    if recorded is not None:
+        held.attach_reference(recorded)
+    ref = load(reference, mesh) if reference is not None else None
+    if ref is not None and ref.model.vocab_size != loaded.model.vocab_size:
+        raise EvalError(f"--reference {reference} has vocab_size {ref.model.vocab_size}, the "
+                        f"model {loaded.model.vocab_size}: not the same vocabulary")
+    d = run.dpo if run is not None else DPOConfig()
+    if beta is not None:
+        if not beta > 0:
+            raise EvalError(f"--beta must be positive, got {beta}")
+        d = dataclasses.replace(d, beta=beta)
+
+    def logps_fn(graphdef):  # (each row's completion log-probability, its token count)
+        return jax.jit(lambda params, batch: dpo.sequence_logps(graphdef, params, batch,
+                                                                mesh)[:2])
+
+    policy = logps_fn(loaded.graphdef)
+    frozen = logps_fn(ref.graphdef) if ref is not None else None
+    multiple = mesh.shape["seq"]
+    losses, won, margins = [], [], []
+    for batch in _bar_iter(data_lib.eval_batches(held, 2 * batch_size, batches), progress):
+        sharded = data_lib.shard_batch(pad_rows({f: batch[f] for f in data_lib.FIELDS},
+                                                multiple), mesh)
+        pi, counts = policy(loaded.params, sharded)
+        r = frozen(ref.params, sharded)[0] if ref is not None else batch["ref_logps"]
+        per_pair, terms = dpo.pair_losses(pi, r, counts, d)
+        real = np.asarray(counts).reshape(-1, 2)[:, 0] > 0   # padding pairs have no token
+        losses += np.asarray(per_pair)[real].tolist()
+        won += np.asarray(terms["rewards/accuracies"])[real].tolist()
+        margins += np.asarray(terms["rewards/margins"])[real].tolist()
+    mean = lambda v: float(np.mean(v)) if v else None  # noqa: E731
+    return {"loss": mean(losses), "rewards/accuracies": mean(won),
+            "rewards/margins": mean(margins), "pairs": len(losses),
+            "reference": os.path.abspath(reference) if reference else
+            os.path.join(os.path.abspath(path), "reference_logps.npy"), "beta": d.beta,
+            "loss_type": d.loss_type, "label_smoothing": d.label_smoothing}
+
+
+def _recorded_reference(path: str, held) -> np.ndarray | None:
+    """The reference log-probabilities a run at ``path`` recorded (dpo.reference=precompute)
+    when they are of ``held``'s store and cover its pairs, else None."""
+    from .training.objectives import reference
+    try:
+        with open(os.path.join(path, reference.META)) as f:
+            meta = json.load(f)
+        values = np.load(os.path.join(path, reference.FILE))
+    except (OSError, ValueError):
+        return None
+    if meta["identity"]["store"] != held.store.manifest["fingerprint"] or \
+            len(values) != held.store.num_docs or np.isnan(values[held.ids]).any():
+        return None
+    return values
+
+
+def _bar_iter(items, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(items, desc="dpo", unit="batch", dynamic_ncols=True, disable=not enabled)
 
 
 def _passkeys_by_generation(loaded: Loaded, mesh, cells, seq_len: int, batch_size: int):
@@ -436,6 +527,10 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-generation", action="store_true",
                    help="no passkey accuracy by generation")
+    p.add_argument("--reference", help="a preference store's DPO loss: the reference model "
+                   "(run or Hugging Face directory; default: the run's init_from)")
+    p.add_argument("--beta", type=float, help="a preference store's DPO loss: beta (default: "
+                   "the run's dpo.beta, else 0.1)")
     return p.parse_args(argv)
 
 
@@ -453,7 +548,8 @@ def main(argv=None) -> int:
                           data=args.data, heldout_fraction=args.heldout_fraction,
                           lengths=args.lengths, depths=args.depths,
                           trials=args.trials, seed=args.seed, progress=not args.no_progress,
-                          generate=not args.no_generation)
+                          generate=not args.no_generation, reference=args.reference,
+                          beta=args.beta)
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -470,6 +566,11 @@ def main(argv=None) -> int:
           f"{pk['accuracy']}")
     if pk["generated_accuracy"] is not None:
         print(f"passkey accuracy by generation: {pk['generated_accuracy']}")
+    if "dpo" in result:
+        d = result["dpo"]
+        print(f"dpo ({d['pairs']} pairs, beta {d['beta']}, against {d['reference']}): loss "
+              f"{d['loss']}, rewards/accuracies {d['rewards/accuracies']}, rewards/margins "
+              f"{d['rewards/margins']}")
     print(f"wrote {os.path.join(out, 'eval.json')} and {os.path.join(out, 'eval.png')}")
     return 0
 

@@ -176,14 +176,19 @@ def chunk_notes(cfg: Config) -> list[str]:
 
 
 def model_flops_per_device(cfg: Config) -> float:
-    """Model FLOPs of one step on each device (``flops.train_step_flops`` / devices)."""
+    """Model FLOPs of one step on each device (``flops.train_step_flops`` / devices). DPO
+    trains on two sequences per pair; with ``dpo.reference=base`` each step also runs the
+    reference forward pass, counted as a third of a training pass (forward 1 : backward 2)."""
     devices = cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq
     tower = {}
     if family(cfg.model.family).vision:
         tower = dict(vision_patches=vision_batches.vision_groups(cfg)
                      * vision_batches.vision_slots(cfg),
                      frame_patches=vision_batches.DEFAULT_FRAME_PATCHES)
-    return train_step_flops(cfg.model, cfg.batch_size, cfg.seq_len, **tower) / devices
+    flops = train_step_flops(cfg.model, rows_per_batch(cfg), cfg.seq_len, **tower) / devices
+    if cfg.objective == "dpo" and dpo_reference(cfg) == "base":
+        flops *= 4 / 3
+    return flops
 
 
 def _evaluate(eval_step, params, held_rows, cfg: Config, mesh,
@@ -559,8 +564,13 @@ def _step_line(record: dict, steps: int) -> str:
             f"{record['tokens_per_sec']:.0f} tok/s, lr {record['lr']:.3g}")
     if "mfu" in record:
         line += f", MFU {record['mfu']:.1%}"
+    if "rewards/accuracies" in record:  # DPO
+        line += (f", reward accuracy {record['rewards/accuracies']:.2f}, margin "
+                 f"{record['rewards/margins']:.3f}")
     if record.get("eval_loss") is not None:
         line += f", held-out loss {record['eval_loss']:.4f}"
+    if "eval_rewards/accuracies" in record:
+        line += f" (reward accuracy {record['eval_rewards/accuracies']:.2f})"
     return line
 
 
