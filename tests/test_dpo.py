@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ def _jsonl(path, records):
     return str(path)
 
 
-def test_prepare_text_and_conversational_pairs(tmp_path):
+def test_prepare_text_and_conversational_pairs(tmp_path, capsys):
     tok_dir = write_tokenizer_dir(tmp_path / "tok", CHATML)
     src = _jsonl(tmp_path / "pairs.jsonl", [
         {"prompt": "Say hi", "chosen": " hi", "rejected": " the answer is 42"},
@@ -74,10 +75,25 @@ def test_prepare_text_and_conversational_pairs(tmp_path):
         assert list(w) == sorted(w)
     with open(tmp_path / "store" / "names.txt") as f:
         assert f.read().split("\n") == [f"{src}:1", f"{src}:2"]
+    # The same records from parquet: the same tokens.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    records = [json.loads(line) for line in open(src)]
+    pq.write_table(pa.Table.from_pylist(records[:1]), tmp_path / "pairs.parquet")
+    prepare_lib.prepare([str(tmp_path / "pairs.parquet")], str(tmp_path / "pq"), tok_dir,
+                        preference=True, progress=False)
+    assert list(TokenStore(str(tmp_path / "pq")).doc(0)) == list(store.doc(0))
     # Rows: pair i's chosen and rejected sequences at rows 2i, 2i + 1, the completion's
     # tokens as targets.
     rows, _, _ = store_rows(str(tmp_path / "store"), 64, 0.0, 0)
     assert rows.num_rows == 4
+    from ulysses_jax.data.__main__ import main as data_main
+    data_main(["show", str(tmp_path / "store"), "--seq-len", "64", "--row", "1",
+               "--heldout-fraction", "0"])
+    shown = capsys.readouterr().out
+    pair = int(rows._perm(0, 0)[0])
+    assert f"=== pair 0 of epoch 0 ({src}:{pair + 1}): the rejected sequence (row 1)" in shown
+    assert "\u27e6" + ["", " "][pair == 0] + "the answer is 42<|im_end|>\u27e7" in shown
     for r in range(4):
         row = rows.row(r)
         pair = int(rows._perm(0, 0)[r // 2])
@@ -99,12 +115,18 @@ def test_prepare_text_and_conversational_pairs(tmp_path):
      r"pairs.jsonl:1: a conversational pair \(message lists\) needs a chat template"),
     ({"prompt": "", "chosen": "b", "rejected": "c"}, r"the prompt encodes to no token"),
 ])
-def test_prepare_refuses_bad_records_by_name(tmp_path, record, match):
-    src = _jsonl(tmp_path / "pairs.jsonl", [record])
-    with pytest.raises(ValueError, match=match):
+def test_prepare_refuses_bad_records_by_name_or_drops_them(tmp_path, record, match):
+    good = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    src = _jsonl(tmp_path / "pairs.jsonl", [record, good])
+    with pytest.raises(ValueError, match=match + ".*--drop-bad-pairs"):
         prepare_lib.prepare([src], str(tmp_path / "store"), None, preference=True,
                             progress=False)
     assert not os.path.exists(tmp_path / "store")
+    manifest, _ = prepare_lib.prepare([src], str(tmp_path / "store"), None, preference=True,
+                                      progress=False, drop_bad=True)
+    assert manifest["num_pairs"] == 1 and manifest["dropped"]["pairs"] == 1
+    assert re.search(match, manifest["dropped"]["named"][0])
+    assert "1 record(s) that are not pairs dropped" in prepare_lib.describe(manifest)
 
 
 def test_long_pairs_are_refused_by_name_or_dropped(tmp_path):
@@ -328,6 +350,31 @@ def test_full_fine_tuning_with_a_precomputed_reference(pair_store, seq1, tmp_pat
             assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=1e-6), (name, a, b)
             if "eval_loss" in a:
                 assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=2e-5), name
+
+
+@pytest.mark.parametrize("over", [
+    # hybrid Ulysses x Ring (zigzag token order, also in the reference pass)
+    ["mesh.ring=2", "mesh.seq=2"],
+    # ZeRO-3, full remat with the layer checkpoints and the optimizer in host memory
+    ["mesh.seq=2", "param_sharding=zero3", "model.remat=full", "model.offload_checkpoints=true",
+     "optimizer.offload=true"],
+], ids=["ring", "zero3_offload"])
+def test_other_meshes_and_memory_options_train_the_same(pair_store, seq1, tmp_path, over):
+    _, one = seq1
+    other = _run(pair_store, tmp_path, *over)
+    for a, b in zip(one, other):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=1e-6), (over, a, b)
+
+
+def test_moe_model_adds_its_router_loss(pair_store, tmp_path):
+    """Experts split over the sequence devices: step 1 is still ln 2 (the reported loss is
+    the DPO loss), the router loss is reported beside it, and the loss falls."""
+    run = _run(pair_store, tmp_path, "mesh.seq=2", "model.num_experts=4",
+               "model.num_experts_per_tok=2", "model.moe_ffn_dim=32",
+               "model.router_aux_loss_coef=0.01")
+    assert run[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert run[0]["moe_aux_loss"] > 0 and len(run[0]["moe_load"]) == 4
+    assert run[-1]["loss"] < run[0]["loss"]
 
 
 def test_resume_reads_the_recorded_reference_and_continues_exactly(pair_store, seq1,

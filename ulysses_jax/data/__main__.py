@@ -1,7 +1,7 @@
 """python -m ulysses_jax.data prepare|show: build a token store; look at a packed row.
 
     prepare SRC [SRC ...] --out DIR [--tokenizer PATH]
-            [--chat | --preference] [--chat-template FILE|NAME]
+            [--chat | --preference [--drop-bad-pairs]] [--chat-template FILE|NAME]
             [--text-key text] [--messages-key messages] [--workers N] [--force]
             [--image-min-pixels N] [--image-max-pixels N] [--video-min-pixels N]
             [--video-max-pixels N] [--video-fps F]
@@ -40,6 +40,10 @@ def _parser():
                     "pairs: prompt, chosen and rejected, each text or a message list "
                     "(conversational: rendered with the tokenizer's chat template or "
                     "--chat-template); for objective: dpo")
+    pr.add_argument("--drop-bad-pairs", action="store_true", help="with --preference: leave "
+                    "out records that cannot be pairs (not JSON, a field missing or of the "
+                    "wrong type, an empty prompt or completion), counted in the manifest, "
+                    "instead of refusing the input")
     pr.add_argument("--chat-template", metavar="FILE|NAME", help="with --chat: render with "
                     "this jinja file, or the format chatml, llama3 or zephyr, instead of the "
                     "tokenizer's own template (special values such as eos_token still come "
@@ -89,7 +93,8 @@ def _prepare(args) -> int:
                               image_max_pixels=args.image_max_pixels,
                               video_min_pixels=args.video_min_pixels,
                               video_max_pixels=args.video_max_pixels, video_fps=args.video_fps,
-                              chat_template=args.chat_template, preference=args.preference)
+                              chat_template=args.chat_template, preference=args.preference,
+                              drop_bad=args.drop_bad_pairs)
     if built:
         print(f"wrote {args.out}: {describe(manifest)} in {manifest['seconds']:.1f} s")
     else:

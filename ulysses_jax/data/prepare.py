@@ -221,7 +221,8 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
             image_max_pixels: int = media_lib.images_lib.IMAGE_MAX_PIXELS,
             video_min_pixels: int = media_lib.images_lib.VIDEO_MIN_PIXELS,
             video_max_pixels: int = media_lib.images_lib.VIDEO_MAX_PIXELS,
-            video_fps: float = 2.0, preference: bool = False) -> tuple[dict, bool]:
+            video_fps: float = 2.0, preference: bool = False,
+            drop_bad: bool = False) -> tuple[dict, bool]:
     """Builds the token store ``out`` from ``srcs`` (files, directories, globs).
 
     Args:
@@ -238,6 +239,9 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
       video_fps: the rate videos with a known "fps" are sampled down to.
       preference: records are TRL's preference pairs (``prompt``, ``chosen``, ``rejected``;
         ``preference.py``): a store of kind "preference".
+      drop_bad: preference only: a record that cannot be a pair (not JSON, a field missing or
+        of the wrong type, an empty prompt or completion, ...) is left out and counted in the
+        manifest's ``dropped`` (the first ``MAX_NAMED`` named), not an error.
 
     Returns:
       (manifest, built): built is False when ``out`` already held these inputs' store.
@@ -265,8 +269,11 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     options = {"chat": chat, "key": messages_key if chat else text_key,
                "tokenizer": tok_info["sha256"], "eos_id": tok.eos_id,
                "template": template.hash if template else None}
+    if drop_bad and not preference:
+        raise ValueError("--drop-bad-pairs applies to --preference data only")
     if preference:  # absent otherwise: older stores stay current
         options["preference"] = True
+        options["drop_bad"] = drop_bad
     if origin and origin["origin"] != "tokenizer":  # absent otherwise: older stores stay current
         options["template_origin"] = origin
     fp = sources_lib.fingerprint(paths, options)
@@ -304,7 +311,9 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
     try:
         if template is not None:  # the store keeps the template it is rendered with (export)
             chat_templates.write_stored(tmp, template)
-        records = (sources_lib.iter_pairs(paths) if preference else
+        unreadable: list[str] = []  # preference records that are not pairs (drop_bad)
+        records = (sources_lib.iter_pairs(paths, unreadable if drop_bad else None)
+                   if preference else
                    sources_lib.iter_records(paths, text_key, messages_key, chat))
         template_args = (template.source, template.special) if template else None
         for docs, bad_names, padded_names in _encoded(_chunks(records), tokenizer,
@@ -316,12 +325,15 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
                 bar.update(len(ids))
             bad += bad_names
             padded += padded_names
-        if bad and preference:
+        if preference and drop_bad:
+            bad = unreadable + bad
+        if bad and preference and not drop_bad:
             raise ValueError(
                 f"{len(bad)} preference record(s) cannot be encoded: "
                 f"{'; '.join(bad[:MAX_NAMED])}{'; ...' if len(bad) > MAX_NAMED else ''}. "
-                f"Remove them from the input or fix them")
-        if bad:
+                f"Remove them from the input or fix them, or pass --drop-bad-pairs to leave "
+                f"them out (counted)")
+        if bad and not preference:
             raise NoSupervision(
                 f"{len(bad)} conversation(s) have no supervised token (assistant-only loss "
                 f"needs at least one assistant answer with text): "
@@ -330,6 +342,8 @@ def prepare(srcs: Sequence[str], out: str, tokenizer: str | None = None, chat: b
         if writer.num_docs == 0:
             raise ValueError(f"the sources {list(srcs)} hold no non-empty document")
         extra = {}
+        if preference and drop_bad:
+            extra["dropped"] = {"pairs": len(bad), "named": bad[:MAX_NAMED]}
         if template is not None:
             extra["chat_template"] = chat_templates.manifest_entry(template, origin)
         if padded:  # fine for a text model; check_store refuses the store for a multimodal one
@@ -409,6 +423,10 @@ def describe(manifest: dict) -> str:
         if "chat_template" in manifest:
             line += (f", chat template from "
                      f"{chat_templates.describe_origin(manifest['chat_template'])}")
+        if manifest.get("dropped", {}).get("pairs"):
+            d = manifest["dropped"]
+            line += (f"; {d['pairs']} record(s) that are not pairs dropped (first: "
+                     f"{d['named'][0]})")
     if manifest["kind"] == "chat":
         line += f", {manifest['num_supervised']} supervised tokens"
         if "chat_template" in manifest:

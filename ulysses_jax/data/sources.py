@@ -181,10 +181,26 @@ def _pair(record, where: str) -> dict:
     return {k: record[k] for k in PAIR_KEYS}
 
 
-def iter_pairs(paths: Sequence[str]) -> Iterator[tuple[str, dict]]:
+def iter_pairs(paths: Sequence[str], bad: list | None = None) -> Iterator[tuple[str, dict]]:
     """(name, {"prompt", "chosen", "rejected"}) of TRL's preference records in ``paths``
-    (.jsonl, .parquet or datasets directories), names as ``iter_records``' ; ValueError
-    naming the record for one missing a field or holding a value of the wrong type."""
+    (.jsonl, .parquet or datasets directories), names as ``iter_records``'.
+
+    Args:
+      bad: None: a record that is not JSON, misses a field or holds a value of the wrong type
+        is a ValueError naming it; a list: its message is appended there and it is skipped.
+    """
+    def refused(e: ValueError):
+        if bad is None:
+            raise ValueError(f"{e}. Fix the record, or pass --drop-bad-pairs to leave out "
+                             f"the records that are not pairs (counted)") from None
+        bad.append(str(e))
+
+    def checked(record, where):
+        try:
+            return _pair(record, where)
+        except ValueError as e:
+            return refused(e)
+
     for path in paths:
         if path.endswith((".txt", ".md")):
             raise ValueError(f"{path}: preference data must be .jsonl, .parquet or a datasets "
@@ -198,16 +214,23 @@ def iter_pairs(paths: Sequence[str]) -> Iterator[tuple[str, dict]]:
                     try:
                         record = json.loads(line.decode("utf-8"))
                     except UnicodeDecodeError as e:
-                        raise ValueError(f"{where}: not UTF-8 text (byte {e.start} of the "
-                                         f"line)") from None
+                        record = ValueError(f"{where}: not UTF-8 text (byte {e.start} of the "
+                                            f"line)")
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{where}: not valid JSON ({e.msg} at column "
-                                         f"{e.colno})") from None
-                    yield where, _pair(record, where)
+                        record = ValueError(f"{where}: not valid JSON ({e.msg} at column "
+                                            f"{e.colno})")
+                    if isinstance(record, ValueError):
+                        refused(record)
+                        continue
+                    pair = checked(record, where)
+                    if pair is not None:
+                        yield where, pair
             continue
         row = 0
         for batch in _arrow_batches(path, PAIR_KEYS):
             for record in batch.to_pylist():
                 where = f"{path}:{row}"
-                yield where, _pair(record, where)
+                pair = checked(record, where)
+                if pair is not None:
+                    yield where, pair
                 row += 1
