@@ -3,7 +3,6 @@ bfloat16 moments; the same numbers as without, the placement in a GPU lowering, 
 planner's device/host accounting."""
 import json
 import os
-import re
 import subprocess
 import sys
 

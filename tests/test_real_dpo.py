@@ -1,7 +1,7 @@
 """DPO on the real SmolLM2-135M-Instruct (test_real_checkpoint.py's converted checkpoint): a
 conversational preference store made with its tokenizer and chat template, a LoRA run
 (reference: the base with the adapters off) and a full fine-tuning run (reference:
-precomputed) at mesh.seq 3 (its 9 / 3 heads, 3 per device), two steps each on all four pairs:
+precomputed) at mesh.seq 3 (its 9 / 3 heads, 3 per device), two steps each on both pairs:
 step 1 is ln 2 and step 2 lower. The LoRA run's merged export, evaluated with ``--reference``
 the converted base over every pair, gives the loss that transformers and TRL's formula give on
 the same tokens. (The full run's export is written by the same code; evaluating it too would
@@ -25,14 +25,20 @@ RUNS = {"lora": ["model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=2e-3"
         "full": ["optimizer.lr=2e-5", "optimizer.moment_dtype=bfloat16"]}
 
 
+# (conversation, the conversation whose answer is the rejected one): the two shortest
+# conversations, so both pairs fit 42 tokens and each step is cheap on 2 cores.
+PAIRS = ((0, 2), (2, 3))
+SEQ_LEN = 42
+
+
 def _pairs(path) -> None:
-    """Pair i: conversation i's prompt, its own last answer (chosen) and conversation
-    i + 1's last answer (rejected, off topic)."""
+    """A pair per PAIRS entry: a conversation's prompt, its own last answer (chosen) and
+    another conversation's last answer (rejected, off topic)."""
     with open(path, "w") as f:
-        for i, conv in enumerate(CONVERSATIONS):
-            other = CONVERSATIONS[(i + 1) % len(CONVERSATIONS)][-1]
+        for i, j in PAIRS:
+            conv = CONVERSATIONS[i]
             f.write(json.dumps({"prompt": conv[:-1], "chosen": [conv[-1]],
-                                "rejected": [other]}) + "\n")
+                                "rejected": [CONVERSATIONS[j][-1]]}) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +56,8 @@ def runs(smollm2, tmp_path_factory):  # noqa: F811 (the fixture imported above)
     for name, over in RUNS.items():
         cfg = load_config(None, [
             "objective=dpo", f"dpo.beta={BETA}", f"init_from={smollm2.path}",
-            f"data.source={store}", "data.heldout_fraction=0", "seq_len=60", "batch_size=4",
+            f"data.source={store}", "data.heldout_fraction=0", f"seq_len={SEQ_LEN}",
+            f"batch_size={len(PAIRS)}",
             "mesh.seq=3", "steps=2", "log_every=1", "eval_batches=0", "checkpoint_every=2",
             "optimizer.warmup_steps=0", "log_tensorboard=false", *over])
         workdir = str(out / name)
@@ -71,7 +78,7 @@ def _trl_loss(policy_dir: str, reference_dir: str, store: str) -> float:
     import torch
     import transformers
     from ulysses_jax.data.packing import heldout_store_rows
-    rows = heldout_store_rows(store, 60, 1.0)
+    rows = heldout_store_rows(store, SEQ_LEN, 1.0)
     batch = rows.rows(range(rows.num_rows))
     logps = {}
     for key, path in (("policy", policy_dir), ("reference", reference_dir)):
@@ -101,14 +108,16 @@ def test_real_dpo_trains(runs, name):
 def test_lora_export_evaluates_as_trl(smollm2, runs, tmp_path):  # noqa: F811
     store, done = runs
     export = done["lora"][2]
+    # (--seq-len 48: the passkey rows need 43 tokens; the pairs' log-probabilities do not
+    # depend on the padding after them)
     assert evaluate_main([export, "--data", store, "--heldout-fraction", "1", "--reference",
-                          smollm2.path, "--mesh-seq", "3", "--seq-len", "60",
+                          smollm2.path, "--mesh-seq", "3", "--seq-len", "48",
                           "--batch-size", "2", "--batches", "2", "--beta", str(BETA),
-                          "--lengths", "60", "--depths", "0.5", "--trials", "1",
+                          "--lengths", "48", "--depths", "0.5", "--trials", "1",
                           "--no-generation", "--no-progress", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "eval.json") as f:
         got = json.load(f)["dpo"]
-    assert got["pairs"] == len(CONVERSATIONS)
+    assert got["pairs"] == len(PAIRS)
     want = _trl_loss(export, smollm2.path, store)
     assert got["loss"] == pytest.approx(want, rel=1e-4), (got, want)
     assert got["loss"] < math.log(2)

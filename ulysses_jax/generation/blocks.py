@@ -14,7 +14,6 @@ Letters as in models/decoder.py; C cache slots, T = 1 new token.
 """
 from __future__ import annotations
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from ..attention.heads import pad_kv, pad_query, unpad_output
-from ..config import LAYER_KINDS
 from ..mesh import act_spec, shard
 from ..models.decoder import layer_groups, unit_kinds
-from ..models.layers import out_projection
+from ..models.layers import by_kind, out_projection
 from .cache import CacheLayout, to_cache
 
 
@@ -77,7 +75,7 @@ def _attend_prompt(block, x, positions, segment_ids, kind, layout: CacheLayout, 
         q, k = attn.rope(kind, q, k, positions)
         return attn.attend(kind, q, k, v, segment_ids), k
 
-    o, k = _by_kind(attend, kind, q, k, v)
+    o, k = by_kind(attend, kind, q, k, v)
     return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), to_cache(k, v, layout, mesh)
 
 
@@ -101,7 +99,7 @@ def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLay
                              softcap=cfg.attn_softcap or None)
         return unpad_output(o, layout.heads), ck, cv
 
-    o, ck, cv = _by_kind(attend, kind, q, k, v, *cache)
+    o, ck, cv = by_kind(attend, kind, q, k, v, *cache)
     return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), (ck, cv)
 
 
@@ -147,13 +145,6 @@ def _decode(rest):
         o, cache = _attend_cached(block, x, positions, kind, cache, slot, pad, layout, mesh)
         return rest(block, x, o, None, mesh), cache
     return layer
-
-
-def _by_kind(fn, kind, *args):
-    """fn(kind, *args) for a static kind letter, or a ``lax.switch`` on a traced index."""
-    if isinstance(kind, str):
-        return fn(kind, *args)
-    return jax.lax.switch(kind, [partial(fn, c) for c in LAYER_KINDS], *args)
 
 
 # Per block family: (prefill, decode) layer functions.

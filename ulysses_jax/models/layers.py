@@ -123,6 +123,14 @@ def norm(cfg: ModelConfig, dim: int) -> RMSNorm:
     return RMSNorm(dim, cfg.norm_eps, one_plus=family(cfg.family).one_plus_norms)
 
 
+def by_kind(fn, kind, *args):
+    """``fn(kind, *args)`` for a static layer kind letter ("L", "G"), or a ``lax.switch``
+    between LAYER_KINDS on a traced index (layers of both kinds in one scan)."""
+    if isinstance(kind, str):
+        return fn(kind, *args)
+    return jax.lax.switch(kind, [partial(fn, c) for c in LAYER_KINDS], *args)
+
+
 class Attention(nnx.Module):
     """GQA self-attention: token-local projections and RoPE, Ulysses (or hybrid) exchange."""
 
@@ -146,18 +154,14 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, segment_ids, kind="G"):
         """``kind``: "L" (local: sliding window, local RoPE base and scaling) or "G"; or, when
         the layers mix both, a traced index into LAYER_KINDS (``lax.switch`` between the two)."""
-        dt, mesh, cfg = x.dtype, self.mesh, self.cfg
         q, k, v, adapt = self.project(x)
 
         def attend(kind, q, k, v):
             q, k = self.rope(kind, q, k, positions)               # [B, S, N, H], [B, S, K, H]
             return self.attend(kind, q, k, v, segment_ids)                       # [B, S, N, H]
 
-        if isinstance(kind, str):
-            o = attend(kind, q, k, v)
-        else:
-            o = jax.lax.switch(kind, [partial(attend, c) for c in LAYER_KINDS], q, k, v)
-        return out_projection(o, self.wo[...], adapt, dt, mesh)
+        o = by_kind(attend, kind, q, k, v)
+        return out_projection(o, self.wo[...], adapt, x.dtype, self.mesh)
 
     def project(self, x):
         """(q [B, S, N, H], k, v [B, S, K, H], adapt): the projections of x with their LoRA
