@@ -35,7 +35,8 @@ def plain_cross_entropy(logits, targets, loss_mask):
 
 
 def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int = 1024,
-                          softcap: float = 0.0, per_row: bool = False):
+                          softcap: float = 0.0, per_row: bool = False,
+                          per_token: bool = False):
     """Mean next-token loss without materialising the logits.
 
     Args:
@@ -47,6 +48,8 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
       softcap: c > 0 caps the logits at c * tanh(logits / c) (Gemma 2); 0 = none.
       per_row: return each row's summed loss and count instead (sequence log-probabilities
         for preference objectives, ``training/objectives/dpo.py``).
+      per_token: return every token's loss instead, [B, S] sharded like ``targets``
+        (differentiable; token log-probabilities for ``training/objectives/grpo.py``).
 
     Returns:
       (mean loss, number of counted tokens), both fp32 scalars; with ``per_row``
@@ -67,9 +70,13 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
                                 preferred_element_type=jnp.float32)          # [B, C, V]
             if softcap:
                 logits = softcap * jnp.tanh(logits / softcap)
+            if per_token:
+                return token_losses(logits, tc) * mc                          # [B, C]
             return jnp.sum(token_losses(logits, tc) * mc, axis=1 if per_row else None)
 
         sums = jax.lax.map(chunk_loss, (as_chunks(h), as_chunks(t), as_chunks(m)))  # [S/P/C]
+        if per_token:                                                    # [S/P/C, B, C]
+            return jnp.moveaxis(sums, 0, 1).reshape(b, s)
         if per_row:
             return row_sums(sums, m, axes)
         # One all-reduce for both: the count then waits for the loss, which read the layers'
@@ -78,7 +85,7 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
         return total / jnp.maximum(count, 1.0), count
 
     act, tok = act_spec(mesh, 1), act_spec(mesh)
-    out = (P(tok[0]),) * 2 if per_row else (P(), P())
+    out = tok if per_token else (P(tok[0]),) * 2 if per_row else (P(), P())
     fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(), tok, tok), out_specs=out)
     return fn(hidden, w_head, targets, loss_mask.astype(jnp.float32))
 

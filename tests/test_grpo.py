@@ -1,0 +1,218 @@
+"""GRPO's parts so far (issue 40), against TRL's GRPOTrainer formulas:
+
+- the policy loss (training/objectives/grpo.py) on given completions, computed with
+  transformers + peft (test_dpo.py's tiny random Llama with random adapters): token
+  log-probabilities, the clipped-ratio loss with the k3 KL term and every token aggregation,
+  and the adapter gradients, at mesh.seq 1, 2 and 4 (2 and 4 split the vocabulary too), with
+  prompts and completions of different lengths in one batch;
+- rewards and advantages (training/objectives/rewards.py): TRL's group / batch / none
+  scaling with skipped (None) rewards, reward functions called with TRL's arguments, the
+  built-ins, and the refusals of a function that cannot be loaded, raises or miscounts.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import need_devices
+from test_dpo import V, llama  # noqa: F401 (the module fixture)
+from ulysses_jax import make_mesh
+from ulysses_jax.config import LoraConfig
+from ulysses_jax.hf import load_params
+from ulysses_jax.interop.peft import adapter_tensors, with_adapters
+from ulysses_jax.models import lora
+from ulysses_jax.models.decoder import Decoder
+from ulysses_jax.training.objectives.grpo import GRPOLoss, grpo_loss, token_logps
+from ulysses_jax.training.train_step import batch_shardings
+
+torch = pytest.importorskip("torch", reason="torch is needed for the reference")
+
+S = 32
+
+
+def _trl(logp, old, ref, adv, mask, g: GRPOLoss):
+    """TRL's GRPOTrainer._compute_loss on token log-probabilities [B, T] (torch)."""
+    coef_1 = torch.exp(logp - old)
+    high = g.epsilon if g.epsilon_high is None else g.epsilon_high
+    coef_2 = torch.clamp(coef_1, 1 - g.epsilon, 1 + high)
+    a = adv[:, None]
+    per_token = -torch.min(coef_1 * a, coef_2 * a)
+    if g.beta:
+        per_token = per_token + g.beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    if g.loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if g.loss_type == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if g.loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * g.max_completion_length)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)  # dapo, one process
+
+
+def _rows(rng):
+    """Two prompts (3 and 15 tokens) with two completions each (4 to 13 tokens)."""
+    rows = {k: np.zeros((4, S), np.float32 if k == "loss_mask" else np.int32)
+            for k in ("tokens", "targets", "loss_mask", "segment_ids", "positions")}
+    for i, (p, c) in enumerate([(3, 9), (3, 13), (15, 4), (15, 11)]):
+        prompt = np.random.default_rng(p).integers(0, V, p)  # shared by its two rows
+        seq = np.concatenate([prompt, rng.integers(0, V, c)])
+        n = len(seq)
+        rows["tokens"][i, :n] = seq
+        rows["targets"][i, p - 1:n - 1] = seq[p:]
+        rows["loss_mask"][i, p - 1:n - 1] = 1
+        rows["segment_ids"][i, :n] = 1
+        rows["positions"][i, :n] = np.arange(n)
+    return rows
+
+
+def test_loss_and_gradients_match_trl(llama):  # noqa: F811
+    path, wrapped = llama
+    rng = np.random.default_rng(0)
+    batch = _rows(rng)
+    mask = torch.from_numpy(batch["loss_mask"])
+    wrapped.zero_grad()
+    logits = wrapped(torch.from_numpy(batch["tokens"]).long()).logits.float()
+    logp = torch.log_softmax(logits, -1).gather(
+        -1, torch.from_numpy(batch["targets"]).long()[..., None])[..., 0] * mask
+    # The old and reference policies: the policy's log-probabilities moved by up to 0.4, so
+    # ratios fall on both sides of the clip range; advantages of both signs.
+    old = (logp.detach() + torch.from_numpy(rng.uniform(-0.4, 0.4, (4, S)).astype(np.float32))
+           ) * mask
+    ref = (logp.detach() + torch.from_numpy(rng.uniform(-0.4, 0.4, (4, S)).astype(np.float32))
+           ) * mask
+    adv = torch.from_numpy(np.array([1.2, -0.7, 0.4, -1.1], np.float32))
+    g = GRPOLoss(beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type="grpo")
+    want = _trl(logp, old, ref, adv, mask, g)
+    want.backward()
+    want_grads = {k.replace(".default", ""): p.grad.numpy().copy()
+                  for k, p in wrapped.named_parameters() if "lora_" in k}
+    theirs = {k.replace(".default", ""): p.detach().numpy()
+              for k, p in wrapped.named_parameters() if "lora_" in k}
+    others = [GRPOLoss(loss_type=t, epsilon_high=0.28, max_completion_length=16)
+              for t in ("bnpo", "dr_grpo", "dapo")]
+    want_other = [float(_trl(logp.detach(), old, ref, adv, mask, o)) for o in others]
+    np_old, np_ref, np_adv = old.numpy(), ref.numpy(), adv.numpy()
+    for p in (1, 2, 4):
+        mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+        base_cfg, base = load_params(path, mesh, attn_impl="xla")
+        mcfg = dataclasses.replace(base_cfg, lora=LoraConfig(rank=4, alpha=8.0))
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(mcfg, mesh=mesh,
+                                                                   rngs=nnx.Rngs(0))))
+        params = jax.tree.map(jnp.asarray, lora.overlay(
+            with_adapters(mcfg, nnx.to_pure_dict(state), theirs), base))
+        sh = batch_shardings(mesh)
+        sharded = {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
+        trained = lora.trainable_params(params, mcfg.lora)
+
+        @jax.jit
+        def run(trained, batch):
+            def f(t):
+                lp = token_logps(graphdef, lora.overlay(params, t), batch, mesh)
+                return grpo_loss(lp, np_old, np_adv, batch["loss_mask"], g, np_ref)
+            (loss, metrics), grads = jax.value_and_grad(f, has_aux=True)(trained)
+            return loss, metrics, grads, token_logps(graphdef, lora.overlay(params, trained),
+                                                     batch, mesh)
+
+        loss, metrics, grads, lp = run(trained, sharded)
+        np.testing.assert_allclose(np.asarray(lp), logp.detach().numpy(), rtol=1e-5,
+                                   atol=1e-5)
+        assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want)), (p, loss, want)
+        got = adapter_tensors(mcfg, grads)
+        assert sorted(got) == sorted(want_grads)
+        for k, gr in got.items():
+            err = np.max(np.abs(gr - want_grads[k])) / np.max(np.abs(want_grads[k]))
+            assert err <= 1e-4, (p, k, err)
+        ratio = np.exp(logp.detach().numpy() - np_old)
+        clipped = (((ratio < 0.8) & (np_adv[:, None] < 0)) | ((ratio > 1.28) & (np_adv[:, None] > 0)))
+        m = batch["loss_mask"]
+        assert 0 < float(metrics["clip_ratio"]) < 1
+        assert float(metrics["clip_ratio"]) == pytest.approx((clipped * m).sum() / m.sum())
+        for o, w in zip(others, want_other):
+            got_o, _ = grpo_loss(lp, np_old, np_adv, batch["loss_mask"], o)
+            assert float(got_o) == pytest.approx(w, rel=1e-5), (p, o.loss_type)
+
+
+def test_dapo_normalises_by_the_global_batch_tokens():
+    """A micro-batch of a larger global batch divides by the global token count it is
+    given (TRL's num_items_in_batch), so the micro-batches' losses add up to the batch's."""
+    rng = np.random.default_rng(1)
+    lp, old = rng.normal(size=(4, 8)), rng.normal(size=(4, 8))
+    mask = (rng.random((4, 8)) < 0.7).astype(np.float32)
+    adv = rng.normal(size=4)
+    g = GRPOLoss(loss_type="dapo")
+    whole, _ = grpo_loss(lp, old, adv, mask, g)
+    parts = [grpo_loss(lp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], g,
+                       num_items=mask.sum())[0] for i in (0, 2)]
+    assert float(sum(parts)) == pytest.approx(float(whole), rel=1e-6)
+    with pytest.raises(ValueError, match="loss_type must be one of grpo, bnpo, dr_grpo, dapo"):
+        grpo_loss(lp, old, adv, mask, GRPOLoss(loss_type="ppo"))
+
+
+# ---- rewards and advantages (training/objectives/rewards.py) ---------------------------------
+
+def _trl_advantages(per_func, weights, num_generations, scale):
+    """TRL's GRPOTrainer "sum_then_normalize" advantages (torch, NaN for a None)."""
+    def nanstd(t, dim=None):
+        mean = torch.nanmean(t, dim=dim, keepdim=True)
+        var = torch.nanmean((t - mean) ** 2, dim=dim)
+        count = torch.sum(~torch.isnan(t), dim=dim)
+        return torch.sqrt(var * count / (count - 1))
+    per_func = torch.tensor(per_func, dtype=torch.float64)
+    unscorable = torch.isnan(per_func).all(dim=1)
+    rewards = (per_func * torch.tensor(weights, dtype=torch.float64)[None]).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    mean = torch.nanmean(rewards.view(-1, num_generations), dim=1)
+    mean = mean.repeat_interleave(num_generations)
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    else:
+        std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+    adv = rewards - mean
+    if scale != "none":
+        adv = adv / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0).numpy()
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_trls(scale):
+    from ulysses_jax.training.objectives.rewards import advantages
+    rng = np.random.default_rng(2)
+    per_func = rng.uniform(0, 1, (12, 2))      # 3 prompts x 4 completions, 2 functions
+    per_func[1, 0] = np.nan                     # one function skipped a completion
+    per_func[5] = np.nan                        # every function skipped one
+    got, rewards = advantages(per_func, [1.0, 0.5], 4, scale)
+    np.testing.assert_allclose(got, _trl_advantages(per_func, [1.0, 0.5], 4, scale),
+                               rtol=1e-12, atol=1e-12)
+    assert got[5] == 0.0 and np.isnan(rewards[5]) and rewards[1] == 0.5 * per_func[1, 1]
+
+
+def columns_reward(prompts, completions, completion_ids, difficulty, **_):
+    """A user reward for the test (imported by path): the row's difficulty, None for 0."""
+    return [None if d == 0 else float(d) * len(c) for c, d in zip(completions, difficulty)]
+
+
+def test_reward_functions_are_called_as_trl_calls_them():
+    from ulysses_jax.training.objectives import rewards as R
+    fn = R.load("test_grpo:columns_reward")
+    got = R.score([("columns_reward", fn), ("answer_match", R.load("answer_match"))],
+                  ["p", "p"], ["ab", "the answer is \\boxed{\\frac{1}{2}}"], [[1, 2], [3]],
+                  {"difficulty": [2, 0], "answer": ["7", "\\frac{1}{2}"]})
+    np.testing.assert_array_equal(got, [[4.0, 0.0], [np.nan, 1.0]])
+    assert R.final_answer("so 3 apples and 1,250 pears") == "1250"
+    assert R.final_answer("no digits") is None
+    assert R.answer_match(["It is 42.0", "42", "x"], answer=["42", None, "1"]) == [1.0, None, 0.0]
+    assert R.load("soft_overlong", 8)(completion_ids=[[0] * 6, [0] * 7, [0] * 9]) == [
+        0.0, -0.5, -1.0]
+    for spec, match in (("no_such_module:f", "cannot be imported"),
+                        ("answer", "neither a built-in")):
+        with pytest.raises(R.RewardError, match=match):
+            R.load(spec)
+    bad = [("short", lambda **_: [1.0]), ("raises", lambda **_: 1 / 0),
+           ("text", lambda **_: ["a", "b"])]
+    for (name, fn), match in zip(bad, ("must return one value per completion \\(2\\), got 1",
+                                       "raised on the completions of prompt rows 4 to 5",
+                                       "returned 'a' for completion 0")):
+        with pytest.raises(R.RewardError, match=match):
+            R.score([(name, fn)], ["p", "q"], ["a", "b"], [[1], [2]], {}, first_row=4)
