@@ -227,6 +227,21 @@ def llama(tmp_path_factory):
     return path, wrapped
 
 
+def peft_policy(path: str, adapters: dict, p: int, batch: dict):
+    """``llama``'s checkpoint with peft's ``adapters`` as our LoRA model on mesh.seq ``p``:
+    (mesh, model config, graphdef, params, ``batch`` sharded, the trained adapters)."""
+    mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+    base_cfg, base = load_params(path, mesh, attn_impl="xla")
+    mcfg = dataclasses.replace(base_cfg, lora=LoraConfig(rank=4, alpha=8.0))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(mcfg, mesh=mesh,
+                                                               rngs=nnx.Rngs(0))))
+    params = jax.tree.map(jnp.asarray, lora.overlay(
+        with_adapters(mcfg, nnx.to_pure_dict(state), adapters), base))
+    sh = batch_shardings(mesh)
+    sharded = {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
+    return mesh, mcfg, graphdef, params, sharded, lora.trainable_params(params, mcfg.lora)
+
+
 def test_loss_and_gradients_match_trl(llama):
     path, wrapped = llama
     rng = np.random.default_rng(0)
@@ -248,18 +263,9 @@ def test_loss_and_gradients_match_trl(llama):
               DPOConfig(beta=0.3, loss_type="ipo")]
     want_other = [float(_trl_losses(pi.detach(), ref, n, o)) for o in others]
     for p in (1, 2, 4):
-        mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
-        base_cfg, base = load_params(path, mesh, attn_impl="xla")
-        mcfg = dataclasses.replace(base_cfg, lora=LoraConfig(rank=4, alpha=8.0))
+        mesh, mcfg, graphdef, params, sharded, trained = peft_policy(path, theirs, p, batch)
         cfg = load_config(None, ["objective=dpo", "model.lora.rank=4"])
         cfg = dataclasses.replace(cfg, model=mcfg, dpo=d)
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(mcfg, mesh=mesh,
-                                                                   rngs=nnx.Rngs(0))))
-        params = jax.tree.map(jnp.asarray, lora.overlay(
-            with_adapters(mcfg, nnx.to_pure_dict(state), theirs), base))
-        sh = batch_shardings(mesh)
-        sharded = {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
-        trained = lora.trainable_params(params, mcfg.lora)
 
         @jax.jit
         def run(trained, batch):

@@ -9,24 +9,15 @@
   scaling with skipped (None) rewards, reward functions called with TRL's arguments, the
   built-ins, and the refusals of a function that cannot be loaded, raises or miscounts.
 """
-import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from conftest import need_devices
-from test_dpo import V, llama  # noqa: F401 (the module fixture)
-from ulysses_jax import make_mesh
-from ulysses_jax.config import LoraConfig
-from ulysses_jax.hf import load_params
-from ulysses_jax.interop.peft import adapter_tensors, with_adapters
+from test_dpo import V, llama, peft_policy  # noqa: F401 (llama: the module fixture)
+from ulysses_jax.interop.peft import adapter_tensors
 from ulysses_jax.models import lora
-from ulysses_jax.models.decoder import Decoder
 from ulysses_jax.training.objectives.grpo import GRPOLoss, grpo_loss, token_logps
-from ulysses_jax.training.train_step import batch_shardings
 
 torch = pytest.importorskip("torch", reason="torch is needed for the reference")
 
@@ -95,16 +86,7 @@ def test_loss_and_gradients_match_trl(llama):  # noqa: F811
     want_other = [float(_trl(logp.detach(), old, ref, adv, mask, o)) for o in others]
     np_old, np_ref, np_adv = old.numpy(), ref.numpy(), adv.numpy()
     for p in (1, 2, 4):
-        mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
-        base_cfg, base = load_params(path, mesh, attn_impl="xla")
-        mcfg = dataclasses.replace(base_cfg, lora=LoraConfig(rank=4, alpha=8.0))
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(mcfg, mesh=mesh,
-                                                                   rngs=nnx.Rngs(0))))
-        params = jax.tree.map(jnp.asarray, lora.overlay(
-            with_adapters(mcfg, nnx.to_pure_dict(state), theirs), base))
-        sh = batch_shardings(mesh)
-        sharded = {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
-        trained = lora.trainable_params(params, mcfg.lora)
+        mesh, mcfg, graphdef, params, sharded, trained = peft_policy(path, theirs, p, batch)
 
         @jax.jit
         def run(trained, batch):

@@ -23,7 +23,7 @@ import hashlib
 
 import numpy as np
 
-from .text import PackedRows, heldout_mask
+from .text import PackedRows, PlannedRows, heldout_mask
 from .store import TokenStore, unit_hash
 
 
@@ -73,7 +73,7 @@ class StoreRows(PackedRows):
         return h.hexdigest()
 
 
-class ChatRows(PackedRows):
+class ChatRows(PlannedRows):
     """Whole conversations per row, best fit, over documents ``ids`` of a chat store.
 
     Args:
@@ -145,22 +145,8 @@ class ChatRows(PackedRows):
                 bucket[left].append(r)
         return rows
 
-    @property
-    def fingerprint(self) -> str:
-        h = hashlib.blake2b(digest_size=8)
-        h.update(f"{self.store.manifest['fingerprint']}\0{self.seq_len}\0{self.shuffle}\0"
-                 f"{self.plan_seed}\0{self.overflow}".encode())
-        h.update(self.ids.tobytes())
-        return h.hexdigest()
-
-    def _perm(self, seed: int, epoch: int) -> np.ndarray:
-        key = (seed, epoch) if self.shuffle else (0, 0)
-        if key not in self._perms:
-            if len(self._perms) >= 2:  # a batch touches at most two epochs
-                self._perms.pop(next(iter(self._perms)))
-            self._perms[key] = (np.random.default_rng(key).permutation(self.num_rows)
-                                if self.shuffle else np.arange(self.num_rows))
-        return self._perms[key]
+    def _units(self) -> int:
+        return self.num_rows
 
     def row(self, index: int, epoch: int = 0, seed: int = 0) -> dict:
         """Row ``index`` of ``epoch``: dict of FIELDS, each [S]."""

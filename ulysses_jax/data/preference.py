@@ -23,7 +23,6 @@ whose longer sequence exceeds S is never truncated: it is an error naming it, or
 """
 from __future__ import annotations
 
-import hashlib
 import os
 
 import numpy as np
@@ -32,7 +31,7 @@ from .chat import NotPrefixStable, _check_messages, _render
 from .pieces import encode_pieces
 from .sources import PAIR_KEYS
 from .store import NAMES, TokenStore
-from .text import FIELDS, PackedRows
+from .text import FIELDS, PlannedRows
 
 WEIGHT_CHOSEN, WEIGHT_REJECTED = 1, 2
 MAX_NAMED = 5
@@ -126,7 +125,7 @@ def store_names(store: TokenStore, ids) -> list[str]:
     return [names[int(d)] for d in ids]
 
 
-class PreferenceRows(PackedRows):
+class PreferenceRows(PlannedRows):
     """Chosen and rejected rows of the pairs ``ids`` of a preference store (module docstring).
 
     Args:
@@ -146,6 +145,7 @@ class PreferenceRows(PackedRows):
     """
 
     row_fields: tuple = ()
+    _FINGERPRINT_KIND = "\0preference"
 
     def __init__(self, store: TokenStore, ids: np.ndarray, seq_len: int, seed: int = 0,
                  shuffle: bool = True, overflow: str = "truncate", pad_id: int = 0):
@@ -182,22 +182,8 @@ class PreferenceRows(PackedRows):
         self.ref = np.asarray(ref, np.float32)
         self.row_fields = ("ref_logps",)
 
-    @property
-    def fingerprint(self) -> str:
-        h = hashlib.blake2b(digest_size=8)
-        h.update(f"{self.store.manifest['fingerprint']}\0{self.seq_len}\0{self.shuffle}\0"
-                 f"{self.plan_seed}\0{self.overflow}\0preference".encode())
-        h.update(self.ids.tobytes())
-        return h.hexdigest()
-
-    def _perm(self, seed: int, epoch: int) -> np.ndarray:
-        key = (seed, epoch) if self.shuffle else (0, 0)
-        if key not in self._perms:
-            if len(self._perms) >= 2:  # a batch touches at most two epochs
-                self._perms.pop(next(iter(self._perms)))
-            self._perms[key] = (np.random.default_rng(key).permutation(self.num_pairs)
-                                if self.shuffle else np.arange(self.num_pairs))
-        return self._perms[key]
+    def _units(self) -> int:  # epochs visit pairs, each as its two rows
+        return self.num_pairs
 
     def pair_row(self, i: int, which: int) -> dict:
         """Local pair ``i``'s chosen (``which`` 0) or rejected (1) row: dict of FIELDS [S]

@@ -372,6 +372,36 @@ class PackedRows:
                            np.float32 if f == "loss_mask" else np.int32) for f in FIELDS}
 
 
+class PlannedRows(PackedRows):
+    """Rows made from a plan over a store's documents (``ids``), visited per epoch in a
+    seeded order of ``_units()`` units (``shuffle``; the plan's order otherwise); the
+    fingerprint covers the store, the length, the plan's seed, ``overflow`` and the
+    documents (plus ``_FINGERPRINT_KIND``)."""
+
+    _FINGERPRINT_KIND = ""
+
+    def _units(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.blake2b(digest_size=8)
+        h.update(f"{self.store.manifest['fingerprint']}\0{self.seq_len}\0{self.shuffle}\0"
+                 f"{self.plan_seed}\0{self.overflow}{self._FINGERPRINT_KIND}".encode())
+        h.update(self.ids.tobytes())
+        return h.hexdigest()
+
+    def _perm(self, seed: int, epoch: int) -> np.ndarray:
+        key = (seed, epoch) if self.shuffle else (0, 0)
+        if key not in self._perms:
+            if len(self._perms) >= 2:  # a batch touches at most two epochs
+                self._perms.pop(next(iter(self._perms)))
+            n = self._units()
+            self._perms[key] = (np.random.default_rng(key).permutation(n) if self.shuffle
+                                else np.arange(n))
+        return self._perms[key]
+
+
 def tokenize(docs, tokenizer) -> list[np.ndarray]:
     """Token arrays (no EOS) of (name, text) docs."""
     return tokenizer.encode_batch([text for _, text in docs])
