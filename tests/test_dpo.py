@@ -403,11 +403,13 @@ def test_resume_reads_the_recorded_reference_and_continues_exactly(pair_store, s
 def test_evaluate_gives_the_held_out_dpo_loss(seq1, tmp_path):
     """python -m ulysses_jax.evaluate on the run (its recorded reference, its held-out
     pairs) at mesh.seq 3 and seq_len 128 (the run's 64 is below the passkey's shortest
-    prompt; padded inside to 129) gives the trainer's last held-out loss."""
+    prompt; padded inside to 129) gives the trainer's last held-out loss. Both read the same
+    held-out pairs: the first batch of 4 in the split's order (how many pairs the split holds
+    depends on the records' names, which hold the temporary path)."""
     from ulysses_jax.evaluate import main
     workdir, one = seq1
     assert main([str(workdir), "--mesh-seq", "3", "--seq-len", "128", "--out", str(tmp_path),
-                 "--batches", "4", "--batch-size", "2", "--no-generation", "--no-progress",
+                 "--batches", "1", "--batch-size", "4", "--no-generation", "--no-progress",
                  "--trials", "1", "--depths", "0.5", "--lengths", "120"]) == 0
     with open(tmp_path / "eval.json") as f:
         got = json.load(f)["dpo"]

@@ -134,6 +134,11 @@ def dpo_reference(cfg: Config) -> str:
     return cfg.dpo.reference or ("base" if cfg.model.lora.rank else "precompute")
 
 
+def rows_per_batch(cfg: Config) -> int:
+    """Rows of a global batch: ``batch_size``, or for DPO two per pair (chosen, rejected)."""
+    return cfg.batch_size * (2 if cfg.objective == "dpo" else 1)
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Builds a Config from defaults, an optional YAML preset and ``key=value`` overrides.
 

@@ -41,7 +41,7 @@ import os
 import jax
 import numpy as np
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, rows_per_batch
 from ..models import lora
 from .train_step import state_layout
 
@@ -98,7 +98,8 @@ def estimate(cfg: Config, mesh, reads_init_from: bool = False) -> HostEstimate:
                                 lora.trainable_params(params, cfg.model.lora)))
     save = {"checkpoint save": int(_global_bytes([params, opt]) * fraction)}
     m = cfg.model
-    tokens = cfg.batch_size // cfg.grad_accum_steps * cfg.seq_len  # of a micro-batch, all devices
+    # of a micro-batch, all devices (DPO: two sequences per pair)
+    tokens = rows_per_batch(cfg) // cfg.grad_accum_steps * cfg.seq_len
     training = dict(state, gradients=grads)
     if cfg.grad_accum_steps > 1:
         training["gradient accumulator"] = grads
@@ -217,7 +218,8 @@ def _remedies(cfg: Config, mesh, est: HostEstimate, reads_init_from: bool,
                      f"optimizer state")
     acts = est.phases["training"]["activations"]
     if acts * 4 >= est.peak[1]:  # a quarter or more: the batch is what to cut
-        lines.append(f"activations ({_gib(acts)} for {cfg.batch_size // cfg.grad_accum_steps} "
+        seqs = rows_per_batch(cfg) // cfg.grad_accum_steps
+        lines.append(f"activations ({_gib(acts)} for {seqs} "
                      f"sequences of {cfg.seq_len} tokens at a time): a larger grad_accum_steps "
                      f"or a smaller batch_size or seq_len")
     return "What helps: " + "; ".join(lines) if lines else (

@@ -30,8 +30,8 @@ from .position_loss import bucket_bounds, bucket_sums, token_losses
 from .tb_log import TensorBoardLog, Tee
 from .resume import resolve_init_from, start_state
 from .run_dir import CONFIG, MetricsLog, RunError, WorkdirLock, make_workdir, write_config
-from ..config import (Config, ConfigError, dpo_reference, load_config, to_dict, to_yaml,
-                      validate)
+from ..config import (Config, ConfigError, dpo_reference, load_config, rows_per_batch,
+                      to_dict, to_yaml, validate)
 from ..families import family
 from ..models.loss import largest_divisor_at_most
 from ..mesh import make_mesh
@@ -98,11 +98,6 @@ def token_order(cfg: Config) -> np.ndarray | None:
         return None
     from ..attention.ring import zigzag_permutation
     return zigzag_permutation(cfg.seq_len, cfg.mesh.ring)
-
-
-def rows_per_batch(cfg: Config) -> int:
-    """Rows of a global batch: ``batch_size``, or for DPO two per pair (chosen, rejected)."""
-    return cfg.batch_size * (2 if cfg.objective == "dpo" else 1)
 
 
 def _abstract_batch(cfg: Config, mesh):
@@ -352,7 +347,8 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
             _log(f"note: dropped the unfinished last line of {log.path} (a run stopped "
                  f"while writing it); step {start + 1} on is logged again")
         _log(param_line(cfg, state["params"]))
-        if cfg.objective == "dpo" and dpo_reference(cfg) == "precompute":
+        if cfg.objective == "dpo" and dpo_reference(cfg) == "precompute" and \
+                start < cfg.steps:
             _precompute_reference(cfg, mesh, (graphdef, state, shardings), start,
                                   [r for r in (train_rows, held_rows) if r is not None],
                                   workdir, progress)
