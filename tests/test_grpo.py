@@ -116,6 +116,108 @@ def test_loss_and_gradients_match_trl(llama):  # noqa: F811
             assert float(got_o) == pytest.approx(w, rel=1e-5), (p, o.loss_type)
 
 
+def test_the_training_objective_is_trls_loss(llama):  # noqa: F811
+    """The train step's objective (grpo.objective: token weights made on the host, the
+    reference the LoRA base with the adapters off, the old policy from the batch) gives TRL's
+    loss and adapter gradients for every loss_type at mesh.seq 1, 2 and 4, against
+    transformers + peft with the adapters disabled as the reference."""
+    import dataclasses
+    from jax.sharding import NamedSharding
+    from ulysses_jax.config import GRPOConfig, load_config
+    from ulysses_jax.mesh import act_spec
+    from ulysses_jax.training.objectives import grpo
+    path, wrapped = llama
+    rng = np.random.default_rng(3)
+    batch = _rows(rng)
+    mask = torch.from_numpy(batch["loss_mask"])
+    targets = torch.from_numpy(batch["targets"]).long()[..., None]
+
+    def logps():
+        logits = wrapped(torch.from_numpy(batch["tokens"]).long()).logits.float()
+        return torch.log_softmax(logits, -1).gather(-1, targets)[..., 0] * mask
+
+    with torch.no_grad(), wrapped.disable_adapter():
+        ref = logps()
+    old = (logps().detach() + torch.from_numpy(
+        rng.uniform(-0.4, 0.4, (4, S)).astype(np.float32))) * mask
+    adv = torch.from_numpy(np.array([0.9, -0.9, 1.3, -0.2], np.float32))
+    want = {}
+    for t in grpo.LOSS_TYPES:
+        g = GRPOLoss(beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type=t,
+                     max_completion_length=16)
+        wrapped.zero_grad()
+        loss = _trl(logps(), old, ref, adv, mask, g)
+        loss.backward()
+        # The advantages' signs differ, so the loss is a difference of terms of size ~1 that
+        # float32 log-probabilities give to ~1e-6: its tolerance is 1e-5 of the size of its
+        # terms (the loss with |A| in place of A), not of the difference.
+        with torch.no_grad():
+            size = abs(float(_trl(logps(), old, ref, adv.abs(), mask, g)))
+        want[t] = (float(loss.detach()), size,
+                   {k.replace(".default", ""): q.grad.numpy().copy()
+                    for k, q in wrapped.named_parameters() if "lora_" in k})
+    theirs = {k.replace(".default", ""): q.detach().numpy()
+              for k, q in wrapped.named_parameters() if "lora_" in k}
+    fields = {"advantages": batch["loss_mask"] * adv.numpy()[:, None],
+              grpo.OLD_LOGPS: old.numpy()}
+    for p in (1, 2, 4):
+        mesh, mcfg, graphdef, params, sharded, trained = peft_policy(path, theirs, p, batch)
+        cfg = load_config(None, ["objective=grpo", "model.lora.rank=4",
+                                 "grpo.max_completion_length=16"])
+        cfg = dataclasses.replace(cfg, model=mcfg, grpo=GRPOConfig(
+            beta=0.04, epsilon=0.2, epsilon_high=0.28, max_completion_length=16,
+            num_iterations=2))
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, act_spec(mesh)))  # noqa: E731
+        extra = {k: put(v) for k, v in fields.items()}
+
+        @jax.jit
+        def run(trained, b):
+            f = lambda t: grpo.objective(cfg, graphdef, lora.overlay(params, t), b, mesh)  # noqa: E731
+            (_, (loss, metrics)), grads = jax.value_and_grad(f, has_aux=True)(trained)
+            return loss, metrics, grads
+
+        for t, (want_loss, size, want_grads) in want.items():
+            weights = grpo.token_weights(batch["loss_mask"], dataclasses.replace(
+                grpo.settings(cfg), loss_type=t))
+            loss, metrics, grads = run(trained, {**sharded, **extra,
+                                                 "loss_weights": put(weights)})
+            assert abs(float(loss) - want_loss) <= 1e-5 * size, (p, t, float(loss), want_loss)
+            got = adapter_tensors(mcfg, grads)
+            for k, gr in got.items():
+                err = np.max(np.abs(gr - want_grads[k])) / np.max(np.abs(want_grads[k]))
+                assert err <= 1e-4, (p, t, k, err)
+        m = batch["loss_mask"]
+        assert float(metrics["tokens"]) == m.sum()
+        k3 = np.exp(ref.numpy() - logps().detach().numpy())
+        k3 = k3 - np.log(k3) - 1
+        assert float(metrics["kl"]) == pytest.approx((k3 * m).sum() / m.sum(), rel=1e-4)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_token_weights_are_trls_aggregation_over_micro_batches(loss_type):
+    """sum(w l) with grpo.token_weights is TRL's loss of the step: with k micro-batches each
+    micro-batch's loss (TRL's formula) divided by k (gradient_accumulation_steps), for dapo
+    each micro-batch's sum over the step's tokens (num_items_in_batch)."""
+    from ulysses_jax.training.objectives.grpo import token_terms, token_weights
+    rng = np.random.default_rng(4)
+    logp, old = rng.normal(size=(8, 12)) * 0.3, rng.normal(size=(8, 12)) * 0.3
+    adv = rng.normal(size=8)
+    mask = (rng.random((8, 12)) < 0.6).astype(np.float32)
+    mask[3] = 0  # a row without completion tokens
+    g = GRPOLoss(loss_type=loss_type, max_completion_length=12)
+    terms, _ = token_terms(logp, old, adv[:, None], mask, g)
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
+    for k in (1, 2, 4):
+        want = 0.0
+        for i in range(k):
+            r = slice(i * 8 // k, (i + 1) * 8 // k)
+            micro = float(_trl(t(logp[r]), t(old[r]), None, t(adv[r]), t(mask[r]), g))
+            want += (micro * mask[r].sum() / max(mask.sum(), 1) if loss_type == "dapo"
+                     else micro / k)
+        got = float(np.sum(token_weights(mask, g, k) * np.asarray(terms)))
+        assert got == pytest.approx(want, rel=1e-6), k
+
+
 def test_dapo_normalises_by_the_global_batch_tokens():
     """A micro-batch of a larger global batch divides by the global token count it is
     given (TRL's num_items_in_batch), so the micro-batches' losses add up to the batch's."""

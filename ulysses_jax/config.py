@@ -27,9 +27,11 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "offload")
 ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "grpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 DPO_REFERENCES = ("base", "precompute")
+GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")  # objectives/grpo.py LOSS_TYPES
+GRPO_SCALES = ("group", "batch", "none")            # objectives/rewards.py SCALES
 FAMILIES = tuple(_FAMILY_REGISTRY)  # families.py (a leaf module: imports nothing)
 MOMENT_DTYPES = ("float32", "bfloat16")
 INT32_MAX = 2**31 - 1  # integer settings reach jitted code (step counter, positions) as int32
@@ -101,6 +103,28 @@ class DPOConfig:
 
 
 @dataclass(frozen=True)
+class GRPOConfig:
+    """Group relative policy optimisation (``objective: grpo``; training/grpo.py), its
+    options named as TRL's GRPOConfig names them."""
+    num_generations: int = 8        # completions sampled per prompt (a group)
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                  # 0: no top-k filter
+    beta: float = 0.0               # KL to the reference (k3); > 0 needs LoRA (the base)
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None  # the clip above 1 (DAPO); None: epsilon
+    loss_type: str = "dapo"         # grpo | bnpo | dr_grpo | dapo (token aggregation)
+    scale_rewards: str = "group"    # group | batch | none (the advantage's divisor)
+    num_iterations: int = 1         # optimizer steps per generation batch
+    reward_funcs: tuple[str, ...] = ("answer_match",)  # built-ins or module:function
+    reward_weights: Optional[tuple[float, ...]] = None  # None: 1 each
+    # Steps of supervised warm-up before sampling starts: each prompt's reference answer
+    # (the row's "completion", else its "answer") trained on with the next-token loss.
+    sft_warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
 class Config:
     """One training run; keys are addressed as dotted paths (``mesh.seq=4``)."""
     seed: int = 0
@@ -120,12 +144,14 @@ class Config:
     gpu_overlap: bool = True        # GPU: XLA latency-hiding scheduler (see train.py)
     log_tensorboard: bool = True    # TensorBoard event files beside metrics.jsonl
     objective: str = "sft"          # sft (next-token loss) | dpo (a preference store's pairs)
+    #                                 | grpo (sampled completions of prompts, rewarded)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     ulysses: UlyssesConfig = field(default_factory=UlyssesConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
 
 def dpo_reference(cfg: Config) -> str:
@@ -135,8 +161,10 @@ def dpo_reference(cfg: Config) -> str:
 
 
 def rows_per_batch(cfg: Config) -> int:
-    """Rows of a global batch: ``batch_size``, or for DPO two per pair (chosen, rejected)."""
-    return cfg.batch_size * (2 if cfg.objective == "dpo" else 1)
+    """Rows of a global batch: ``batch_size``, for DPO two per pair (chosen, rejected), for
+    GRPO ``num_generations`` per prompt (a prompt + completion sequence each)."""
+    per = {"dpo": 2, "grpo": cfg.grpo.num_generations}.get(cfg.objective, 1)
+    return cfg.batch_size * per
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -280,7 +308,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     elif cfg.seq_len % mesh.seq:
         errors.append(f"seq_len {cfg.seq_len} is not divisible by mesh.seq {mesh.seq}")
     accum = cfg.grad_accum_steps
-    if accum > 1 and cfg.batch_size % (accum * mesh.data):
+    if cfg.objective == "grpo":  # micro-batches of sequences: G per prompt
+        rows = cfg.batch_size * cfg.grpo.num_generations
+        if rows % (accum * mesh.data):
+            errors.append(f"batch_size x grpo.num_generations = {cfg.batch_size} x "
+                          f"{cfg.grpo.num_generations} = {rows} sequences must split into "
+                          f"grad_accum_steps x mesh.data = {accum} x {mesh.data} equal parts")
+    elif accum > 1 and cfg.batch_size % (accum * mesh.data):
         errors.append(f"batch_size {cfg.batch_size} must split into grad_accum_steps {accum} "
                       f"micro-batches of whole rows for each of mesh.data {mesh.data} replicas: "
                       f"it must be divisible by grad_accum_steps x mesh.data = {accum} x "
@@ -335,6 +369,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         errors.append(f"data.chat_overflow must be 'truncate' or 'drop', got "
                       f"{cfg.data.chat_overflow!r}")
     errors += _dpo_errors(cfg)
+    errors += _grpo_errors(cfg)
     if errors:
         raise ConfigError("; ".join(errors))
 
@@ -370,6 +405,66 @@ def _dpo_errors(cfg: Config) -> list[str]:
     if traits(cfg.model.family).vision:
         errors.append(f"objective dpo is not supported for model.family {cfg.model.family!r} "
                       f"yet (text preference stores only)")
+    return errors
+
+
+def _grpo_errors(cfg: Config) -> list[str]:
+    """The grpo section, checked when ``objective: grpo``."""
+    if cfg.objective != "grpo":
+        return []
+    g, errors = cfg.grpo, []
+    if g.num_generations < 2:
+        errors.append(f"grpo.num_generations must be at least 2 (advantages compare the "
+                      f"completions of one prompt), got {g.num_generations}")
+    if g.loss_type not in GRPO_LOSSES:
+        errors.append(f"grpo.loss_type must be one of {', '.join(GRPO_LOSSES)}, got "
+                      f"{g.loss_type!r}")
+    if g.scale_rewards not in GRPO_SCALES:
+        errors.append(f"grpo.scale_rewards must be one of {', '.join(GRPO_SCALES)}, got "
+                      f"{g.scale_rewards!r}")
+    if g.max_completion_length < 1 or g.max_completion_length >= cfg.seq_len:
+        errors.append(f"grpo.max_completion_length must be in [1, seq_len) (a row holds the "
+                      f"prompt and its completion), got {g.max_completion_length} with "
+                      f"seq_len {cfg.seq_len}")
+    if not g.temperature > 0:
+        errors.append(f"grpo.temperature must be positive (greedy completions of a prompt "
+                      f"would all be the same), got {g.temperature}")
+    if not 0 < g.top_p <= 1:
+        errors.append(f"grpo.top_p must be in (0, 1], got {g.top_p}")
+    if g.top_k < 0:
+        errors.append(f"grpo.top_k must be 0 (off) or positive, got {g.top_k}")
+    if g.beta < 0:
+        errors.append(f"grpo.beta must be 0 or positive, got {g.beta}")
+    if not g.epsilon > 0 or (g.epsilon_high is not None and not g.epsilon_high > 0):
+        errors.append(f"grpo.epsilon and grpo.epsilon_high must be positive, got "
+                      f"{g.epsilon} and {g.epsilon_high}")
+    if g.num_iterations < 1:
+        errors.append(f"grpo.num_iterations must be at least 1, got {g.num_iterations}")
+    if g.sft_warmup_steps < 0:
+        errors.append(f"grpo.sft_warmup_steps must be 0 or positive, got {g.sft_warmup_steps}")
+    if not g.reward_funcs:
+        errors.append("grpo.reward_funcs must name at least one reward function")
+    if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs):
+        errors.append(f"grpo.reward_weights has {len(g.reward_weights)} weights for "
+                      f"{len(g.reward_funcs)} reward_funcs {list(g.reward_funcs)}")
+    if g.beta > 0 and not cfg.model.lora.rank:
+        errors.append(f"grpo.beta {g.beta} needs a reference policy: with LoRA it is the base "
+                      f"with the adapters off (set model.lora.rank); full fine-tuning with a "
+                      f"KL term is not supported yet, use grpo.beta=0")
+    elif g.beta > 0 and cfg.model.lora.trainable:
+        errors.append(f"grpo.beta > 0 uses the base with the adapters off as the reference, "
+                      f"but model.lora.trainable {list(cfg.model.lora.trainable)} also trains "
+                      f"those groups")
+    if cfg.mesh.data > 1 or cfg.mesh.ring > 1:
+        errors.append(f"objective grpo samples on a (data=1, seq=P) mesh for now (the "
+                      f"generator's); got mesh.data={cfg.mesh.data}, mesh.ring={cfg.mesh.ring}")
+    if cfg.optimizer.offload:
+        errors.append("objective grpo does not support optimizer.offload yet (the sampler "
+                      "reads the parameters on the device)")
+    fam = traits(cfg.model.family)
+    if fam.vision or cfg.model.family == "qwen3_next":
+        errors.append(f"objective grpo is not supported for model.family "
+                      f"{cfg.model.family!r} yet (the generator does not run it)")
     return errors
 
 

@@ -83,6 +83,12 @@ def _field(record, key: str, where: str, chat: bool):
 
 
 def _jsonl(path: str, key: str, chat: bool) -> Iterator[tuple[str, object]]:
+    for where, record in _jsonl_records(path):
+        yield where, _field(record, key, where, chat)
+
+
+def _jsonl_records(path: str) -> Iterator[tuple[str, object]]:
+    """(path:line, the parsed JSON value) of each non-blank line."""
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             where = f"{path}:{n}"
@@ -96,7 +102,7 @@ def _jsonl(path: str, key: str, chat: bool) -> Iterator[tuple[str, object]]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            yield where, _field(record, key, where, chat)
+            yield where, record
 
 
 def _arrow_batches(path: str, key: str | Sequence[str]):
@@ -157,6 +163,44 @@ def iter_records(paths: Sequence[str], text_key: str = "text", messages_key: str
             yield from _jsonl(path, key, chat)
         else:
             yield from _table_rows(path, key, chat)
+
+
+def iter_rows(paths: Sequence[str]) -> Iterator[tuple[str, dict]]:
+    """(name, the whole record: every column) of ``paths`` (.jsonl, .parquet or datasets
+    directories), names as ``iter_records``'; ValueError for a record that is not an object."""
+    for path in paths:
+        if path.endswith((".txt", ".md")):
+            raise ValueError(f"{path}: rows need .jsonl, .parquet or a datasets directory, "
+                             f"not plain text")
+        if path.endswith(".jsonl"):
+            records = _jsonl_records(path)
+        else:
+            records = _all_columns(path)
+        for where, record in records:
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: each record must be an object, got "
+                                 f"{type(record).__name__}")
+            yield where, record
+
+
+def _all_columns(path: str) -> Iterator[tuple[str, dict]]:
+    import pyarrow.parquet as pq
+    if os.path.isdir(path):
+        names = _arrow_names(path)
+    else:
+        names = pq.ParquetFile(path).schema_arrow.names
+    row = 0
+    for batch in _arrow_batches(path, names):
+        for record in batch.to_pylist():
+            yield f"{path}:{row}", record
+            row += 1
+
+
+def _arrow_names(path: str) -> list[str]:
+    import pyarrow.ipc
+    first = sorted(glob.glob(os.path.join(path, "*.arrow")))[0]
+    with pyarrow.memory_map(first) as mm:
+        return list(pyarrow.ipc.open_stream(mm).schema.names)
 
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")

@@ -497,7 +497,8 @@ def eval_batches(rows: PackedRows, batch_size: int,
 def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
                 shape: tuple[int, int] | None = None,
                 order: np.ndarray | None = None,
-                row_fields: Sequence[str] = ()) -> dict[str, jax.Array]:
+                row_fields: Sequence[str] = (),
+                token_fields: Sequence[str] = ()) -> dict[str, jax.Array]:
     """Global batch arrays [B, S] sharded ``NamedSharding(mesh, P("data", "seq"))``.
 
     Built with ``jax.make_array_from_callback``: each process computes only the row blocks
@@ -514,9 +515,12 @@ def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
         order of ring attention; positions travel with their tokens, so they stay true.
       row_fields: fields of one value per row, [B] (a preference batch's ``ref_logps``),
         sharded P("data").
+      token_fields: more fields of one value per token, [B, S] (GRPO's advantages), laid
+        out like the FIELDS.
 
     Returns:
-      dict of FIELDS, each a jax.Array [B, S], and of ``row_fields``, each [B].
+      dict of FIELDS and ``token_fields``, each a jax.Array [B, S], and of ``row_fields``,
+      each [B].
     """
     if isinstance(source, dict):
         shape = source["tokens"].shape
@@ -533,6 +537,7 @@ def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
         raise ValueError(f"sequence length {S} is not divisible by {what}")
     sharding = NamedSharding(mesh, act_spec(mesh))
     blocks: dict[tuple[int, int], Batch] = {}
+    per_token = tuple(FIELDS) + tuple(token_fields)
 
     def block(field, index):
         rows, cols = index
@@ -540,7 +545,7 @@ def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
         if (start, stop) not in blocks:
             rows_ = source(start, stop)
             if order is not None:
-                rows_ = {f: v[:, order] if f in FIELDS else v for f, v in rows_.items()}
+                rows_ = {f: v[:, order] if f in per_token else v for f, v in rows_.items()}
             blocks[(start, stop)] = rows_
         return blocks[(start, stop)][field][:, cols]
 
@@ -551,7 +556,7 @@ def shard_batch(source: Batch | Callable[[int, int], Batch], mesh: Mesh,
         return blocks[(start, stop)][field]
 
     out = {f: jax.make_array_from_callback(shape, sharding, lambda i, f=f: block(f, i))
-           for f in FIELDS}
+           for f in per_token}
     by_row = NamedSharding(mesh, P(act_spec(mesh)[0]))
     out.update({f: jax.make_array_from_callback((B,), by_row, lambda i, f=f: row_block(f, i))
                 for f in row_fields})

@@ -66,7 +66,8 @@ class Generator:
         self.graphdef = nnx.split(abstract)[0]
         # Every weight but the experts' on every device (a ZeRO-3 run's are split): a decode
         # step then gathers no weight.
-        self.params = jax.device_put(params, param_shardings(params, mesh, "replicated"))
+        self.shardings = param_shardings(params, mesh, "replicated")
+        self.params = jax.device_put(params, self.shardings)
         self.mesh = mesh
         self.seq = axis_size(mesh, SEQ)
         self._programs: dict = {}

@@ -59,7 +59,7 @@ def micro_batches(batch: dict, k: int, mesh: Mesh, shardings: dict) -> dict:
 
 def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh: Mesh,
                       batch_shardings: dict, grad_shardings, on_host: bool = False,
-                      equal_weights: bool = False):
+                      weighting: str = "tokens"):
     """Gradient and metrics of the global batch's objective, over k micro-batches in a scan.
 
     Args:
@@ -75,8 +75,9 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
         (ZeRO-3 sharded where the parameters are).
       on_host: the accumulator lives in host memory and is added to there
         (``optimizer.offload``: ``grad_shardings`` are pinned_host).
-      equal_weights: every micro-batch weighs 1/k (an objective that is a mean over pairs,
-        DPO: each micro-batch holds the same number of pairs), not c_i / C.
+      weighting: "tokens": micro-batch i weighs c_i / C; "equal": 1/k (an objective that is
+        a mean over pairs, DPO: each micro-batch holds the same number of pairs); "sum": 1
+        (GRPO: the batch's token weights make each micro-batch's loss its share already).
 
     Returns:
       (cross-entropy of the global batch, metrics, float32 gradients laid out as
@@ -90,8 +91,8 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
     counts = jnp.sum(stacked["loss_mask"].astype(jnp.float32),
                      axis=tuple(range(1, stacked["loss_mask"].ndim)))              # [k]
     weights = counts / jnp.maximum(jnp.sum(counts), 1.0)                          # c_i / C
-    if equal_weights:
-        weights = jnp.full((k,), 1.0 / k, jnp.float32)
+    if weighting != "tokens":
+        weights = jnp.full((k,), 1.0 / k if weighting == "equal" else 1.0, jnp.float32)
 
     def add(acc, grads):
         with jax.named_scope(SCOPE):

@@ -103,12 +103,15 @@ def batch_shardings(mesh: Mesh, cfg: Config | None = None) -> dict:
     """One layout for every batch field (data.text.FIELDS): P("data", seq axes); for a multimodal
     family (``cfg``) also M-RoPE positions [B, S, 3] and the ``vision`` arrays
     (``vision_batches.vision_shardings``); for DPO with a precomputed reference each row's
-    ``ref_logps`` [B], P("data")."""
+    ``ref_logps`` [B], P("data"); for GRPO the per-token fields of ``grpo.token_fields``."""
     out = {k: NamedSharding(mesh, act_spec(mesh)) for k in FIELDS}
     if cfg is not None and family(cfg.model.family).vision:
         out.update(vision_shardings(mesh, cfg.model.vision.split))
     if cfg is not None and cfg.objective == "dpo" and dpo_reference(cfg) == "precompute":
         out["ref_logps"] = NamedSharding(mesh, P(act_spec(mesh)[0]))
+    if cfg is not None and cfg.objective == "grpo":  # advantages, token weights (grpo.py)
+        from .objectives.grpo import token_fields
+        out.update({k: NamedSharding(mesh, act_spec(mesh)) for k in token_fields(cfg)})
     return out
 
 
@@ -186,7 +189,7 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
             loss, extra, grads = accumulated_grads(
                 micro_grads, trained, batch, accum, mesh, in_batch,
                 on_host if offload else lora.trainable_params(on_device, lo), on_host=offload,
-                equal_weights=objectives.counts_by_pairs(cfg))
+                weighting=objectives.micro_weighting(cfg))
         # The optimizer's reductions (the global norm over split parameters) wait for every
         # replicated gradient, the last of the backward pass among them, so none runs beside
         # a backward loop (ordering.py, the compilation cache).

@@ -24,6 +24,7 @@ import numpy as np
 from ..data import text as data_lib, run_data, vision_batches
 from ..data.run_data import is_main as _is_main, log as _log
 from .checkpoint import Checkpointer, SaveFailed
+from .objectives.rewards import RewardError
 from . import host_memory
 from .flops import train_step_flops
 from .position_loss import bucket_bounds, bucket_sums, token_losses
@@ -110,6 +111,11 @@ def _abstract_batch(cfg: Config, mesh):
     by_row = batch_shardings(mesh, cfg).get("ref_logps")
     if by_row is not None:  # DPO's precomputed reference, a value per row
         out["ref_logps"] = jax.ShapeDtypeStruct((rows,), np.float32, sharding=by_row)
+    if cfg.objective == "grpo":  # advantages and token weights, a value per token
+        from .objectives.grpo import token_fields
+        sh = batch_shardings(mesh, cfg)
+        out.update({k: jax.ShapeDtypeStruct(shape, np.float32, sharding=sh[k])
+                    for k in token_fields(cfg)})
     return out
 
 
@@ -117,6 +123,13 @@ def batch_line(cfg: Config) -> str:
     """The start-up line on the batch, in sequences and tokens: per optimizer step, per
     micro-batch (grad_accum_steps) and per data replica at a time."""
     k, s, b = cfg.grad_accum_steps, cfg.seq_len, cfg.batch_size
+    if cfg.objective == "grpo":  # batch_size counts prompts, each num_generations sequences
+        g = cfg.grpo
+        micro = "" if k == 1 else f" in grad_accum_steps={k} micro-batches"
+        return (f"batch: {b} prompt{'s' * (b != 1)} x {g.num_generations} completions = "
+                f"{b * g.num_generations} sequences of up to {s} tokens (completions up to "
+                f"{g.max_completion_length}) per generation batch, {g.num_iterations} "
+                f"optimizer step{'s' * (g.num_iterations != 1)} each{micro}")
     if cfg.objective == "dpo":  # batch_size counts pairs, each two sequences
         pairs = lambda n: f"{n} pair{'s' * (n != 1)} ({2 * n} sequences)"  # noqa: E731
         micro = "" if k == 1 else (f" in grad_accum_steps={k} micro-batches of "
@@ -318,6 +331,8 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
     _log(f"resolved config:\n{to_yaml(cfg)}")
     for note in notes + chunk_notes(cfg) + schedule_notes(cfg, workdir):
         _log(f"note: {note}")
+    if cfg.objective == "grpo":
+        return _run_grpo(cfg, mesh, workdir, progress)
     train_rows, held_rows = run_data.load_data(cfg)
     run_data.check_objective(cfg, train_rows)
     cfg = run_data.with_segment_bound(cfg, train_rows, held_rows)
@@ -332,6 +347,46 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
          f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices")
     _log(batch_line(cfg))
 
+    return _train(cfg, mesh, workdir, progress, batches, held_rows)
+
+
+def _run_grpo(cfg: Config, mesh, workdir: str, progress: bool) -> dict:
+    """A GRPO run's prompts, reward functions and stop ids (all checked before anything is
+    compiled), then the run."""
+    from ..data.prompts import PromptOrder, load_prompts
+    from ..generation.settings import model_settings
+    from .grpo import GRPOBatches, reward_functions
+    from .objectives.rewards import RewardError
+    tokenizer_path = cfg.data.tokenizer
+    if tokenizer_path is None and cfg.init_from and os.path.isfile(
+            os.path.join(cfg.init_from, "tokenizer.json")):
+        tokenizer_path = cfg.init_from  # the model's own tokenizer (and chat template)
+    try:
+        prompts, held, tokenizer, fingerprint = load_prompts(
+            cfg.data.source, tokenizer_path, cfg.seq_len - cfg.grpo.max_completion_length,
+            cfg.data.heldout_fraction, cfg.seed)
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"data.tokenizer: the tokenizer has {tokenizer.vocab_size} ids but "
+                          f"model.vocab_size is {cfg.model.vocab_size}")
+    try:
+        funcs = reward_functions(cfg)
+        stop = model_settings(cfg.init_from, tokenizer.eos_id).eos_ids or (tokenizer.eos_id,)
+    except (RewardError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    _log(f"data: {len(prompts)} prompts{'' if held is None else f', {len(held)} held out'}; "
+         f"rewards {', '.join(name for name, _ in funcs)}; stop ids {sorted(stop)}; mesh "
+         f"seq={cfg.mesh.seq} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices")
+    _log(batch_line(cfg))
+    batches = GRPOBatches(cfg, prompts, held, tokenizer,
+                          PromptOrder(len(prompts), cfg.seed, fingerprint), mesh, workdir,
+                          stop, funcs)
+    return _train(cfg, mesh, workdir, progress, batches, None)
+
+
+def _train(cfg: Config, mesh, workdir: str, progress: bool, batches, held_rows) -> dict:
+    """Checkpoints, the start state, config.yaml and the loop."""
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.keep_checkpoints,
                         save_every=cfg.checkpoint_every if cfg.checkpoint_every > 0 else None)
     try:
@@ -339,6 +394,10 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
                           and ckpt.latest_step() is None)
         start, (graphdef, state, shardings, tx), note = start_state(cfg, mesh, ckpt, batches)
         _log(note)
+        if cfg.objective == "grpo":
+            from .grpo import truncate_completions
+            batches.attach(graphdef, shardings)
+            truncate_completions(workdir, start)
         # Only now: a refused resume leaves the config that describes the checkpoints.
         if _is_main():
             write_config(workdir, to_yaml(cfg))
@@ -350,7 +409,7 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
         if cfg.objective == "dpo" and dpo_reference(cfg) == "precompute" and \
                 start < cfg.steps:
             _precompute_reference(cfg, mesh, (graphdef, state, shardings), start,
-                                  [r for r in (train_rows, held_rows) if r is not None],
+                                  [r for r in (batches.rows, held_rows) if r is not None],
                                   workdir, progress)
         if start >= cfg.steps:
             summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
@@ -366,6 +425,12 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
     except SaveFailed as e:
         _close_after_error(ckpt)
         raise RunError(_save_failed_message(e, ckpt)) from None
+    except RewardError as e:  # GRPO: a reward function failed on the completions of a step
+        _close_after_error(ckpt)
+        latest = ckpt.latest_step()
+        kept = (f"the checkpoint of step {latest} is kept and a rerun resumes from it"
+                if latest is not None else "no checkpoint had been saved yet")
+        raise RunError(f"{e}. The run stopped; {kept}") from None
     except BaseException:
         _close_after_error(ckpt)  # the error in flight is the one to report
         raise
@@ -412,7 +477,7 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
     graphdef, state, shardings, tx = layout
     step_fn = make_train_step(cfg, mesh, graphdef, tx, shardings)
     eval_fn = make_eval_step(mesh, graphdef, shardings, cfg)
-    position_fn = None if cfg.objective == "dpo" else token_losses(
+    position_fn = None if cfg.objective in ("dpo", "grpo") else token_losses(
         mesh, graphdef, cfg.model.loss_chunk, prepare=params_for_compute(cfg, shardings))
     # Compile ahead of the loop: the loop runs this executable, timings exclude compilation,
     # and its cost analysis is per device (a lowered, unpartitioned program's is global).
@@ -430,11 +495,15 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
             f"no MFU: peak FLOP/s of {getattr(device, 'device_kind', device.platform)!r} "
             f"unknown"))
     tokens_per_step = rows_per_batch(cfg) * cfg.seq_len
-    dpo_metrics = ()
+    objective_metrics, grpo = (), cfg.objective == "grpo"
     if cfg.objective == "dpo":
-        from .objectives.dpo import METRICS as dpo_metrics
+        from .objectives.dpo import METRICS
+        objective_metrics = METRICS
+    if grpo:
+        objective_metrics = ("clip_ratio", "nll") + (("kl",) if cfg.grpo.beta else ())
     order = token_order(cfg)
     summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
+    last_eval_reward = None
 
     def save(step, force=False):
         return ckpt.save(step, state, {"data": batches.get_state(), "config": to_dict(cfg)},
@@ -446,8 +515,18 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
         try:
             last_time, last_step = time.time(), start
             for step in range(start + 1, cfg.steps + 1):
-                state, metrics = step_fn(state, batches.next_global(mesh, order))
+                if grpo:  # sampled with the current parameters where a generation batch starts
+                    t_sample = time.time()
+                    batch = batches.next_global(mesh, order, params=state["params"],
+                                                step=step)
+                    sampled_in = time.time() - t_sample
+                else:
+                    batch = batches.next_global(mesh, order)
+                state, metrics = step_fn(state, batch)
                 loss = _scalar(metrics["loss"])  # also waits for the step: honest timings
+                warmup = grpo and batches.is_warmup(step)
+                if warmup:  # the reported loss of a warm-up step is its next-token loss
+                    loss = _scalar(metrics["nll"])
                 if not math.isfinite(loss):
                     raise _diverged(loss, step, ckpt, cfg)
                 summary.update(step=step, loss=loss)
@@ -468,10 +547,17 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                         record["xla_flops_per_device"] = xla_flops
                     if peak:
                         record["mfu"] = flops / dt / peak
-                    record.update({k: _scalar(metrics[k]) for k in dpo_metrics})
+                    record.update({k: _scalar(metrics[k]) for k in objective_metrics})
+                    if grpo:
+                        record.update(batches.last, phase="sft_warmup" if warmup else "grpo",
+                                      batch_s=sampled_in)
                     record.update(_moe_metrics(metrics))
                     record.update(_memory_in_use(device))
-                    if evaluate:
+                    if evaluate and grpo:
+                        record.update(batches.evaluate(state["params"],
+                                                       cfg.eval_batches * cfg.batch_size))
+                        last_eval_reward = record.get("eval_reward")
+                    elif evaluate:
                         record["eval_loss"], by_position = _evaluate(
                             eval_fn, state["params"], held_rows, cfg, mesh, position_fn)
                         if isinstance(record["eval_loss"], dict):  # DPO: loss and rewards
@@ -500,8 +586,13 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
             ckpt.wait()
         finally:
             bar.close()
-    _log(f"done: step {summary['step']}, loss {summary['loss']}, "
-         f"held-out loss {summary['eval_loss']}")
+    if grpo:
+        summary["eval_reward"] = last_eval_reward
+        _log(f"done: step {summary['step']}, loss {summary['loss']}, held-out reward "
+             f"{summary['eval_reward']}")
+    else:
+        _log(f"done: step {summary['step']}, loss {summary['loss']}, "
+             f"held-out loss {summary['eval_loss']}")
     return summary
 
 
@@ -560,6 +651,11 @@ def _step_line(record: dict, steps: int) -> str:
             f"{record['tokens_per_sec']:.0f} tok/s, lr {record['lr']:.3g}")
     if "mfu" in record:
         line += f", MFU {record['mfu']:.1%}"
+    if record.get("reward") is not None:  # GRPO
+        line += (f", reward {record['reward']:.3f}, completion length "
+                 f"{record['completions/mean_length']:.1f}")
+    if record.get("eval_reward") is not None:
+        line += f", held-out reward {record['eval_reward']:.3f}"
     if "rewards/accuracies" in record:  # DPO
         line += (f", reward accuracy {record['rewards/accuracies']:.2f}, margin "
                  f"{record['rewards/margins']:.3f}")

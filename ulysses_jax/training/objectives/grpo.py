@@ -1,5 +1,5 @@
-"""GRPO's policy loss (issue 40, first part): TRL's GRPOTrainer loss on completions that are
-given (sampling, rewards and the training loop come later).
+"""GRPO's policy loss (``objective: grpo``): TRL's GRPOTrainer loss on sampled completions
+(sampling, rewards and the batches: training/grpo.py).
 
 Rows hold prompt + completion sequences; the loss mask marks the completion's targets. Every
 completion token's log-probability comes from the chunked next-token loss per token
@@ -15,6 +15,14 @@ and the loss aggregates l over the completion tokens m as TRL's ``loss_type`` do
 ``grpo`` the mean over rows of each row's token mean; ``bnpo`` sum / tokens of the batch;
 ``dr_grpo`` sum / (rows x ``max_completion_length``); ``dapo`` sum / the tokens of the whole
 global batch (``num_items`` when a micro-batch is part of one; its own tokens otherwise).
+
+In training (``objective``) the aggregation is a weighted sum, sum(w l) over every token of
+the step, with weights w made on the host (``token_weights``) from the loss masks: the same
+number as ``grpo_loss``'s (and TRL's) for every ``loss_type``, also over micro-batches of an
+accumulated step (each then enters as TRL's 1 / gradient_accumulation_steps, or for dapo
+over the whole step's tokens), and one that nothing about sequence shards can change. The
+batch brings each completion token's advantage and weight as [B, S] fields
+(``TOKEN_FIELDS``), and with ``num_iterations`` > 1 the old policy's log-probabilities.
 """
 from __future__ import annotations
 
@@ -22,11 +30,17 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
-from .sft import next_token_loss, run_model
+from ...config import Config
+from .dpo import without_adapters
+from .sft import next_token_loss, run_model, with_router_loss
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+TOKEN_FIELDS = ("advantages", "loss_weights")  # [B, S] fields of a GRPO batch
+OLD_LOGPS = "old_logps"                        # [B, S], with num_iterations > 1
+METRICS = ("clip_ratio", "kl", "nll")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +51,42 @@ class GRPOLoss:
     epsilon_high: float | None = None  # above 1 (DAPO's asymmetric clip); None: epsilon
     loss_type: str = "dapo"
     max_completion_length: int = 256  # dr_grpo's normaliser
+
+
+def settings(cfg: Config) -> GRPOLoss:
+    """The loss's options of ``cfg.grpo``."""
+    g = cfg.grpo
+    return GRPOLoss(beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
+                    loss_type=g.loss_type, max_completion_length=g.max_completion_length)
+
+
+def token_fields(cfg: Config) -> tuple[str, ...]:
+    """The [B, S] fields a GRPO batch brings beside the token fields."""
+    return TOKEN_FIELDS + ((OLD_LOGPS,) if cfg.grpo.num_iterations > 1 else ())
+
+
+def token_weights(mask: np.ndarray, g: GRPOLoss, k: int = 1) -> np.ndarray:
+    """float32 [N, S] weights w of a step's N rows (completion tokens ``mask``) such that
+    sum(w l) is TRL's loss of per-token terms l for ``g.loss_type``, with the step's rows in
+    k micro-batches of N / k consecutive rows (accumulate.py's blocks on one data replica),
+    each micro-batch's loss divided by k as TRL's gradient accumulation does (dapo: over the
+    step's tokens)."""
+    mask = np.asarray(mask, np.float64)
+    n = mask.shape[0] // k
+    micro = np.repeat(np.arange(k), n)
+    if g.loss_type == "grpo":
+        w = mask / np.maximum(mask.sum(1, keepdims=True), 1.0) / (n * k)
+    elif g.loss_type == "bnpo":
+        tokens = np.bincount(micro, weights=mask.sum(1), minlength=k)
+        w = mask / np.maximum(tokens[micro], 1.0)[:, None] / k
+    elif g.loss_type == "dr_grpo":
+        w = mask / (n * g.max_completion_length * k)
+    elif g.loss_type == "dapo":
+        w = mask / max(mask.sum(), 1.0)
+    else:
+        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got "
+                         f"{g.loss_type!r}")
+    return w.astype(np.float32)
 
 
 def token_logps(graphdef, params, batch: dict, mesh: Mesh):
@@ -59,7 +109,25 @@ def grpo_loss(logps, old_logps, advantages, mask, g: GRPOLoss, ref_logps=None,
         raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got "
                          f"{g.loss_type!r}")
     mask = mask.astype(jnp.float32)
-    adv = advantages[:, None]
+    per_token, metrics = token_terms(logps, old_logps, advantages[:, None], mask, g, ref_logps)
+    tokens = jnp.maximum(jnp.sum(mask), 1.0)
+    summed = per_token * mask
+    if g.loss_type == "grpo":
+        loss = jnp.mean(jnp.sum(summed, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))
+    elif g.loss_type == "bnpo":
+        loss = jnp.sum(summed) / tokens
+    elif g.loss_type == "dr_grpo":
+        loss = jnp.sum(summed) / (mask.shape[0] * g.max_completion_length)
+    else:  # dapo
+        loss = jnp.sum(summed) / (tokens if num_items is None else jnp.maximum(num_items, 1.0))
+    return loss, metrics
+
+
+def token_terms(logps, old_logps, adv, mask, g: GRPOLoss, ref_logps=None):
+    """Each token's term l of the loss [B, S] (advantages ``adv`` broadcast to [B, S] or
+    given per token) and the metrics, means over the ``mask``ed tokens: ``clip_ratio``
+    (TRL's region mean: ratio below 1 - epsilon with a negative advantage, or above
+    1 + epsilon_high with a positive one), and with beta > 0 ``kl`` (k3)."""
     ratio = jnp.exp(logps - old_logps)
     high = g.epsilon if g.epsilon_high is None else g.epsilon_high
     clipped = jnp.clip(ratio, 1 - g.epsilon, 1 + high)
@@ -71,16 +139,38 @@ def grpo_loss(logps, old_logps, advantages, mask, g: GRPOLoss, ref_logps=None,
         kl = jnp.exp(diff) - diff - 1
         per_token = per_token + g.beta * kl
         metrics["kl"] = jnp.sum(kl * mask) / tokens
-    summed = per_token * mask
-    if g.loss_type == "grpo":
-        loss = jnp.mean(jnp.sum(summed, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))
-    elif g.loss_type == "bnpo":
-        loss = jnp.sum(summed) / tokens
-    elif g.loss_type == "dr_grpo":
-        loss = jnp.sum(summed) / (mask.shape[0] * g.max_completion_length)
-    else:  # dapo
-        loss = jnp.sum(summed) / (tokens if num_items is None else jnp.maximum(num_items, 1.0))
     low_clip = (ratio < 1 - g.epsilon) & (adv < 0)
     high_clip = (ratio > 1 + high) & (adv > 0)
     metrics["clip_ratio"] = jnp.sum((low_clip | high_clip) * mask) / tokens
-    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+    return per_token, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def objective(cfg: Config, graphdef, params, batch: dict, mesh: Mesh,
+              weights: tuple | None = None):
+    """``sft.objective``'s contract for GRPO: (objective, (GRPO loss, metrics)).
+
+    The loss is sum(w l) over the batch's tokens (``token_weights``: the step's loss, or a
+    micro-batch's share of it, so accumulation adds micro-batches with weight 1); an MoE
+    model adds ``router_aux_loss_coef`` x the load-balancing loss as in SFT. The old policy
+    is the batch's ``old_logps`` (where not NaN), else the policy itself without gradient (one update per
+    generation batch: the ratio is 1 and its gradient the policy gradient). metrics:
+    ``tokens`` (completion tokens), ``clip_ratio``, ``nll`` (the mean negative
+    log-probability of the completion tokens), with beta > 0 ``kl``, MoE's ``moe_*``.
+    """
+    g = settings(cfg)
+    model, hidden, head, stats = run_model(graphdef, params, batch)
+    logps = -next_token_loss(model, hidden, head, batch, mesh, per_token=True)
+    old = jax.lax.stop_gradient(logps)
+    if OLD_LOGPS in batch:  # NaN where the policy itself is the old one (warm-up rows)
+        old = jnp.where(jnp.isnan(batch[OLD_LOGPS]), old, batch[OLD_LOGPS])
+    ref = None
+    if g.beta:  # the LoRA base (validate refuses beta > 0 without LoRA)
+        ref = jax.lax.stop_gradient(token_logps(
+            graphdef, jax.lax.stop_gradient(without_adapters(params)), batch, mesh))
+    mask = batch["loss_mask"].astype(jnp.float32)
+    per_token, metrics = token_terms(logps, old, batch["advantages"], mask, g, ref)
+    loss = jnp.sum(per_token * batch["loss_weights"])
+    count = jnp.sum(mask)
+    metrics.update(tokens=count, nll=jax.lax.stop_gradient(
+        -jnp.sum(logps * mask) / jnp.maximum(count, 1.0)))
+    return with_router_loss(model.cfg, loss, metrics, stats, weights)
