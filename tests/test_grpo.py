@@ -1,10 +1,14 @@
-"""GRPO's parts so far (issue 40), against TRL's GRPOTrainer formulas:
+"""GRPO's loss, token weights and rewards (issue 40), against TRL's GRPOTrainer formulas
+(the runs: test_grpo_train.py; the real checkpoint: test_real_grpo.py):
 
 - the policy loss (training/objectives/grpo.py) on given completions, computed with
   transformers + peft (test_dpo.py's tiny random Llama with random adapters): token
   log-probabilities, the clipped-ratio loss with the k3 KL term and every token aggregation,
   and the adapter gradients, at mesh.seq 1, 2 and 4 (2 and 4 split the vocabulary too), with
-  prompts and completions of different lengths in one batch;
+  prompts and completions of different lengths in one batch; the train step's objective
+  (token weights from the host, the reference the base with the adapters off, the old
+  policy from the batch) for every loss_type at the same meshes; the token weights over
+  1, 2 and 4 micro-batches;
 - rewards and advantages (training/objectives/rewards.py): TRL's group / batch / none
   scaling with skipped (None) rewards, reward functions called with TRL's arguments, the
   built-ins, and the refusals of a function that cannot be loaded, raises or miscounts.
