@@ -37,6 +37,10 @@ finishes (a timeout keeps what ran); a failing section records its error and the
   generate         generation (issue 38): the same preset's model (random weights, bf16) and
                    transformers' of its shape (bf16, SDPA): prefill tokens/s of one 32k-token
                    prompt and decode ms per token over 32 greedy tokens, ours and theirs.
+  grpo             GRPO (issue 40) end to end with train.py's loop: the 1B preset's model
+                   (random weights, bf16, the byte tokenizer) on one GPU, 2 prompts of 8,192
+                   tokens x 4 completions of up to 512, 3 steps (no warm-up): per step the
+                   sampling seconds, the step's seconds, completion lengths (metrics.jsonl).
   longest_8b       the longest sequence whose compiled 8B step fits this GPU (planner search;
                    returns at once with "none" when the shortest probe does not fit).
   offload_8b       the one-GPU 8B preset (host offload of checkpoints and optimizer): the GPU
@@ -592,6 +596,37 @@ def _generate(smoke: bool, new: int = 32) -> dict:
     return out
 
 
+def _grpo(smoke: bool, steps: int = 3) -> dict:
+    """GRPO through train() on one GPU: sampling with the generator, the rewards, the train
+    step; the times each step logs."""
+    import tempfile
+    import numpy as np
+    from ulysses_jax.config import load_config
+    from ulysses_jax.training.trainer import train
+    prompt_len, new = (200, 8) if smoke else (8192, 512)
+    tmp = tempfile.mkdtemp(prefix="gpu_check_grpo_")
+    rng = np.random.default_rng(0)
+    with open(os.path.join(tmp, "prompts.jsonl"), "w") as f:
+        for key in (3, 7):
+            words = " ".join(rng.choice(["red", "sea", "old", "map"], prompt_len // 4))
+            f.write(json.dumps({"prompt": f"{words[:prompt_len - 20]} the key is {key}.\nkey:",
+                                "answer": str(key)}) + "\n")
+    over = ["objective=grpo", f"data.source={tmp}/prompts.jsonl", "data.heldout_fraction=0",
+            f"seq_len={prompt_len + new}", "batch_size=2", "grpo.num_generations=4",
+            f"grpo.max_completion_length={new}", f"steps={steps}", "log_every=1",
+            "eval_batches=0", "checkpoint_every=0", "mesh.data=1", "mesh.seq=1",
+            "param_sharding=replicated", "grad_accum_steps=1", "log_tensorboard=false",
+            "model.max_segments=0"] + (SMOKE_1B if smoke else ["model.dtype=bfloat16"])
+    cfg = load_config(os.path.join(ROOT, "configs", "llama-1b-32k.yaml"), over)
+    summary = train(cfg, os.path.join(tmp, "run"), progress=False)
+    with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    keep = ("step", "loss", "grad_norm", "step_time", "sampling_s", "batch_s", "reward",
+            "completions/mean_length", "completions/clipped_ratio", "memory_peak_bytes")
+    return {"prompt_tokens": prompt_len, "max_new_tokens": new, "status": summary["status"],
+            "steps": [{k: r.get(k) for k in keep} for r in records]}
+
+
 def _longest_8b(smoke: bool) -> dict:
     import jax
     from ulysses_jax.config import load_config
@@ -810,7 +845,7 @@ def _qwen2_5_vl(smoke: bool, repeats: int = 3) -> dict:
 
 
 SECTIONS = ("env", "attention_bf16", "packed_attention", "window_attention", "throughput",
-            "accumulation", "lora", "transformers", "generate", "longest_8b", "offload_8b",
+            "accumulation", "lora", "transformers", "generate", "grpo", "longest_8b", "offload_8b",
             "qwen3_next", "qwen2_5_vl", "pytest")
 
 
@@ -851,6 +886,7 @@ def main():
         "lora": lambda: _lora(args.smoke),
         "transformers": lambda: _transformers(args.smoke),
         "generate": lambda: _generate(args.smoke),
+        "grpo": lambda: _grpo(args.smoke),
         "longest_8b": lambda: _longest_8b(args.smoke),
         "offload_8b": lambda: _offload_8b(args.smoke, args.offload_seq_len),
         "qwen3_next": lambda: _qwen3_next(args.smoke),
