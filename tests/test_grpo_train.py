@@ -7,13 +7,15 @@ configs/tiny-grpo.yaml.
   num_iterations=2 updates), and a run stopped in the middle of a generation batch resumes
   to the same completions and numbers as the uninterrupted one;
 - bad input is refused before anything is compiled (an unimportable reward function, a
-  prompt too long for seq_len - max_completion_length, num_generations 1), and a reward
+  prompt too long for seq_len - max_completion_length, num_generations 1, answer_match
+  without answers, a warm-up without reference completions), and a reward
   function that raises mid-run stops the run with the rows named and its checkpoint kept.
 """
 import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import need_devices
@@ -22,7 +24,7 @@ from ulysses_jax.config import ConfigError, load_config
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from make_retrieval import rows as retrieval_rows  # noqa: E402
 
-TINY = ["objective=grpo", "seq_len=64", "batch_size=2", "grpo.num_generations=4",
+TINY = ["objective=grpo", "grpo.loss_type=bnpo", "seq_len=64", "batch_size=2", "grpo.num_generations=4",
         "grpo.max_completion_length=4", "grpo.sft_warmup_steps=1", "grpo.num_iterations=2",
         "log_every=1", "eval_every=0", "eval_batches=1", "checkpoint_every=1",
         "model.vocab_size=257", "model.d_model=64", "model.n_layers=1", "model.n_heads=4",
@@ -67,8 +69,7 @@ def test_every_mesh_samples_the_same_and_a_resume_continues_the_batch(prompts, t
     assert {"reward", "reward_std", "rewards/answer_match/mean", "completions/mean_length",
             "completions/clipped_ratio", "clip_ratio", "nll", "sampling_s"} <= set(one[1])
     assert "eval_reward" in one[-1]
-    # The first update of a generation batch has ratio 1 (nothing clipped); the second
-    # reads the old policy's log-probabilities from the batch.
+    # The first update of a generation batch has ratio 1 by construction (nothing clipped).
     assert one[1]["clip_ratio"] == 0.0
     # mesh.seq=4: the same completions of the first generation batch, the same first steps.
     # (Later batches are sampled after updates that differ by float rounding between the
@@ -87,7 +88,9 @@ def test_every_mesh_samples_the_same_and_a_resume_continues_the_batch(prompts, t
                                                                              a["step"])
     # Stopped after step 2, in the middle of a generation batch, then resumed: the same run.
     _run(prompts, tmp_path / "resumed", "mesh.seq=1", "steps=2")
-    assert os.path.exists(tmp_path / "resumed" / "grpo_batch.npz")
+    with np.load(tmp_path / "resumed" / "grpo_batch_2.npz") as kept:  # the old policy's
+        mask = kept["loss_mask"] > 0
+        assert np.isfinite(kept["old_logps"][mask]).all() and (kept["old_logps"][mask] < 0).all()
     _, again, done_again = _run(prompts, tmp_path / "resumed", "mesh.seq=1", "steps=5",
                                 "eval_every=5")
     assert done_again == done_one
@@ -111,8 +114,14 @@ def test_bad_input_is_refused_and_a_failing_reward_keeps_the_checkpoint(prompts,
         load_config(None, TINY + ["grpo.num_generations=1"])
     cases = (("grpo.reward_funcs=[no_such_module:f]", "cannot be imported"),
              ("seq_len=32", "more than seq_len - grpo.max_completion_length = 28"))
+    unanswered = tmp_path / "unanswered.jsonl"
+    unanswered.write_text('{"prompt": "say a word"}\n{"prompt": "say two words"}\n')
+    cases += (
+        (f"data.source={unanswered}", 'answer_match, but no prompt row has an "answer"'),
+        (f"data.source={unanswered} grpo.reward_funcs=[soft_overlong]",
+         r'unanswered.jsonl:\d has neither "completion" nor "answer"'))
     for over, match in cases:
-        cfg = load_config(None, TINY + [f"data.source={prompts}", over])
+        cfg = load_config(None, TINY + [f"data.source={prompts}", *over.split()])
         with pytest.raises(ConfigError, match=match):
             train(cfg, str(tmp_path / "refused"), progress=False)
         assert not os.path.exists(tmp_path / "refused" / "checkpoints" / "1")
@@ -121,3 +130,24 @@ def test_bad_input_is_refused_and_a_failing_reward_keeps_the_checkpoint(prompts,
                                        r".*retrieval.jsonl:\d+.*checkpoint of step 1 is kept"):
         _run(prompts, tmp_path / "fails", "mesh.seq=2", "steps=3",
              "grpo.reward_funcs=[test_grpo_train:failing_reward]")
+
+
+@pytest.mark.parametrize("over", [
+    ["model.lora.rank=4", "model.lora.alpha=8", "grpo.beta=0.04", "param_sharding=zero3"],
+    ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_ffn_dim=32"]],
+    ids=["lora_kl_zero3", "moe"])
+def test_lora_with_a_kl_term_zero3_and_experts_train(prompts, tmp_path, over):
+    """LoRA with the KL to the base (adapters off) on ZeRO-3 parameters (the sampler gathers
+    them), and an MoE model (its router loss beside; the sampler's tokens stay replicated
+    however the experts split the head's input)."""
+    need_devices(2)
+    summary, records, done = _run(prompts, tmp_path, "mesh.seq=2", "steps=3",
+                                  "grpo.num_iterations=1", *over)
+    assert summary["status"] == "done" and len(done) == 2 * 2 * 4
+    grpo_steps = [r for r in records if r["phase"] == "grpo"]
+    assert len(grpo_steps) == 2 and all(r["grad_norm"] > 0 for r in grpo_steps)
+    if "grpo.beta=0.04" in over:
+        # the warm-up step trained the adapters away from the base: a positive KL
+        assert all(0 < r["kl"] < 10 for r in grpo_steps)
+    else:
+        assert all("moe_aux_loss" in r for r in grpo_steps)

@@ -7,7 +7,8 @@ it adds one); messages are rendered with the tokenizer directory's chat template
 generation prompt. Rows are split train / held-out by the hash of their names as documents
 are (``text.heldout_mask``), and walked in a seeded order, a new permutation each epoch
 (``PromptOrder``). A row's reference completion (its ``completion``, else its ``answer``, as
-text, then EOS) is what ``grpo.sft_warmup_steps`` trains on.
+text; a list of messages: their contents) is what ``grpo.sft_warmup_steps`` trains on,
+followed by the sampler's stop token.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from .text import _unit_hash, heldout_mask, load_tokenizer
 @dataclasses.dataclass
 class Prompts:
     """Prompt rows: ``names`` (file:line), ``rows`` (the records), ``ids`` (prompt token
-    ids), ``references`` (reference completion ids with EOS, or None)."""
+    ids), ``references`` (reference completion ids, no stop token; or None)."""
     names: list[str]
     rows: list[dict]
     ids: list[np.ndarray]
@@ -72,8 +73,12 @@ def load_prompts(source: str, tokenizer_path: str | None, max_prompt_tokens: int
                 raise ValueError(f"{where}: the prompt is a list of messages, but the "
                                  f"tokenizer ({tokenizer_path or 'bytes'}) has no chat "
                                  f"template")
-            tokens = np.asarray(tokenizer.encode(
-                template.render(prompt, add_generation_prompt=True)), np.int32)
+            try:
+                text = template.render(prompt, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 (jinja2 raises its own kinds for a bad row)
+                raise ValueError(f"{where}: the chat template cannot render its messages: "
+                                 f"{type(e).__name__}: {e}") from None
+            tokens = np.asarray(tokenizer.encode(text), np.int32)
         else:
             raise ValueError(f'{where}: a prompt row needs "prompt", a text or a list of '
                              f'messages (keys {sorted(row)})')
@@ -83,8 +88,10 @@ def load_prompts(source: str, tokenizer_path: str | None, max_prompt_tokens: int
             raise ValueError(f"{where}: the prompt has {len(tokens)} tokens, more than "
                              f"seq_len - grpo.max_completion_length = {max_prompt_tokens}")
         ref = row.get("completion", row.get("answer"))
-        refs.append(None if ref is None else np.concatenate(
-            [tokenizer.encode(str(ref)), [tokenizer.eos_id]]).astype(np.int32))
+        if isinstance(ref, list):  # a chat completion: its messages' contents
+            ref = "".join(str(m.get("content") or "") for m in ref if isinstance(m, dict))
+        refs.append(None if ref is None else
+                    np.asarray(tokenizer.encode(str(ref)), np.int32))
         names.append(where)
         rows.append(row)
         ids.append(tokens)
@@ -106,12 +113,16 @@ class PromptOrder:
 
     def __init__(self, n: int, seed: int, fingerprint: str):
         self.n, self.seed, self.fingerprint, self.next = n, seed, fingerprint, 0
+        self._epoch = (None, None)  # (epoch, its permutation), drawn once per epoch
 
     def take(self, count: int) -> list[int]:
         out = []
         for g in range(self.next, self.next + count):
             epoch, i = divmod(g, self.n)
-            out.append(int(np.random.default_rng((self.seed, epoch)).permutation(self.n)[i]))
+            if self._epoch[0] != epoch:
+                self._epoch = (epoch, np.random.default_rng((self.seed, epoch)).permutation(
+                    self.n))
+            out.append(int(self._epoch[1][i]))
         self.next += count
         return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .blocks import block_functions, run_layers
 from .cache import CacheLayout
@@ -25,6 +25,8 @@ def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling
     ``rows``: each row's index in the request, ``step`` the token's index in its answer and
     ``seed`` (uint32) the request's seed (the sampling key, ``sampling.row_keys``)."""
 
+    replicated = NamedSharding(mesh, P())
+
     def run(params, caches, tokens, slot, pad, rows, step, seed):
         model = nnx.merge(graphdef, params)
         _, decode_block = block_functions(model.cfg)
@@ -36,7 +38,11 @@ def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling
 
         x, caches = run_layers(model, x, layer, caches)
         out = model.logits(model.final_norm(x[:, 0]))                             # [B, V]
-        return choose(out, sampling, seed, rows, step), out, caches
+        tok = choose(out, sampling, seed, rows, step)
+        # Replicated, whatever layout the head's propagation reaches (an MoE model's can be
+        # split): the next decode step was compiled for replicated tokens.
+        tok, out = (jax.lax.with_sharding_constraint(a, replicated) for a in (tok, out))
+        return tok, out, caches
 
     return jax.jit(run, donate_argnums=1)
 

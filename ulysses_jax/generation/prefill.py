@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .blocks import block_functions, run_layers
 from .cache import CacheLayout
@@ -25,6 +25,8 @@ def prefill_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Samplin
     tokens, positions, segment_ids: [B, S] int32, S a multiple of the ``seq`` axis; rows and
     seed as in ``decode.decode_program`` (the first token is step 0)."""
 
+    replicated = NamedSharding(mesh, P())
+
     def run(params, tokens, positions, segment_ids, rows, seed):
         model = nnx.merge(graphdef, params)
         prefill_block, _ = block_functions(model.cfg)
@@ -35,6 +37,10 @@ def prefill_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Samplin
 
         x, caches = run_layers(model, x, layer)
         out = model.logits(model.final_norm(x[:, -1]))                            # [B, V]
-        return choose(out, sampling, seed, rows, jnp.int32(0)), out, caches
+        tok = choose(out, sampling, seed, rows, jnp.int32(0))
+        # Replicated, whatever layout the head's propagation reaches (an MoE model's can be
+        # split): the next decode step was compiled for replicated tokens.
+        tok, out = (jax.lax.with_sharding_constraint(a, replicated) for a in (tok, out))
+        return tok, out, caches
 
     return jax.jit(run)

@@ -12,17 +12,21 @@ log-probabilities, computed once before the batch's first update.
 
 The sampling key of generation batch n is the run's seed and n: the same completions at every
 mesh and on resume. With ``num_iterations`` > 1 the batch (rows and old log-probabilities) is
-kept in ``WORKDIR/grpo_batch.npz`` so a run resumed in its middle trains on the same batch.
+kept in ``WORKDIR/grpo_batch_STEP.npz`` (STEP its first step; those no kept checkpoint
+can resume into are deleted) so a run resumed in its middle trains on the same batch.
 ``WORKDIR/completions.jsonl`` gets every completion of every generation batch.
 
 ``grpo.sft_warmup_steps`` first steps train on each prompt's reference completion with the
 next-token loss (the same compiled step: advantage 1 on every token, token weights 1 / the
-step's tokens, ratio 1, so the gradient is the mean next-token loss's), before sampling.
+step's tokens, ratio 1, so the gradient is the mean next-token loss's; with ``beta`` > 0 the
+KL term to the base is added as in every step), before sampling. The reference ends with the
+sampler's first stop id, the token that ends a sampled completion.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import jax
@@ -31,17 +35,43 @@ import numpy as np
 from ..config import Config
 from ..data import text as data_lib
 from ..data.run_data import is_main
+from .run_dir import RunError
 from .objectives import grpo as grpo_loss, rewards as rewards_lib
 
 COMPLETIONS = "completions.jsonl"
-BATCH_FILE = "grpo_batch.npz"
+BATCH_FILES = "grpo_batch_{step}.npz"  # a generation batch of num_iterations > 1
 
 
 def reward_functions(cfg: Config) -> list[tuple[str, object]]:
-    """(name, function) of ``grpo.reward_funcs``; RewardError for one that cannot load."""
+    """(name, function) of ``grpo.reward_funcs``; RewardError for one that cannot load.
+    A name is the function's (after the colon), or the whole spec where two would share it."""
     g = cfg.grpo
-    return [(spec.rpartition(":")[2], rewards_lib.load(spec, g.max_completion_length))
-            for spec in g.reward_funcs]
+    short = [spec.rpartition(":")[2] for spec in g.reward_funcs]
+    names = [n if short.count(n) == 1 else spec for n, spec in zip(short, g.reward_funcs)]
+    return [(name, rewards_lib.load(spec, g.max_completion_length))
+            for name, spec in zip(names, g.reward_funcs)]
+
+
+def check_prompts(cfg: Config, prompts) -> None:
+    """ValueError, naming the rule, the row and the numbers, for prompts the run could not
+    train on: with ``grpo.sft_warmup_steps`` a prompt without a reference completion or one
+    whose prompt + reference + stop token exceed seq_len; the built-in ``answer_match`` with
+    no row holding an ``answer`` (every reward would be None, every advantage 0)."""
+    g = cfg.grpo
+    if "answer_match" in g.reward_funcs and not any("answer" in r for r in prompts.rows):
+        raise ValueError("grpo.reward_funcs has answer_match, but no prompt row has an "
+                         "\"answer\" column: every reward would be None and nothing learned")
+    if not g.sft_warmup_steps:
+        return
+    for name, ids, ref in zip(prompts.names, prompts.ids, prompts.references):
+        if ref is None:
+            raise ValueError(f"grpo.sft_warmup_steps={g.sft_warmup_steps} trains on each "
+                             f"prompt's reference completion, but {name} has neither "
+                             f"\"completion\" nor \"answer\"")
+        if len(ids) + len(ref) + 1 > cfg.seq_len:
+            raise ValueError(f"{name}: its prompt ({len(ids)} tokens), reference completion "
+                             f"({len(ref)}) and stop token exceed seq_len {cfg.seq_len} "
+                             f"(grpo.sft_warmup_steps trains on them)")
 
 
 def sequence_rows(prompts: list, completions: list, seq_len: int) -> dict:
@@ -71,13 +101,15 @@ class GRPOBatches:
 
     def __init__(self, cfg: Config, prompts, held, tokenizer, order, mesh, workdir: str,
                  stop_ids, funcs):
+        """stop_ids: the sampler's stop ids in order; the first ends the warm-up's
+        reference completions (what the model should write to stop)."""
         self.cfg, self.prompts, self.held, self.order = cfg, prompts, held, order
         self.tokenizer, self.mesh, self.workdir = tokenizer, mesh, workdir
-        self.stop_ids, self.funcs = frozenset(stop_ids), funcs
+        self.stop_ids, self.stop, self.funcs = frozenset(stop_ids), int(stop_ids[0]), funcs
         self.graphdef = self.shardings = None  # attach(): known once the state is built
         self.loss = grpo_loss.settings(cfg)
         self.fields = grpo_loss.token_fields(cfg)
-        self.batch_step = None     # the step whose generation batch ``current`` is
+        self.batch_step = None     # the first step of the generation batch ``current``
         self.current = None        # numpy rows of the current generation batch
         self.last: dict = {}
         self._generator = None
@@ -90,11 +122,10 @@ class GRPOBatches:
     # -- position ---------------------------------------------------------------------------
 
     def get_state(self) -> dict:
-        return {**self.order.get_state(), "batch_step": self.batch_step}
+        return self.order.get_state()
 
     def set_state(self, state: dict) -> None:
         self.order.set_state(state)
-        self.batch_step = state.get("batch_step")
 
     # -- the steps --------------------------------------------------------------------------
 
@@ -130,21 +161,10 @@ class GRPOBatches:
 
     def _warmup_rows(self) -> dict:
         n = self.cfg.batch_size * self.cfg.grpo.num_generations
-        idx = self.order.take(n)
-        refs = [self.prompts.references[i] for i in idx]
-        missing = [self.prompts.names[i] for i, r in zip(idx, refs) if r is None]
-        if missing:
-            raise rewards_lib.RewardError(
-                f"grpo.sft_warmup_steps trains on each prompt's reference completion, but "
-                f"{missing[0]} has neither \"completion\" nor \"answer\"")
-        room = self.cfg.seq_len
-        seqs = [(self.prompts.ids[i], r) for i, r in zip(idx, refs)]
-        for (p, r), i in zip(seqs, idx):
-            if len(p) + len(r) > room:
-                raise rewards_lib.RewardError(
-                    f"{self.prompts.names[i]}: its prompt ({len(p)} tokens) and reference "
-                    f"completion ({len(r)} tokens with EOS) exceed seq_len {room}")
-        rows = sequence_rows([p for p, _ in seqs], [r for _, r in seqs], room)
+        idx = self.order.take(n)  # every reference was checked at start (check_warmup)
+        rows = sequence_rows([self.prompts.ids[i] for i in idx],
+                             [np.append(self.prompts.references[i], self.stop) for i in idx],
+                             self.cfg.seq_len)
         mask = rows["loss_mask"]
         rows["advantages"] = mask.copy()
         rows["loss_weights"] = (mask / max(mask.sum(), 1.0)).astype(np.float32)
@@ -176,21 +196,13 @@ class GRPOBatches:
                             rows=list(range(n)))
         sampled = time.time()
         ids = [c.ids for c in done]
-        texts = [self.tokenizer.decode([t for t in c if t not in self.stop_ids]) for c in ids]
         rows_in = [self.prompts.rows[i] for i in idx for _ in range(g.num_generations)]
-        conversational = isinstance(rows_in[0].get("prompt"), list)
-        completions = ([[{"role": "assistant", "content": t}] for t in texts]
-                       if conversational else texts)
-        columns = {k: [r.get(k) for r in rows_in] for k in rows_in[0]
-                   if k not in ("prompt", "completion", "completion_ids")}
         try:
-            per_func = rewards_lib.score(self.funcs, [r["prompt"] for r in rows_in],
-                                         completions, ids, columns)
+            texts, per_func = self._score(rows_in, ids)
         except rewards_lib.RewardError as e:
             names = ", ".join(self.prompts.names[i] for i in idx)
             raise rewards_lib.RewardError(f"step {step}: {e} (the prompts: {names})") from None
-        weights = cfg.grpo.reward_weights or [1.0] * len(self.funcs)
-        adv, total = rewards_lib.advantages(per_func, weights, g.num_generations,
+        adv, total = rewards_lib.advantages(per_func, self._weights(), g.num_generations,
                                             g.scale_rewards)
         rows = sequence_rows(prompt_ids, ids, cfg.seq_len)
         mask = rows["loss_mask"]
@@ -213,36 +225,48 @@ class GRPOBatches:
         done = self._sampler(params).generate(prompt_ids,
                                               max_new_tokens=self.cfg.grpo.max_completion_length,
                                               eos_ids=self.stop_ids)
-        ids = [c.ids for c in done]
-        texts = [self.tokenizer.decode([t for t in c if t not in self.stop_ids]) for c in ids]
-        rows = self.held.rows[:n]
-        if isinstance(rows[0].get("prompt"), list):
-            texts = [[{"role": "assistant", "content": t}] for t in texts]
-        columns = {k: [r.get(k) for r in rows] for k in rows[0]
-                   if k not in ("prompt", "completion", "completion_ids")}
-        per_func = rewards_lib.score(self.funcs, [r["prompt"] for r in rows], texts, ids,
-                                     columns)
-        weights = np.asarray(self.cfg.grpo.reward_weights or [1.0] * len(self.funcs))
-        total = np.nansum(per_func * weights[None], axis=1)
-        out = {"eval_reward": float(total.mean()), "eval_prompts": n}
+        try:
+            _, per_func = self._score(self.held.rows[:n], [c.ids for c in done])
+        except rewards_lib.RewardError as e:
+            raise rewards_lib.RewardError(f"held-out evaluation: {e}") from None
+        total = rewards_lib.total(per_func, self._weights())
+        out = {"eval_reward": (float(np.nanmean(total)) if np.isfinite(total).any() else None),
+               "eval_prompts": n}
         for f, (name, _) in enumerate(self.funcs):
             col = per_func[:, f]
             out[f"eval_rewards/{name}/mean"] = (float(np.nanmean(col)) if np.isfinite(col).any()
                                                 else None)
         return out
 
+    def _weights(self) -> list[float]:
+        return list(self.cfg.grpo.reward_weights or [1.0] * len(self.funcs))
+
+    def _score(self, rows: list[dict], ids: list[list[int]]):
+        """(texts, ``rewards.score``'s [N, F]) of completions ``ids`` of prompt ``rows``
+        (one row per completion): decoded without stop ids; a chat prompt's completion as
+        TRL passes it, [{"role": "assistant", "content": text}]."""
+        texts = [self.tokenizer.decode([t for t in c if t not in self.stop_ids]) for c in ids]
+        completions = [[{"role": "assistant", "content": t}]
+                       if isinstance(r.get("prompt"), list) else t
+                       for r, t in zip(rows, texts)]
+        names = sorted({k for r in rows for k in r} - {"prompt", "completion",
+                                                         "completion_ids"})
+        columns = {k: [r.get(k) for r in rows] for k in names}
+        return texts, rewards_lib.score(self.funcs, [r["prompt"] for r in rows], completions,
+                                        ids, columns)
+
     def _metrics(self, per_func, total, ids, reasons, sampling_s, scoring_s) -> dict:
-        """TRL's names: reward, reward_std (the mean of the groups' stds), rewards/NAME/mean
-        and /std, completions/mean_length, min_length, max_length, clipped_ratio (the share
-        that reached max_completion_length), frac_reward_zero_std; and the times."""
+        """TRL's names: reward, reward_std (the std of the batch's rewards),
+        rewards/NAME/mean and /std, completions/mean_length, min_length, max_length,
+        clipped_ratio (the share that reached max_completion_length), frac_reward_zero_std
+        (the share of completions whose advantage's std is 0); and the times."""
         g = self.cfg.grpo
         lengths = np.array([len(c) for c in ids], np.float64)
-        groups = total.reshape(-1, g.num_generations)
-        with np.errstate(invalid="ignore"):
-            stds = np.nanstd(groups, axis=1, ddof=1)
-        out = {"reward": float(np.nanmean(total)) if np.isfinite(total).any() else None,
-               "reward_std": float(np.nanmean(stds)) if np.isfinite(stds).any() else None,
-               "frac_reward_zero_std": float(np.mean(np.nan_to_num(stds, nan=0.0) == 0.0)),
+        ok = np.isfinite(total)
+        stds = rewards_lib.scales(total, g.num_generations, g.scale_rewards)
+        out = {"reward": float(total[ok].mean()) if ok.any() else None,
+               "reward_std": float(total[ok].std(ddof=1)) if ok.sum() > 1 else None,
+               "frac_reward_zero_std": float(np.mean(np.isclose(stds, 0.0))),
                "completions/mean_length": float(lengths.mean()),
                "completions/min_length": float(lengths.min()),
                "completions/max_length": float(lengths.max()),
@@ -284,27 +308,39 @@ class GRPOBatches:
         sharded = data_lib.shard_batch({k: rows[k] for k in data_lib.FIELDS}, self.mesh)
         return np.asarray(jax.device_get(self._old_logps(params, sharded)), np.float32)
 
+    def _batch_path(self, step: int) -> str:
+        return os.path.join(self.workdir, BATCH_FILES.format(step=step))
+
     def _save_batch(self, step: int, rows: dict) -> None:
-        if is_main():
-            path = os.path.join(self.workdir, BATCH_FILE)
-            np.savez(path + ".tmp.npz", step=np.int64(step), **rows)
-            os.replace(path + ".tmp.npz", path)
+        """Writes the generation batch of ``step`` and deletes those no kept checkpoint can
+        resume into (the batches that ended at or before the oldest checkpoint)."""
+        if not is_main():
+            return
+        path = self._batch_path(step)
+        np.savez(path + ".tmp.npz", step=np.int64(step), **rows)
+        os.replace(path + ".tmp.npz", path)
+        ckpts = os.path.join(self.workdir, "checkpoints")
+        kept = sorted(int(d) for d in (os.listdir(ckpts) if os.path.isdir(ckpts) else ())
+                      if d.isdigit())
+        n = self.cfg.grpo.num_iterations
+        for name in os.listdir(self.workdir):
+            m = re.fullmatch(BATCH_FILES.format(step=r"(\d+)").replace(".", r"\."), name)
+            if m and int(m.group(1)) != step and kept and int(m.group(1)) + n - 1 <= kept[0]:
+                os.remove(os.path.join(self.workdir, name))
 
     def _load_batch(self, step: int) -> dict:
-        path = os.path.join(self.workdir, BATCH_FILE)
+        path = self._batch_path(step)
         try:
             with np.load(path) as data:
-                saved = int(data["step"])
                 rows = {k: data[k] for k in data.files if k != "step"}
         except (OSError, KeyError, ValueError) as e:
-            raise rewards_lib.RewardError(
-                f"the run resumes inside the generation batch of step {step} "
+            raise RunError(
+                f"the run resumes inside the generation batch that started at step {step} "
                 f"(grpo.num_iterations={self.cfg.grpo.num_iterations}), but {path} cannot be "
-                f"read: {e}") from None
-        if saved != step:
-            raise rewards_lib.RewardError(
-                f"the run resumes inside the generation batch of step {step}, but {path} holds "
-                f"the batch of step {saved}")
+                f"read ({type(e).__name__}: {e}); the batch's old log-probabilities are lost. "
+                f"Move the checkpoints after step {step - 1} out of "
+                f"{os.path.join(self.workdir, 'checkpoints')} to resume from an earlier one, "
+                f"or start a new --workdir") from None
         return rows
 
 

@@ -355,7 +355,7 @@ def _run_grpo(cfg: Config, mesh, workdir: str, progress: bool) -> dict:
     compiled), then the run."""
     from ..data.prompts import PromptOrder, load_prompts
     from ..generation.settings import model_settings
-    from .grpo import GRPOBatches, reward_functions
+    from .grpo import GRPOBatches, check_prompts, reward_functions
     from .objectives.rewards import RewardError
     tokenizer_path = cfg.data.tokenizer
     if tokenizer_path is None and cfg.init_from and os.path.isfile(
@@ -373,6 +373,7 @@ def _run_grpo(cfg: Config, mesh, workdir: str, progress: bool) -> dict:
     try:
         funcs = reward_functions(cfg)
         stop = model_settings(cfg.init_from, tokenizer.eos_id).eos_ids or (tokenizer.eos_id,)
+        check_prompts(cfg, prompts)
     except (RewardError, ValueError) as e:
         raise ConfigError(str(e)) from None
     _log(f"data: {len(prompts)} prompts{'' if held is None else f', {len(held)} held out'}; "
@@ -500,7 +501,8 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
         from .objectives.dpo import METRICS
         objective_metrics = METRICS
     if grpo:
-        objective_metrics = ("clip_ratio", "nll") + (("kl",) if cfg.grpo.beta else ())
+        from .objectives.grpo import METRICS
+        objective_metrics = tuple(m for m in METRICS if m != "kl" or cfg.grpo.beta)
     order = token_order(cfg)
     summary = {"status": "done", "step": start, "loss": None, "eval_loss": None}
     last_eval_reward = None
@@ -522,8 +524,10 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                     sampled_in = time.time() - t_sample
                 else:
                     batch = batches.next_global(mesh, order)
+                t_train = time.time()
                 state, metrics = step_fn(state, batch)
                 loss = _scalar(metrics["loss"])  # also waits for the step: honest timings
+                train_s = time.time() - t_train
                 warmup = grpo and batches.is_warmup(step)
                 if warmup:  # the reported loss of a warm-up step is its next-token loss
                     loss = _scalar(metrics["nll"])
@@ -550,7 +554,7 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                     record.update({k: _scalar(metrics[k]) for k in objective_metrics})
                     if grpo:
                         record.update(batches.last, phase="sft_warmup" if warmup else "grpo",
-                                      batch_s=sampled_in)
+                                      batch_s=sampled_in, train_s=train_s)
                     record.update(_moe_metrics(metrics))
                     record.update(_memory_in_use(device))
                     if evaluate and grpo:

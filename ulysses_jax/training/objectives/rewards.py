@@ -166,16 +166,31 @@ def advantages(per_func: np.ndarray, weights: Sequence[float], num_generations: 
     A reward that every function skipped is NaN in ``rewards``."""
     if scale not in SCALES:
         raise ValueError(f"scale_rewards must be one of {', '.join(SCALES)}, got {scale!r}")
-    per_func = np.asarray(per_func, np.float64)
-    unscorable = np.isnan(per_func).all(axis=1)
-    rewards = np.nansum(per_func * np.asarray(weights, np.float64)[None], axis=1)
-    rewards[unscorable] = np.nan
+    rewards = total(per_func, weights)
     groups = rewards.reshape(-1, num_generations)
     with warnings.catch_warnings():  # an all-NaN group's mean and std are NaN, quietly
         warnings.simplefilter("ignore", RuntimeWarning)
         adv = rewards - np.repeat(np.nanmean(groups, axis=1), num_generations)
         if scale != "none":
-            std = (np.repeat(_nanstd(groups, axis=1), num_generations) if scale == "group"
-                   else np.full_like(rewards, _nanstd(rewards)))
-            adv = adv / (std + 1e-4)
+            adv = adv / (scales(rewards, num_generations, scale) + 1e-4)
     return np.nan_to_num(adv, nan=0.0), rewards
+
+
+def total(per_func: np.ndarray, weights: Sequence[float]) -> np.ndarray:
+    """float64 [N]: each completion's weighted sum of ``score``'s rewards (a None skipped),
+    NaN where every function skipped it."""
+    per_func = np.asarray(per_func, np.float64)
+    rewards = np.nansum(per_func * np.asarray(weights, np.float64)[None], axis=1)
+    rewards[np.isnan(per_func).all(axis=1)] = np.nan
+    return rewards
+
+
+def scales(rewards: np.ndarray, num_generations: int, scale: str) -> np.ndarray:
+    """[N]: the std that divides each completion's advantage: its group's for ``group`` (and,
+    for logging, ``none``), the whole batch's for ``batch`` (TRL's ``std_rewards``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if scale == "batch":
+            return np.full_like(rewards, _nanstd(rewards))
+        return np.repeat(_nanstd(rewards.reshape(-1, num_generations), axis=1),
+                         num_generations)
