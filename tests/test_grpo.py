@@ -199,9 +199,10 @@ def test_the_training_objective_is_trls_loss(llama):  # noqa: F811
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_token_weights_are_trls_aggregation_over_micro_batches(loss_type):
-    """sum(w l) with grpo.token_weights is TRL's loss of the step: with k micro-batches each
-    micro-batch's loss (TRL's formula) divided by k (gradient_accumulation_steps), for dapo
-    each micro-batch's sum over the step's tokens (num_items_in_batch)."""
+    """sum(w l) with grpo.token_weights is TRL's loss of the step: with k micro-batches on
+    each of d processes, each micro-batch's loss (TRL's formula) divided by k
+    (gradient_accumulation_steps) and averaged over the processes, for dapo each
+    micro-batch's sum over the step's tokens (num_items_in_batch / num_processes, summed)."""
     from ulysses_jax.training.objectives.grpo import token_terms, token_weights
     rng = np.random.default_rng(4)
     logp, old = rng.normal(size=(8, 12)) * 0.3, rng.normal(size=(8, 12)) * 0.3
@@ -211,15 +212,17 @@ def test_token_weights_are_trls_aggregation_over_micro_batches(loss_type):
     g = GRPOLoss(loss_type=loss_type, max_completion_length=12)
     terms, _ = token_terms(logp, old, adv[:, None], mask, g)
     t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
-    for k in (1, 2, 4):
-        want = 0.0
-        for i in range(k):
-            r = slice(i * 8 // k, (i + 1) * 8 // k)
+    for k, d in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
+        # d processes (data replicas) of 8 / d consecutive rows, each in k micro-batches of
+        # consecutive rows: TRL's loss of each, / k (accumulation), averaged over d (DDP)
+        want, n = 0.0, 8 // (k * d)
+        for i in range(k * d):
+            r = slice(i * n, (i + 1) * n)
             micro = float(_trl(t(logp[r]), t(old[r]), None, t(adv[r]), t(mask[r]), g))
             want += (micro * mask[r].sum() / max(mask.sum(), 1) if loss_type == "dapo"
-                     else micro / k)
-        got = float(np.sum(token_weights(mask, g, k) * np.asarray(terms)))
-        assert got == pytest.approx(want, rel=1e-6), k
+                     else micro / (k * d))
+        got = float(np.sum(token_weights(mask, g, k, d) * np.asarray(terms)))
+        assert got == pytest.approx(want, rel=1e-6), (k, d)
 
 
 def test_dapo_normalises_by_the_global_batch_tokens():

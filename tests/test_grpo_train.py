@@ -3,7 +3,8 @@ the batches, the loop, resume and bad input, on a tiny model and the retrieval t
 configs/tiny-grpo.yaml.
 
 - mesh.seq=1, mesh.seq=4 and mesh.seq=2 with 2 accumulated micro-batches sample the same
-  completions and log the same first steps (a warm-up step, then a generation batch of
+  completions and log the same first steps (2 data x 2 seq: the same completions and
+  warm-up step) (a warm-up step, then a generation batch of
   num_iterations=2 updates), and a run stopped in the middle of a generation batch resumes
   to the same completions and numbers as the uninterrupted one;
 - bad input is refused before anything is compiled (an unimportable reward function, a
@@ -24,7 +25,8 @@ from ulysses_jax.config import ConfigError, load_config
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from make_retrieval import rows as retrieval_rows  # noqa: E402
 
-TINY = ["objective=grpo", "grpo.loss_type=bnpo", "seq_len=64", "batch_size=2", "grpo.num_generations=4",
+TINY = ["objective=grpo", "grpo.loss_type=bnpo", "seq_len=64",
+        "grpo.reward_funcs=[answer_match,test_grpo_train:varied]", "batch_size=2", "grpo.num_generations=4",
         "grpo.max_completion_length=4", "grpo.sft_warmup_steps=1", "grpo.num_iterations=2",
         "log_every=1", "eval_every=0", "eval_batches=1", "checkpoint_every=1",
         "model.vocab_size=257", "model.d_model=64", "model.n_layers=1", "model.n_heads=4",
@@ -40,6 +42,12 @@ def prompts(tmp_path_factory):
         for row in retrieval_rows(24, seed=1):  # prompts of 30 to 50 bytes
             f.write(json.dumps(row) + "\n")
     return str(path)
+
+
+def varied(completion_ids, **_):
+    """A reward that differs between completions (a tiny random model never answers right):
+    the advantages, the loss and the gradients of the GRPO steps are not zero."""
+    return [(sum(ids) % 7) / 7 for ids in completion_ids]
 
 
 def _run(prompts, workdir, *over):
@@ -65,8 +73,9 @@ def test_every_mesh_samples_the_same_and_a_resume_continues_the_batch(prompts, t
     first = done_one[0]
     assert set(first) >= {"step", "prompt_ids", "completion_ids", "completion", "rewards",
                           "reward", "advantage", "finish_reason"}
-    assert set(first["rewards"]) == {"answer_match"}
-    assert {"reward", "reward_std", "rewards/answer_match/mean", "completions/mean_length",
+    assert set(first["rewards"]) == {"answer_match", "varied"}
+    assert all(r["grad_norm"] > 0 for r in one)
+    assert {"reward", "reward_std", "rewards/varied/mean", "completions/mean_length",
             "completions/clipped_ratio", "clip_ratio", "nll", "sampling_s"} <= set(one[1])
     assert "eval_reward" in one[-1]
     # The first update of a generation batch has ratio 1 by construction (nothing clipped).
@@ -86,6 +95,16 @@ def test_every_mesh_samples_the_same_and_a_resume_continues_the_batch(prompts, t
             for key in ("loss", "grad_norm", "nll", "clip_ratio"):
                 assert b[key] == pytest.approx(a[key], rel=2e-4, abs=1e-6), (name, key,
                                                                              a["step"])
+    # Two data replicas x 2 sequence devices (sampling on the first replica's devices): the
+    # same warm-up step and completions; bnpo's loss is each replica's own (TRL's DDP), so
+    # the GRPO steps' numbers are those of 2 processes, not compared.
+    _, data2, done_data2 = _run(prompts, tmp_path / "data2", "mesh.seq=2", "mesh.data=2",
+                                "steps=2")
+    assert [r["completion_ids"] for r in done_data2] == [r["completion_ids"]
+                                                         for r in done_one[:8]]
+    for key in ("loss", "grad_norm"):
+        assert data2[0][key] == pytest.approx(one[0][key], rel=2e-4), key
+    assert data2[1]["reward"] == pytest.approx(one[1]["reward"]) and data2[1]["grad_norm"] > 0
     # Stopped after step 2, in the middle of a generation batch, then resumed: the same run.
     _run(prompts, tmp_path / "resumed", "mesh.seq=1", "steps=2")
     with np.load(tmp_path / "resumed" / "grpo_batch_2.npz") as kept:  # the old policy's

@@ -455,9 +455,9 @@ def _grpo_errors(cfg: Config) -> list[str]:
         errors.append(f"grpo.beta > 0 uses the base with the adapters off as the reference, "
                       f"but model.lora.trainable {list(cfg.model.lora.trainable)} also trains "
                       f"those groups")
-    if cfg.mesh.data > 1 or cfg.mesh.ring > 1:
-        errors.append(f"objective grpo samples on a (data=1, seq=P) mesh for now (the "
-                      f"generator's); got mesh.data={cfg.mesh.data}, mesh.ring={cfg.mesh.ring}")
+    if cfg.mesh.ring > 1:
+        errors.append(f"objective grpo samples on a (data, seq) mesh for now (the generator "
+                      f"has no ring attention); got mesh.ring={cfg.mesh.ring}")
     if cfg.optimizer.offload:
         errors.append("objective grpo does not support optimizer.offload yet (the sampler "
                       "reads the parameters on the device)")

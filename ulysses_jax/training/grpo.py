@@ -3,7 +3,7 @@
 Each generation batch takes ``batch_size`` prompts (``data/prompts.py``'s seeded order),
 samples ``grpo.num_generations`` completions of each with the generator on the current
 parameters (``generation/``: the prompts' prefill split over the seq axis, the KV cache split
-by head), decodes them, calls the reward functions (``objectives/rewards.py``) and computes
+by head; with data replicas on the first replica's devices), decodes them, calls the reward functions (``objectives/rewards.py``) and computes
 the advantages; then ``grpo.num_iterations`` optimizer steps train on it. A row holds one
 prompt + completion sequence: the loss mask marks the completion's tokens (the stop token
 included when one was sampled), and the batch brings each token's advantage and weight
@@ -173,9 +173,16 @@ class GRPOBatches:
         return rows
 
     def _sampler(self, params):
+        """The generator, on the (data 1, seq P) mesh of the first data replica's devices
+        (the whole mesh when it has one replica); the parameters copied there."""
         from ..generation import Generator
+        from ..mesh import make_mesh
         if self._generator is None:
-            self._generator = Generator(params, self.cfg.model, self.mesh)
+            mesh = self.mesh
+            if mesh.shape["data"] > 1:
+                mesh = make_mesh(seq=mesh.shape["seq"], data=1,
+                                 devices=list(mesh.devices.reshape(mesh.shape["data"], -1)[0]))
+            self._generator = Generator(params, self.cfg.model, mesh)
         else:  # the same programs, the new parameters (a no-op transfer when laid out alike)
             self._generator.params = jax.device_put(params, self._generator.shardings)
         return self._generator
@@ -207,7 +214,8 @@ class GRPOBatches:
         rows = sequence_rows(prompt_ids, ids, cfg.seq_len)
         mask = rows["loss_mask"]
         rows["advantages"] = (mask * adv[:, None]).astype(np.float32)
-        rows["loss_weights"] = grpo_loss.token_weights(mask, self.loss, cfg.grad_accum_steps)
+        rows["loss_weights"] = grpo_loss.token_weights(mask, self.loss, cfg.grad_accum_steps,
+                                                       cfg.mesh.data)
         self.last = self._metrics(per_func, total, ids, [c.finish_reason for c in done],
                                   sampled - t0, time.time() - sampled)
         self._log_completions(step, idx, prompt_ids, ids, texts, per_func, total, adv,

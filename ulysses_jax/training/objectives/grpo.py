@@ -65,22 +65,25 @@ def token_fields(cfg: Config) -> tuple[str, ...]:
     return TOKEN_FIELDS + ((OLD_LOGPS,) if cfg.grpo.num_iterations > 1 else ())
 
 
-def token_weights(mask: np.ndarray, g: GRPOLoss, k: int = 1) -> np.ndarray:
+def token_weights(mask: np.ndarray, g: GRPOLoss, k: int = 1, d: int = 1) -> np.ndarray:
     """float32 [N, S] weights w of a step's N rows (completion tokens ``mask``) such that
-    sum(w l) is TRL's loss of per-token terms l for ``g.loss_type``, with the step's rows in
-    k micro-batches of N / k consecutive rows (accumulate.py's blocks on one data replica),
-    each micro-batch's loss divided by k as TRL's gradient accumulation does (dapo: over the
-    step's tokens)."""
+    sum(w l) is TRL's loss of per-token terms l for ``g.loss_type`` when the rows are split as
+    TRL splits them over ``d`` processes (data replicas: N / d consecutive rows each) and
+    ``k`` accumulated micro-batches (each replica's rows in k consecutive blocks, as
+    accumulate.py takes them): each process's micro-batch loss divided by k (gradient
+    accumulation) and averaged over the d processes (DDP); dapo over the step's tokens. Only
+    bnpo depends on the split (its denominator is a process's micro-batch's tokens)."""
     mask = np.asarray(mask, np.float64)
-    n = mask.shape[0] // k
-    micro = np.repeat(np.arange(k), n)
+    rows = mask.shape[0]
+    n = rows // (k * d)                                    # rows of one process's micro-batch
+    group = np.arange(rows) // n                           # (replica, micro-batch) of a row
     if g.loss_type == "grpo":
-        w = mask / np.maximum(mask.sum(1, keepdims=True), 1.0) / (n * k)
+        w = mask / np.maximum(mask.sum(1, keepdims=True), 1.0) / rows
     elif g.loss_type == "bnpo":
-        tokens = np.bincount(micro, weights=mask.sum(1), minlength=k)
-        w = mask / np.maximum(tokens[micro], 1.0)[:, None] / k
+        tokens = np.bincount(group, weights=mask.sum(1), minlength=k * d)
+        w = mask / np.maximum(tokens[group], 1.0)[:, None] / (k * d)
     elif g.loss_type == "dr_grpo":
-        w = mask / (n * g.max_completion_length * k)
+        w = mask / (rows * g.max_completion_length)
     elif g.loss_type == "dapo":
         w = mask / max(mask.sum(), 1.0)
     else:
