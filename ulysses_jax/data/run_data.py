@@ -37,14 +37,36 @@ def load_data(cfg: Config):
         tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r}: {e}") from None
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data.tokenizer: the tokenizer has {tokenizer.vocab_size} ids but "
-                          f"model.vocab_size is {cfg.model.vocab_size}")
+    _check_vocab(cfg, tokenizer)
     try:
         return data_lib.build_rows(cfg.data.source, tokenizer, cfg.seq_len,
                                    cfg.data.heldout_fraction, cfg.seed)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
+
+
+def _check_vocab(cfg: Config, tokenizer) -> None:
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"data.tokenizer: the tokenizer has {tokenizer.vocab_size} ids but "
+                          f"model.vocab_size is {cfg.model.vocab_size}")
+
+
+def load_prompt_data(cfg: Config):
+    """A GRPO run's prompts (``prompts.load_prompts``): (train, held-out or None, tokenizer,
+    fingerprint), tokenized with data.tokenizer, else init_from's tokenizer (and chat
+    template), else bytes; a bad setting or row is a ConfigError."""
+    from .prompts import load_prompts
+    path = cfg.data.tokenizer
+    if path is None and cfg.init_from and os.path.isfile(
+            os.path.join(cfg.init_from, "tokenizer.json")):
+        path = cfg.init_from
+    try:
+        out = load_prompts(cfg.data.source, path, cfg.seq_len - cfg.grpo.max_completion_length,
+                           cfg.data.heldout_fraction, cfg.seed)
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
+    _check_vocab(cfg, out[2])
+    return out
 
 
 def _load_store(cfg: Config):

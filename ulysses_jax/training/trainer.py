@@ -353,23 +353,11 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
 def _run_grpo(cfg: Config, mesh, workdir: str, progress: bool) -> dict:
     """A GRPO run's prompts, reward functions and stop ids (all checked before anything is
     compiled), then the run."""
-    from ..data.prompts import PromptOrder, load_prompts
+    from ..data.prompts import PromptOrder
     from ..generation.settings import model_settings
     from .grpo import GRPOBatches, check_prompts, reward_functions
     from .objectives.rewards import RewardError
-    tokenizer_path = cfg.data.tokenizer
-    if tokenizer_path is None and cfg.init_from and os.path.isfile(
-            os.path.join(cfg.init_from, "tokenizer.json")):
-        tokenizer_path = cfg.init_from  # the model's own tokenizer (and chat template)
-    try:
-        prompts, held, tokenizer, fingerprint = load_prompts(
-            cfg.data.source, tokenizer_path, cfg.seq_len - cfg.grpo.max_completion_length,
-            cfg.data.heldout_fraction, cfg.seed)
-    except (OSError, ValueError, ImportError) as e:
-        raise ConfigError(f"data.source {cfg.data.source!r}: {e}") from None
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data.tokenizer: the tokenizer has {tokenizer.vocab_size} ids but "
-                          f"model.vocab_size is {cfg.model.vocab_size}")
+    prompts, held, tokenizer, fingerprint = run_data.load_prompt_data(cfg)
     try:
         funcs = reward_functions(cfg)
         stop = model_settings(cfg.init_from, tokenizer.eos_id).eos_ids or (tokenizer.eos_id,)
