@@ -366,7 +366,8 @@ def _run_grpo(cfg: Config, mesh, workdir: str, progress: bool) -> dict:
         raise ConfigError(str(e)) from None
     _log(f"data: {len(prompts)} prompts{'' if held is None else f', {len(held)} held out'}; "
          f"rewards {', '.join(name for name, _ in funcs)}; stop ids {sorted(stop)}; mesh "
-         f"seq={cfg.mesh.seq} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices")
+         f"data={cfg.mesh.data} x seq={cfg.mesh.seq} on {mesh.devices.size} "
+         f"{mesh.devices.flat[0].platform} devices")
     _log(batch_line(cfg))
     batches = GRPOBatches(cfg, prompts, held, tokenizer,
                           PromptOrder(len(prompts), cfg.seed, fingerprint), mesh, workdir,
