@@ -7,7 +7,7 @@
   and the adapter gradients, at mesh.seq 1, 2 and 4 (2 and 4 split the vocabulary too), with
   prompts and completions of different lengths in one batch; the train step's objective
   (token weights from the host, the reference the base with the adapters off, the old
-  policy from the batch) for every loss_type at the same meshes; the token weights over
+  policy from the batch) for every loss_type at the same meshes, and its entropy metric; the token weights over
   1, 2 and 4 micro-batches;
 - rewards and advantages (training/objectives/rewards.py): TRL's group / batch / none
   scaling with skipped (None) rewards, reward functions called with TRL's arguments, the
@@ -142,6 +142,10 @@ def test_the_training_objective_is_trls_loss(llama):  # noqa: F811
 
     with torch.no_grad(), wrapped.disable_adapter():
         ref = logps()
+    with torch.no_grad():  # TRL's entropy metric: the policy's, at the completion tokens
+        logits = wrapped(torch.from_numpy(batch["tokens"]).long()).logits.double()
+        h = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        want_entropy = float((h * mask).sum() / mask.sum())
     old = (logps().detach() + torch.from_numpy(
         rng.uniform(-0.4, 0.4, (4, S)).astype(np.float32))) * mask
     adv = torch.from_numpy(np.array([0.9, -0.9, 1.3, -0.2], np.float32))
@@ -195,6 +199,7 @@ def test_the_training_objective_is_trls_loss(llama):  # noqa: F811
         k3 = np.exp(ref.numpy() - logps().detach().numpy())
         k3 = k3 - np.log(k3) - 1
         assert float(metrics["kl"]) == pytest.approx((k3 * m).sum() / m.sum(), rel=1e-4)
+        assert float(metrics["entropy"]) == pytest.approx(want_entropy, rel=1e-5), p
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])

@@ -76,7 +76,8 @@ def test_every_mesh_samples_the_same_and_a_resume_continues_the_batch(prompts, t
     assert set(first["rewards"]) == {"answer_match", "varied"}
     assert all(r["grad_norm"] > 0 for r in one)
     assert {"reward", "reward_std", "rewards/varied/mean", "completions/mean_length",
-            "completions/clipped_ratio", "clip_ratio", "nll", "sampling_s"} <= set(one[1])
+            "completions/clipped_ratio", "clip_ratio", "nll", "entropy",
+            "sampling_s"} <= set(one[1])
     assert "eval_reward" in one[-1]
     # The first update of a generation batch has ratio 1 by construction (nothing clipped).
     assert one[1]["clip_ratio"] == 0.0
@@ -92,7 +93,7 @@ def test_every_mesh_samples_the_same_and_a_resume_continues_the_batch(prompts, t
         assert [r["advantage"] for r in done_four] == pytest.approx(
             [r["advantage"] for r in done_one[:8]], abs=1e-6)
         for a, b in zip(one[:3], four):
-            for key in ("loss", "grad_norm", "nll", "clip_ratio"):
+            for key in ("loss", "grad_norm", "nll", "entropy", "clip_ratio"):
                 assert b[key] == pytest.approx(a[key], rel=2e-4, abs=1e-6), (name, key,
                                                                              a["step"])
     # Two data replicas x 2 sequence devices (sampling on the first replica's devices): the

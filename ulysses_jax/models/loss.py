@@ -28,6 +28,12 @@ def token_losses(logits, targets):
     return lse - picked
 
 
+def token_entropies(logits):
+    """Each position's entropy of softmax(logits), from fp32 logits [..., V]."""
+    p = jax.nn.softmax(logits, axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(p * logits, axis=-1)
+
+
 def plain_cross_entropy(logits, targets, loss_mask):
     """Reference: mean loss over masked tokens from full logits [B, S, V]."""
     losses = token_losses(logits.astype(jnp.float32), targets)
@@ -36,7 +42,7 @@ def plain_cross_entropy(logits, targets, loss_mask):
 
 def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int = 1024,
                           softcap: float = 0.0, per_row: bool = False,
-                          per_token: bool = False):
+                          per_token: bool = False, entropy: bool = False):
     """Mean next-token loss without materialising the logits.
 
     Args:
@@ -50,6 +56,8 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
         for preference objectives, ``training/objectives/dpo.py``).
       per_token: return every token's loss instead, [B, S] sharded like ``targets``
         (differentiable; token log-probabilities for ``training/objectives/grpo.py``).
+      entropy: with ``per_token``, also every token's entropy of the predicted distribution
+        (a metric: no gradient is meant to flow through it), [B, S], 0 where the mask is.
 
     Returns:
       (mean loss, number of counted tokens), both fp32 scalars; with ``per_row``
@@ -70,13 +78,15 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
                                 preferred_element_type=jnp.float32)          # [B, C, V]
             if softcap:
                 logits = softcap * jnp.tanh(logits / softcap)
+            if per_token and entropy:
+                return token_losses(logits, tc) * mc, token_entropies(logits) * mc
             if per_token:
                 return token_losses(logits, tc) * mc                          # [B, C]
             return jnp.sum(token_losses(logits, tc) * mc, axis=1 if per_row else None)
 
         sums = jax.lax.map(chunk_loss, (as_chunks(h), as_chunks(t), as_chunks(m)))  # [S/P/C]
         if per_token:                                                    # [S/P/C, B, C]
-            return jnp.moveaxis(sums, 0, 1).reshape(b, s)
+            return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(b, s), sums)
         if per_row:
             return row_sums(sums, m, axes)
         # One all-reduce for both: the count then waits for the loss, which read the layers'
@@ -85,7 +95,8 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
         return total / jnp.maximum(count, 1.0), count
 
     act, tok = act_spec(mesh, 1), act_spec(mesh)
-    out = tok if per_token else (P(tok[0]),) * 2 if per_row else (P(), P())
+    out = ((tok, tok) if entropy else tok) if per_token else (
+        (P(tok[0]),) * 2 if per_row else (P(), P()))
     fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(), tok, tok), out_specs=out)
     return fn(hidden, w_head, targets, loss_mask.astype(jnp.float32))
 

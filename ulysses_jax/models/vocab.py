@@ -129,7 +129,8 @@ def embed(table, tokens, *, mesh: Mesh, dtype, chunk: int = 1024):
 
 
 def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int = 1024,
-                  softcap: float = 0.0, per_row: bool = False, per_token: bool = False):
+                  softcap: float = 0.0, per_row: bool = False, per_token: bool = False,
+                  entropy: bool = False):
     """Mean next-token loss with the output head split over the vocabulary.
 
     Same contract as ``loss.chunked_cross_entropy``: hidden [B, S, D] (sharded like the
@@ -137,7 +138,8 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
     chunk), targets [B, S] ints, loss_mask [B, S] weights, softcap (final logit cap, 0 =
     none). Returns (mean loss over the counted tokens, number of counted tokens), fp32
     scalars; with ``per_row``, each row's summed loss and count, [B] each, sharded over
-    "data"; with ``per_token``, every token's loss, [B, S] sharded like ``targets``.
+    "data"; with ``per_token``, every token's loss, [B, S] sharded like ``targets``, and with
+    ``entropy`` also every token's entropy (a metric), [B, S].
     """
     axes = seq_axes(mesh)
     all_axes = tuple(a for a in (DATA, RING, SEQ) if a in mesh.axis_names)
@@ -171,10 +173,16 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
             top = lax.pmax(lax.stop_gradient(row_max), axes)              # [B, P*C]
             e = jnp.exp(logits - top[..., None])
             e = jnp.where(real, e, 0.0) if padded else e
-            lse = jnp.log(lax.psum(e.sum(-1), axes)) + top
+            total = lax.psum(e.sum(-1), axes)
+            lse = jnp.log(total) + top
             picked = jnp.take_along_axis(logits, ids[..., None], axis=-1)[..., 0]
             picked = lax.psum(jnp.where(own, picked, 0.0), axes)          # [B, P*C]
             mine = lax.dynamic_slice_in_dim(lse - picked, me * c, c, axis=1)   # [B, C]
+            if per_token and entropy:  # H = lse - sum_v p_v z_v, p_v = e_v / total
+                mean_z = lax.psum((e * jnp.where(real, logits, 0.0) if padded else
+                                   e * logits).sum(-1), axes) / total
+                h_mine = lax.dynamic_slice_in_dim(lse - mean_z, me * c, c, axis=1)
+                return mine * mc, h_mine * mc
             if per_token:
                 return mine * mc                                          # [B, C]
             return jnp.sum(mine * mc, axis=1 if per_row else None)
@@ -182,7 +190,7 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
         c = largest_divisor_at_most(h.shape[1], chunk)
         sums = lax.map(chunk_loss, (_chunks(h, c), _chunks(t, c), _chunks(m, c)))
         if per_token:
-            return _unchunk(sums)
+            return jax.tree.map(_unchunk, sums)
         if per_row:
             return row_sums(sums, m, all_axes)
         # One all-reduce for both: the count waits for the loss (ordering.py).
@@ -191,6 +199,6 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
 
     act, tok = act_spec(mesh, 1), act_spec(mesh)
     fn = jax.shard_map(body, mesh=mesh, in_specs=(act, P(None, axes), tok, tok),
-                       out_specs=tok if per_token else
+                       out_specs=((tok, tok) if entropy else tok) if per_token else
                        (P(tok[0]),) * 2 if per_row else (P(), P()))
     return fn(hidden, w_head, targets, loss_mask.astype(_F32))

@@ -40,7 +40,7 @@ from .sft import next_token_loss, run_model, with_router_loss
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 TOKEN_FIELDS = ("advantages", "loss_weights")  # [B, S] fields of a GRPO batch
 OLD_LOGPS = "old_logps"                        # [B, S], with num_iterations > 1
-METRICS = ("clip_ratio", "kl", "nll")
+METRICS = ("clip_ratio", "kl", "nll", "entropy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,11 +158,14 @@ def objective(cfg: Config, graphdef, params, batch: dict, mesh: Mesh,
     is the batch's ``old_logps`` (where not NaN), else the policy itself without gradient (one update per
     generation batch: the ratio is 1 and its gradient the policy gradient). metrics:
     ``tokens`` (completion tokens), ``clip_ratio``, ``nll`` (the mean negative
-    log-probability of the completion tokens), with beta > 0 ``kl``, MoE's ``moe_*``.
+    log-probability of the completion tokens), ``entropy`` (TRL's: the mean entropy of the
+    policy's distribution at the completion tokens), with beta > 0 ``kl``, MoE's ``moe_*``.
     """
     g = settings(cfg)
     model, hidden, head, stats = run_model(graphdef, params, batch)
-    logps = -next_token_loss(model, hidden, head, batch, mesh, per_token=True)
+    nll, entropies = next_token_loss(model, hidden, head, batch, mesh, per_token=True,
+                                     entropy=True)
+    logps = -nll
     old = jax.lax.stop_gradient(logps)
     if OLD_LOGPS in batch:  # NaN where the policy itself is the old one (warm-up rows)
         old = jnp.where(jnp.isnan(batch[OLD_LOGPS]), old, batch[OLD_LOGPS])
@@ -175,5 +178,6 @@ def objective(cfg: Config, graphdef, params, batch: dict, mesh: Mesh,
     loss = jnp.sum(per_token * batch["loss_weights"])
     count = jnp.sum(mask)
     metrics.update(tokens=count, nll=jax.lax.stop_gradient(
-        -jnp.sum(logps * mask) / jnp.maximum(count, 1.0)))
+        -jnp.sum(logps * mask) / jnp.maximum(count, 1.0)), entropy=jax.lax.stop_gradient(
+        jnp.sum(entropies * mask) / jnp.maximum(count, 1.0)))
     return with_router_loss(model.cfg, loss, metrics, stats, weights)

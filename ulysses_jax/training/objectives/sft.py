@@ -48,21 +48,22 @@ def run_model(graphdef, params, batch):
 
 
 def next_token_loss(model, hidden, head, batch, mesh: Mesh, per_row: bool = False,
-                    per_token: bool = False):
+                    per_token: bool = False, entropy: bool = False):
     """The chunked next-token loss of ``batch``'s masked targets (vocabulary-parallel when
     the model is): (mean, count) fp32 scalars, or with ``per_row`` each row's (sum, count),
-    [B] each, or with ``per_token`` every token's loss [B, S] (``loss.chunked_cross_entropy``)."""
+    [B] each, or with ``per_token`` every token's loss [B, S] (and with ``entropy`` every
+    token's entropy, [B, S]) (``loss.chunked_cross_entropy``)."""
     args = (batch["targets"], batch["loss_mask"])
     with jax.named_scope("loss"):
         if model.vocab_parallel:
             return vocab.cross_entropy(hidden, head, *args, mesh=mesh,
                                        chunk=model.cfg.loss_chunk,
                                        softcap=model.cfg.final_softcap, per_row=per_row,
-                                       per_token=per_token)
+                                       per_token=per_token, entropy=entropy)
         return chunked_cross_entropy(hidden, head.astype(model.dtype), *args, mesh=mesh,
                                      chunk=model.cfg.loss_chunk,
                                      softcap=model.cfg.final_softcap, per_row=per_row,
-                                     per_token=per_token)
+                                     per_token=per_token, entropy=entropy)
 
 
 def with_router_loss(cfg, loss, metrics: dict, stats, weights: tuple | None):
