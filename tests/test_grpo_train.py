@@ -154,19 +154,29 @@ def test_bad_input_is_refused_and_a_failing_reward_keeps_the_checkpoint(prompts,
 
 @pytest.mark.parametrize("over", [
     ["model.lora.rank=4", "model.lora.alpha=8", "grpo.beta=0.04", "param_sharding=zero3"],
-    ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_ffn_dim=32"]],
-    ids=["lora_kl_zero3", "moe"])
+    ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_ffn_dim=32"],
+    ["optimizer.offload=true", "grpo.num_iterations=2"]],
+    ids=["lora_kl_zero3", "moe", "offload"])
 def test_lora_with_a_kl_term_zero3_and_experts_train(prompts, tmp_path, over):
     """LoRA with the KL to the base (adapters off) on ZeRO-3 parameters (the sampler gathers
-    them), and an MoE model (its router loss beside; the sampler's tokens stay replicated
-    however the experts split the head's input)."""
+    them), an MoE model (its router loss beside; the sampler's tokens stay replicated
+    however the experts split the head's input), and the parameters in host memory
+    (optimizer.offload: the sampler and the old policy's pass read them from there)."""
     need_devices(2)
     summary, records, done = _run(prompts, tmp_path, "mesh.seq=2", "steps=3",
                                   "grpo.num_iterations=1", *over)
-    assert summary["status"] == "done" and len(done) == 2 * 2 * 4
+    generation_batches = 1 if "grpo.num_iterations=2" in over else 2  # steps 2 and 3
+    assert summary["status"] == "done" and len(done) == generation_batches * 2 * 4
     grpo_steps = [r for r in records if r["phase"] == "grpo"]
     assert len(grpo_steps) == 2 and all(r["grad_norm"] > 0 for r in grpo_steps)
-    if "grpo.beta=0.04" in over:
+    if "optimizer.offload=true" in over:  # the same run with the parameters on the device
+        _, plain, plain_done = _run(prompts, tmp_path / "plain", "mesh.seq=2", "steps=3",
+                                    "grpo.num_iterations=2")
+        assert [r["completion_ids"] for r in done] == [r["completion_ids"] for r in plain_done]
+        for a, b in zip(records, plain):
+            for key in ("loss", "grad_norm", "clip_ratio", "entropy"):
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (key, a["step"])
+    elif "grpo.beta=0.04" in over:
         # the warm-up step trained the adapters away from the base: a positive KL
         assert all(0 < r["kl"] < 10 for r in grpo_steps)
     else:

@@ -458,9 +458,6 @@ def _grpo_errors(cfg: Config) -> list[str]:
     if cfg.mesh.ring > 1:
         errors.append(f"objective grpo samples on a (data, seq) mesh for now (the generator "
                       f"has no ring attention); got mesh.ring={cfg.mesh.ring}")
-    if cfg.optimizer.offload:
-        errors.append("objective grpo does not support optimizer.offload yet (the sampler "
-                      "reads the parameters on the device)")
     fam = traits(cfg.model.family)
     if fam.vision or cfg.model.family == "qwen3_next":
         errors.append(f"objective grpo is not supported for model.family "

@@ -306,12 +306,13 @@ class GRPOBatches:
 
     def _old_policy(self, params, rows: dict) -> np.ndarray:
         """The sampling policy's token log-probabilities [N, S] (num_iterations > 1)."""
-        from .train_step import batch_shardings
+        from .train_step import batch_shardings, params_for_compute
         if self._old_logps is None:
             graphdef, mesh = self.graphdef, self.mesh
             fields = batch_shardings(mesh)
+            prepare = params_for_compute(self.cfg, self.shardings)  # optimizer.offload
             self._old_logps = jax.jit(
-                lambda p, b: grpo_loss.token_logps(graphdef, p, b, mesh),
+                lambda p, b: grpo_loss.token_logps(graphdef, prepare(p), b, mesh),
                 in_shardings=(self.shardings["params"], fields))
         sharded = data_lib.shard_batch({k: rows[k] for k in data_lib.FIELDS}, self.mesh)
         return np.asarray(jax.device_get(self._old_logps(params, sharded)), np.float32)
