@@ -161,7 +161,7 @@ class GRPOBatches:
 
     def _warmup_rows(self) -> dict:
         n = self.cfg.batch_size * self.cfg.grpo.num_generations
-        idx = self.order.take(n)  # every reference was checked at start (check_warmup)
+        idx = self.order.take(n)  # every reference was checked at start (check_prompts)
         rows = sequence_rows([self.prompts.ids[i] for i in idx],
                              [np.append(self.prompts.references[i], self.stop) for i in idx],
                              self.cfg.seq_len)
@@ -194,13 +194,11 @@ class GRPOBatches:
         idx = self.order.take(cfg.batch_size)
         prompt_ids = [list(map(int, self.prompts.ids[i])) for i in idx
                       for _ in range(g.num_generations)]
-        n = len(prompt_ids)
         gen = self._sampler(params)
         seed = int(np.random.default_rng((cfg.seed, step)).integers(0, 2**32))
         done = gen.generate(prompt_ids, max_new_tokens=g.max_completion_length,
                             eos_ids=self.stop_ids,
-                            sampling=Sampling(g.temperature, g.top_k, g.top_p), seed=seed,
-                            rows=list(range(n)))
+                            sampling=Sampling(g.temperature, g.top_k, g.top_p), seed=seed)
         sampled = time.time()
         ids = [c.ids for c in done]
         rows_in = [self.prompts.rows[i] for i in idx for _ in range(g.num_generations)]
