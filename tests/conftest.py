@@ -16,10 +16,15 @@ import os
 # less), and XLA:CPU's older loop emitters instead of its MLIR fusion emitters (half of the
 # rest). XLA's HLO passes still run, so the programs keep their collectives and their memory:
 # the tiny preset's dry run reports the same collectives and a peak 192 bytes apart in 34.6 MB
-# (34,652,780 with the fusion emitters, 34,652,972 without).
+# (34,652,780 with the fusion emitters, 34,652,972 without). A third setting keeps each
+# program's machine code in one LLVM module instead of splitting it for parallel codegen
+# threads, which on two cores that the two pytest workers already keep busy only add work (the
+# five slowest files: 265 s against 292 s, then 251 s against 269 s, 2026-12-03); the HLO
+# and its memory are untouched.
 _CPU_TEST_FLAGS = "--xla_force_host_platform_device_count=8"
 if not any(importlib.util.find_spec(name) for name in ("jax_cuda13_plugin", "jax_cuda12_plugin")):
-    _CPU_TEST_FLAGS += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    _CPU_TEST_FLAGS += (" --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+                        " --xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CPU_TEST_FLAGS).strip()
 
 import shutil  # noqa: E402
@@ -29,14 +34,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
-# One compilation cache for every test of a run, shared by the pytest-xdist workers (the
-# controller makes the directory before it starts them; they inherit the variable): many
-# tests compile the same programs (the tiny presets' train steps above all), and a program
-# compiled once is then read back; subprocesses (train.py and the other CLIs, ``cli_env``)
-# share it too (train.py --dry-run and the planner turn it off while they read XLA's dump
-# of their own compile). Off with ULYSSES_TEST_COMPILE_CACHE=0.
+# No persistent compilation cache by default. The tests build distinct programs (of the 459
+# train, evaluation and init programs a full run builds, 50 repeat a config and mesh already
+# built in their worker), so a cache mostly writes: serialising each executable and the
+# fence's analysis of it cost more than the few programs read back save (the full suite on
+# the 2-core machine, 2026-12-03: 18 min 1 s of pytest with the shared cache, 15 min 50 s
+# without; docs/PERF.md section 12). ULYSSES_TEST_COMPILE_CACHE=1 shares one cache between
+# the pytest-xdist workers and the CLIs they start (``cli_env``), fenced as a user's is
+# (train.py --dry-run and the planner turn it off while they read XLA's dump of their own
+# compile).
 _CACHE_ENV = "ULYSSES_TEST_COMPILE_CACHE_DIR"
-if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", "1") != "0":
+if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", "0") not in ("", "0"):
     if _CACHE_ENV not in os.environ:
         os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="ulysses-jax-test-cache-")
         _OWN_CACHE = True
