@@ -5,9 +5,9 @@ and the size of the compiled HLO; the persistent compilation cache off.
     python benchmarks/program_cost.py [--config configs/tiny.yaml] [OVERRIDES ...]
 
 With the test suite's XLA flags (tests/conftest.py: 8 fake devices, LLVM optimisations off,
-the older loop emitters, one codegen module), so the figures are what a test pays per program. CPU seconds of
-this process (time.process_time), which the machine's other jobs disturb less than wall time;
-still compare figures of one sitting only.
+the older loop emitters, one codegen module), so the figures are what a test pays per
+program. CPU seconds of this process (time.process_time), which the machine's other jobs
+disturb less than wall time; still compare figures of one sitting only.
 """
 from __future__ import annotations
 
