@@ -68,6 +68,28 @@ if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", "0") not in ("", "0"):
     fence(warn=False)
 
 
+# Test files whose tests share a session fixture with another file's: one scheduling unit.
+_SCOPE_OF_FILE = {"tests/test_real_dpo.py": "tests/test_real_checkpoint.py",
+                  "tests/test_real_grpo.py": "tests/test_real_checkpoint.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist hands out whole test files (``--dist loadfile``), the three files of the
+    real checkpoint as one, so each module- or session-scoped fixture is built once in one
+    worker, and a file's tests reuse the programs it compiled. With xdist's default
+    distribution a file's tests land on both workers and both build its fixtures
+    (test_lora's trained runs, 15 s, twice), or one waits on the other's lock (the real
+    checkpoint's conversion). Files of most tests go first (xdist's --loadscope-reorder)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _SCOPE_OF_FILE.get(path, path)
+
+    return FileScheduling(config, log)
+
+
 def pytest_collection_finish(session):  # noqa: ARG001 (pytest's hook signature)
     """What the test modules imported at collection (flax, the package, transformers) is
     frozen too."""
