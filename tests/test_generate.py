@@ -32,10 +32,10 @@ SMALL = ["model.d_model=32", "model.ffn_dim=64", "model.head_dim=8", "model.voca
 PROMPTS = [[5, 17, 3, 44, 9, 12, 60, 2, 31], [7, 8], [90, 1, 4, 4, 4, 15]]
 
 
-def _model(p: int, *over, preset="tiny.yaml"):
-    """(cfg, mesh of p seq devices, params): a preset's model, seed 0."""
+def _model(p: int, *over, preset="tiny.yaml", data=1):
+    """(cfg, mesh of ``data`` replicas x p seq devices, params): a preset's model, seed 0."""
     cfg = load_config(os.path.join(ROOT, "configs", preset), SMALL + list(over)).model
-    mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
+    mesh = make_mesh(seq=p, data=data, devices=need_devices(p * data))
     params = nnx.to_pure_dict(nnx.state(Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
     return cfg, mesh, params
 
@@ -54,15 +54,19 @@ VARIANTS = {
                      "model.attn_scale=0.25"]),
     # 8 experts over the 4 devices, top-2: a new token's experts reached by all-to-all
     "p4_moe": (4, ["model.moe_ffn_dim=16", "--preset=tiny-moe.yaml"]),
+    # 2 data replicas x 2 seq devices: the 3 rows made 4 (a copy), 2 per replica
+    "d2_p2_window": (2, ["model.sliding_window=4", "model.layer_pattern=LG", "--data=2"]),
+    "d2_p2_moe": (2, ["model.moe_ffn_dim=16", "--preset=tiny-moe.yaml", "--data=2"]),
 }
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_logits_equal_a_full_forward_pass(variant):
     p, over = VARIANTS[variant]
-    preset = [o.split("=", 1)[1] for o in over if o.startswith("--preset=")] or ["tiny.yaml"]
-    cfg, mesh, params = _model(p, *[o for o in over if not o.startswith("--preset=")],
-                               preset=preset[0])
+    opts = dict(o[2:].split("=", 1) for o in over if o.startswith("--"))
+    cfg, mesh, params = _model(p, *[o for o in over if not o.startswith("--")],
+                               preset=opts.get("preset", "tiny.yaml"),
+                               data=int(opts.get("data", 1)))
     got = Generator(params, cfg, mesh).generate(PROMPTS, max_new_tokens=5, keep_logits=True)
     ref = Decoder(cfg, mesh=make_mesh(seq=1, data=1, devices=DEVICES[:1]), rngs=nnx.Rngs(0))
     forward = nnx.jit(lambda m, t: m(t))
@@ -75,15 +79,18 @@ def test_decode_logits_equal_a_full_forward_pass(variant):
 
 
 def test_sampling_is_the_same_on_every_mesh_and_in_any_batch():
-    """Temperature, top-k and top-p with one seed: the same tokens on 1 and 4 devices, and a
-    row generated alone (its index given) as in the batch; another seed changes them."""
+    """Temperature, top-k and top-p with one seed: the same tokens on 1 and 4 devices and on
+    2 data replicas x 2, and a row generated alone (its index given) as in the batch; another
+    seed changes them."""
     s = Sampling(temperature=1.5, top_k=20, top_p=0.9)
     runs = {}
-    for p in (1, 4):
-        cfg, mesh, params = _model(p)
+    for data, p in ((2, 2), (1, 1), (1, 4)):
+        cfg, mesh, params = _model(p, data=data)
         gen = Generator(params, cfg, mesh)
-        runs[p] = [c.ids for c in gen.generate(PROMPTS, max_new_tokens=6, sampling=s, seed=3)]
-    assert runs[1] == runs[4], runs
+        runs[data, p] = [c.ids for c in gen.generate(PROMPTS, max_new_tokens=6, sampling=s,
+                                                     seed=3)]
+    assert runs[1, 1] == runs[1, 4] == runs[2, 2], runs
+    runs[4] = runs[1, 4]
     alone = gen.generate(PROMPTS[2:], max_new_tokens=6, sampling=s, seed=3, rows=[2])
     assert alone[0].ids == runs[4][2]
     other = [c.ids for c in gen.generate(PROMPTS, max_new_tokens=6, sampling=s, seed=4)]
@@ -114,20 +121,25 @@ def test_filters_are_transformers_warpers(t, k, p):
 def test_the_cache_is_split_over_the_devices():
     """The decode program's arguments per device (XLA's compiled memory analysis): on 2
     devices smaller than on 1 by exactly half of the cache (8 query / 2 kv heads: one kv
-    head per device), the parameters being replicated on both."""
+    head per device), the parameters being replicated on both; with 2 data replicas of
+    those 2 devices, by half again (each replica holds its half of the rows)."""
     sizes = {}
-    for p in (1, 2):
-        cfg, mesh, params = _model(p)
+    prompts = PROMPTS + PROMPTS[:1]  # 4 rows, 2 per replica
+    for data, p in ((1, 1), (1, 2), (2, 2)):
+        cfg, mesh, params = _model(p, data=data)
         gen = Generator(params, cfg, mesh)
-        gen.generate(PROMPTS, max_new_tokens=3)
+        gen.generate(prompts, max_new_tokens=3)
         decode = next(v for k, v in gen._programs.items() if k[0] == "decode")
-        sizes[p] = decode.memory_analysis().argument_size_in_bytes
+        sizes[data, p] = decode.memory_analysis().argument_size_in_bytes
         slots = next(k for k in gen._programs if k[0] == "decode")[2]
-        layout = cache_layout(gen.cfg, mesh, len(PROMPTS), slots)
+        layout = cache_layout(gen.cfg, mesh, len(prompts), slots)
         assert layout.heads.k_local == 2 // p
+        assert layout.bytes_per_device(mesh, cfg.n_layers) == layout.bytes_per_device(
+            make_mesh(seq=1, data=1, devices=DEVICES[:1]), cfg.n_layers) // (data * p)
     whole = layout.bytes_per_device(make_mesh(seq=1, data=1, devices=DEVICES[:1]),
                                     cfg.n_layers)
-    assert whole > 0 and sizes[1] - sizes[2] == whole // 2, (sizes, whole)
+    assert whole > 0 and sizes[1, 1] - sizes[1, 2] == whole // 2, (sizes, whole)
+    assert sizes[1, 2] - sizes[2, 2] == whole // 4, (sizes, whole)
 
 
 @pytest.fixture(scope="module")

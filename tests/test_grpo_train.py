@@ -96,7 +96,7 @@ def test_every_mesh_samples_the_same_and_a_resume_continues_the_batch(prompts, t
             for key in ("loss", "grad_norm", "nll", "entropy", "clip_ratio"):
                 assert b[key] == pytest.approx(a[key], rel=2e-4, abs=1e-6), (name, key,
                                                                              a["step"])
-    # Two data replicas x 2 sequence devices (sampling on the first replica's devices): the
+    # Two data replicas x 2 sequence devices (each replica samples half the completions): the
     # same warm-up step and completions; bnpo's loss is each replica's own (TRL's DDP), so
     # the GRPO steps' numbers are those of 2 processes, not compared.
     _, data2, done_data2 = _run(prompts, tmp_path / "data2", "mesh.seq=2", "mesh.data=2",

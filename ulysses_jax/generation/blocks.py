@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from ..attention.heads import pad_kv, pad_query, unpad_output
-from ..mesh import act_spec, shard
+from ..mesh import DATA, act_spec, axis_size, shard
 from ..models.decoder import layer_groups, unit_kinds
 from ..models.layers import by_kind, out_projection
 from .cache import CacheLayout, to_cache
@@ -85,7 +85,7 @@ def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLay
     the layer's cache with this token's k and v at ``slot``)."""
     attn, cfg = block.attn, block.attn.cfg
     q, k, v, adapt = attn.project(block.attn_norm(x))                      # [B, 1, ., H]
-    heads = NamedSharding(mesh, layout.spec())
+    heads = NamedSharding(mesh, layout.spec(mesh))
 
     def attend(kind, q, k, v, ck, cv):
         q, k = attn.rope(kind, q, k, positions)
@@ -104,15 +104,18 @@ def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLay
 
 
 def _moe_tokens(moe, x, mesh: Mesh):
-    """The experts on the [B, 1, D] new tokens: laid out as one row of B tokens padded to a
-    multiple of the sequence devices (the padding marked invalid), as training splits rows."""
+    """The experts on the [B, 1, D] new tokens: laid out as one row per data replica of its
+    B/D tokens, padded to a multiple of the sequence devices (the padding marked invalid),
+    as training splits rows."""
     from ..models import vocab
     b, _, d = x.shape
-    n = -(-b // vocab.shards(mesh)) * vocab.shards(mesh)
-    row = jnp.pad(x.reshape(1, b, d), ((0, 0), (0, n - b), (0, 0)))
-    valid = (jnp.arange(n) < b).astype(jnp.float32)[None]
-    y, _ = moe(row, valid)
-    return y[0, :b].reshape(b, 1, d)
+    reps = axis_size(mesh, DATA)
+    m = b // reps
+    n = -(-m // vocab.shards(mesh)) * vocab.shards(mesh)
+    rows = jnp.pad(x.reshape(reps, m, d), ((0, 0), (0, n - m), (0, 0)))
+    valid = jnp.broadcast_to((jnp.arange(n) < m).astype(jnp.float32), (reps, n))
+    y, _ = moe(rows, valid)
+    return y[:, :m].reshape(b, 1, d)
 
 
 def _llama_rest(block, x, o, segment_ids, mesh: Mesh):

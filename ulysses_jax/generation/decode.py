@@ -1,7 +1,8 @@
 """Decode: one new token per row through every layer, its K and V written into the cache at
 one slot, attention over the cache on each device's own heads, and the next token chosen.
 
-The new token's activations are [B, 1, D] on every device of the ``seq`` axis; each device
+The new token's activations are [B, 1, D] on every device of the ``seq`` axis (its rows
+split over ``data``); each device
 projects and attends with its block of heads against its block of the cache, and only the
 attention output (a [B, 1, D] all-reduce after the output projection) crosses devices: the
 cache never moves. One compiled program per (batch, cache slots), reused for every token.
@@ -12,6 +13,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..mesh import act_spec, shard
 from .blocks import block_functions, run_layers
 from .cache import CacheLayout
 from .sampling import Sampling, choose
@@ -31,6 +33,7 @@ def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling
         model = nnx.merge(graphdef, params)
         _, decode_block = block_functions(model.cfg)
         x = model.embed_tokens(tokens[:, None], split=False)                      # [B, 1, D]
+        x = shard(x, mesh, P(act_spec(mesh)[0], None, None))  # rows over data replicas
         positions = (slot - pad)[:, None]                                         # [B, 1]
 
         def layer(block, x, kind, cache):

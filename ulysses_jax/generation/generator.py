@@ -47,7 +47,9 @@ def prompt_slots(longest: int, seq: int) -> int:
 
 
 class Generator:
-    """Greedy or sampled generation with ``cfg``'s model on ``mesh`` (axes data, seq)."""
+    """Greedy or sampled generation with ``cfg``'s model on ``mesh`` (axes data, seq): the
+    rows split over the data replicas, each row's prompt over ``seq`` in prefill and its
+    cache by head over ``seq``."""
 
     def __init__(self, params, cfg: ModelConfig, mesh: Mesh):
         """params: the Decoder's pure dict (``nnx.to_pure_dict``) on ``mesh``."""
@@ -57,9 +59,9 @@ class Generator:
         self.cfg = dataclasses.replace(cfg, remat="none", mlp_chunk=0,
                                        offload_checkpoints=False, moe_capacity_factor=0.0)
         block_functions(self.cfg)  # GenerationError now, not after a compile
-        if axis_size(mesh, RING) > 1 or axis_size(mesh, DATA) > 1:
-            raise GenerationError(f"generation runs on a (data=1, seq=P) mesh; this one is "
-                                  f"{dict(mesh.shape)}")
+        if axis_size(mesh, RING) > 1:
+            raise GenerationError(f"generation runs on a (data, seq) mesh without a ring "
+                                  f"axis; this one is {dict(mesh.shape)}")
         from ..models.decoder import Decoder
         from ..models.param_layout import param_shardings
         abstract = nnx.eval_shape(lambda: Decoder(self.cfg, mesh=mesh, rngs=nnx.Rngs(0)))
@@ -70,6 +72,7 @@ class Generator:
         self.params = jax.device_put(params, self.shardings)
         self.mesh = mesh
         self.seq = axis_size(mesh, SEQ)
+        self.replicas = axis_size(mesh, DATA)
         self._programs: dict = {}
         self.timings = {"compile_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0,
                         "decode_tokens": 0}
@@ -99,6 +102,14 @@ class Generator:
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampling.check()
+        rows = list(range(len(prompts))) if rows is None else list(rows)
+        if len(rows) != len(prompts):
+            raise GenerationError(f"rows names {len(rows)} rows for {len(prompts)} prompts")
+        # Each data replica generates B/D rows: B made a multiple of D with copies of the
+        # last row (done from the start, dropped at the end).
+        n = len(prompts)
+        extra = -n % self.replicas
+        prompts, rows = list(prompts) + [prompts[-1]] * extra, rows + [rows[-1]] * extra
         b, mesh = len(prompts), self.mesh
         s = prompt_slots(max(len(p) for p in prompts), self.seq)
         slots = s + max_new_tokens
@@ -113,9 +124,6 @@ class Generator:
         put = lambda a: jax.device_put(a, NamedSharding(mesh, act_spec(mesh)))  # noqa: E731
         batch = [put(a) for a in (tokens, positions, segments)]
         rep = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
-        rows = list(range(b)) if rows is None else list(rows)
-        if len(rows) != b:
-            raise GenerationError(f"rows names {len(rows)} rows for {b} prompts")
         rows_a = rep(np.asarray(rows, np.int32))
         pad_a, seed_a = rep(pad), rep(np.uint32(seed))
 
@@ -129,7 +137,7 @@ class Generator:
 
         ids = [[] for _ in range(b)]
         kept = [[] for _ in range(b)] if keep_logits else None
-        done = np.zeros(b, bool)
+        done = np.arange(b) >= n  # the copies made for the replicas
         reason = ["length"] * b
         decode = None
         t = time.perf_counter()
@@ -157,4 +165,4 @@ class Generator:
             self.timings["decode_tokens"] += int((~done).sum())
         self.timings["decode_s"] += time.perf_counter() - t
         return [Completion(ids[i], reason[i], kept[i] if keep_logits else None)
-                for i in range(b)]
+                for i in range(n)]

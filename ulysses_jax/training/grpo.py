@@ -3,7 +3,8 @@
 Each generation batch takes ``batch_size`` prompts (``data/prompts.py``'s seeded order),
 samples ``grpo.num_generations`` completions of each with the generator on the current
 parameters (``generation/``: the prompts' prefill split over the seq axis, the KV cache split
-by head; with data replicas on the first replica's devices), decodes them, calls the reward functions (``objectives/rewards.py``) and computes
+by head, the completions split over the data replicas), decodes them, calls the reward
+functions (``objectives/rewards.py``) and computes
 the advantages; then ``grpo.num_iterations`` optimizer steps train on it. A row holds one
 prompt + completion sequence: the loss mask marks the completion's tokens (the stop token
 included when one was sampled), and the batch brings each token's advantage and weight
@@ -173,16 +174,11 @@ class GRPOBatches:
         return rows
 
     def _sampler(self, params):
-        """The generator, on the (data 1, seq P) mesh of the first data replica's devices
-        (the whole mesh when it has one replica); the parameters copied there."""
+        """The generator on the run's (data, seq) mesh: each data replica samples its share
+        of the completions."""
         from ..generation import Generator
-        from ..mesh import make_mesh
         if self._generator is None:
-            mesh = self.mesh
-            if mesh.shape["data"] > 1:
-                mesh = make_mesh(seq=mesh.shape["seq"], data=1,
-                                 devices=list(mesh.devices.reshape(mesh.shape["data"], -1)[0]))
-            self._generator = Generator(params, self.cfg.model, mesh)
+            self._generator = Generator(params, self.cfg.model, self.mesh)
         else:  # the same programs, the new parameters (a no-op transfer when laid out alike)
             self._generator.params = jax.device_put(params, self._generator.shardings)
         return self._generator
