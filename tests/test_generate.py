@@ -32,10 +32,11 @@ SMALL = ["model.d_model=32", "model.ffn_dim=64", "model.head_dim=8", "model.voca
 PROMPTS = [[5, 17, 3, 44, 9, 12, 60, 2, 31], [7, 8], [90, 1, 4, 4, 4, 15]]
 
 
-def _model(p: int, *over, preset="tiny.yaml", data=1):
-    """(cfg, mesh of ``data`` replicas x p seq devices, params): a preset's model, seed 0."""
+def _model(p: int, *over, preset="tiny.yaml", data=1, ring=1):
+    """(cfg, mesh of ``data`` replicas x ``ring`` x p seq devices, params): a preset's model,
+    seed 0, laid out on that mesh."""
     cfg = load_config(os.path.join(ROOT, "configs", preset), SMALL + list(over)).model
-    mesh = make_mesh(seq=p, data=data, devices=need_devices(p * data))
+    mesh = make_mesh(seq=p, data=data, ring=ring, devices=need_devices(p * data * ring))
     params = nnx.to_pure_dict(nnx.state(Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
     return cfg, mesh, params
 
@@ -57,6 +58,8 @@ VARIANTS = {
     # 2 data replicas x 2 seq devices: the 3 rows made 4 (a copy), 2 per replica
     "d2_p2_window": (2, ["model.sliding_window=4", "model.layer_pattern=LG", "--data=2"]),
     "d2_p2_moe": (2, ["model.moe_ffn_dim=16", "--preset=tiny-moe.yaml", "--data=2"]),
+    # a hybrid mesh, ring 2 x seq 2: Ulysses over its 4 devices
+    "r2_p2_window": (2, ["model.sliding_window=3", "model.layer_pattern=LG", "--ring=2"]),
 }
 
 
@@ -66,7 +69,7 @@ def test_decode_logits_equal_a_full_forward_pass(variant):
     opts = dict(o[2:].split("=", 1) for o in over if o.startswith("--"))
     cfg, mesh, params = _model(p, *[o for o in over if not o.startswith("--")],
                                preset=opts.get("preset", "tiny.yaml"),
-                               data=int(opts.get("data", 1)))
+                               data=int(opts.get("data", 1)), ring=int(opts.get("ring", 1)))
     got = Generator(params, cfg, mesh).generate(PROMPTS, max_new_tokens=5, keep_logits=True)
     ref = Decoder(cfg, mesh=make_mesh(seq=1, data=1, devices=DEVICES[:1]), rngs=nnx.Rngs(0))
     forward = nnx.jit(lambda m, t: m(t))

@@ -84,9 +84,12 @@ def test_every_mesh_samples_the_same_and_a_resume_continues_the_batch(prompts, t
     # mesh.seq=4: the same completions of the first generation batch, the same first steps.
     # (Later batches are sampled after updates that differ by float rounding between the
     # meshes, and a sampled token can then flip where two cumulative probabilities meet.)
-    # And mesh.seq=2 with the 8 sequences in 2 accumulated micro-batches: the same steps.
+    # And mesh.seq=2 with the 8 sequences in 2 accumulated micro-batches, and a hybrid mesh
+    # (ring 2 x seq 2: ring attention in training, the generator's Ulysses over its 4
+    # devices): the same steps.
     for name, over in (("seq4", ["mesh.seq=4"]),
-                       ("accum2", ["mesh.seq=2", "grad_accum_steps=2"])):
+                       ("accum2", ["mesh.seq=2", "grad_accum_steps=2"]),
+                       ("hybrid", ["mesh.ring=2", "mesh.seq=2"])):
         _, four, done_four = _run(prompts, tmp_path / name, *over, "steps=3")
         assert [r["completion_ids"] for r in done_four] == [r["completion_ids"]
                                                             for r in done_one[:8]], name

@@ -482,9 +482,6 @@ def _grpo_errors(cfg: Config) -> list[str]:
         errors.append(f"grpo.beta > 0 uses the base with the adapters off as the reference, "
                       f"but model.lora.trainable {list(cfg.model.lora.trainable)} also trains "
                       f"those groups")
-    if cfg.mesh.ring > 1:
-        errors.append(f"objective grpo samples on a (data, seq) mesh for now (the generator "
-                      f"has no ring attention); got mesh.ring={cfg.mesh.ring}")
     fam = traits(cfg.model.family)
     if fam.vision or cfg.model.family == "qwen3_next":
         errors.append(f"objective grpo is not supported for model.family "

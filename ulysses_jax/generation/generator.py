@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import ModelConfig
 from ..mesh import DATA, RING, SEQ, act_spec, axis_size
@@ -49,7 +49,8 @@ def prompt_slots(longest: int, seq: int) -> int:
 class Generator:
     """Greedy or sampled generation with ``cfg``'s model on ``mesh`` (axes data, seq): the
     rows split over the data replicas, each row's prompt over ``seq`` in prefill and its
-    cache by head over ``seq``."""
+    cache by head over ``seq``. On a mesh with a ring axis the ring x seq devices of each
+    replica form the seq axis (Ulysses over all of them, heads padded where they are fewer)."""
 
     def __init__(self, params, cfg: ModelConfig, mesh: Mesh):
         """params: the Decoder's pure dict (``nnx.to_pure_dict``) on ``mesh``."""
@@ -60,8 +61,11 @@ class Generator:
                                        offload_checkpoints=False, moe_capacity_factor=0.0)
         block_functions(self.cfg)  # GenerationError now, not after a compile
         if axis_size(mesh, RING) > 1:
-            raise GenerationError(f"generation runs on a (data, seq) mesh without a ring "
-                                  f"axis; this one is {dict(mesh.shape)}")
+            # A ring mesh (ring x seq devices per sequence, hybrid or pure ring) generates
+            # with Ulysses over all R x U of them: one seq axis of the same devices, each data
+            # replica's row of the mesh kept (no ring attention in the cached decode).
+            mesh = Mesh(mesh.devices.reshape(axis_size(mesh, DATA), -1), (DATA, SEQ),
+                        axis_types=(AxisType.Auto, AxisType.Auto))
         from ..models.decoder import Decoder
         from ..models.param_layout import param_shardings
         abstract = nnx.eval_shape(lambda: Decoder(self.cfg, mesh=mesh, rngs=nnx.Rngs(0)))

@@ -308,8 +308,18 @@ class GRPOBatches:
             self._old_logps = jax.jit(
                 lambda p, b: grpo_loss.token_logps(graphdef, prepare(p), b, mesh),
                 in_shardings=(self.shardings["params"], fields))
-        sharded = data_lib.shard_batch({k: rows[k] for k in data_lib.FIELDS}, self.mesh)
-        return np.asarray(jax.device_get(self._old_logps(params, sharded)), np.float32)
+        # On a ring mesh the model reads zigzag-ordered rows (trainer.token_order): the
+        # log-probabilities come back in that order and go back to the rows' own.
+        from .trainer import token_order
+        order = token_order(self.cfg)
+        sharded = data_lib.shard_batch({k: rows[k] for k in data_lib.FIELDS}, self.mesh,
+                                       order=order)
+        got = np.asarray(jax.device_get(self._old_logps(params, sharded)), np.float32)
+        if order is None:
+            return got
+        out = np.empty_like(got)
+        out[:, order] = got
+        return out
 
     def _batch_path(self, step: int) -> str:
         return os.path.join(self.workdir, BATCH_FILES.format(step=step))
