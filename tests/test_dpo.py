@@ -389,6 +389,68 @@ def test_moe_model_adds_its_router_loss(pair_store, tmp_path):
     assert run[-1]["loss"] < run[0]["loss"]
 
 
+def test_qwen3_next_trains_the_same_on_one_and_two_devices(pair_store, tmp_path):
+    """Qwen3-Next (a Gated DeltaNet layer, an attention layer, experts): step 1 is ln 2, and
+    mesh.seq 2 (DeltaNet heads and experts split over the devices) gives mesh.seq 1's curve."""
+    from ulysses_jax.training.trainer import train
+    preset = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "configs", "tiny-qwen3-next.yaml")
+    runs = []
+    for seq in (1, 2):
+        cfg = load_config(preset, [
+            "objective=dpo", "seq_len=64", "batch_size=4", "steps=2", "log_every=1",
+            "eval_batches=0", "checkpoint_every=0", "log_tensorboard=false",
+            "optimizer.warmup_steps=0", "model.n_layers=2", "model.mixer_pattern=DA",
+            "model.d_model=32", "model.moe_ffn_dim=16", "model.moe_shared_ffn_dim=16",
+            "model.loss_chunk=8", f"data.source={pair_store}", "data.heldout_fraction=0.1",
+            f"mesh.seq={seq}", "mesh.data=1"])
+        train(cfg, str(tmp_path / f"seq{seq}"), progress=False)
+        with open(tmp_path / f"seq{seq}" / "metrics.jsonl") as f:
+            runs.append([json.loads(line) for line in f])
+    one, two = runs
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
+    assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert one[1]["loss"] < one[0]["loss"]
+    for a, b in zip(one, two):
+        for key in ("loss", "rewards/margins", "moe_aux_loss"):
+            assert b[key] == pytest.approx(a[key], rel=2e-5, abs=1e-6), (key, a, b)
+
+
+def test_two_processes_train_as_one(pair_store, seq1, tmp_path):
+    """train.py in 2 processes x 2 CPU devices (gloo; mesh.data 2 x mesh.seq 2, a data
+    replica per process): the reference pass over the store and the curve of the
+    one-device run."""
+    import socket
+    import subprocess
+    import sys
+    from conftest import cli_env
+    from ulysses_jax.training.checkpoint import Checkpointer
+    _, one = seq1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    procs = [subprocess.Popen(
+        [sys.executable, "train.py", "--workdir", str(tmp_path / "two"), "--no-progress",
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+         *TRAIN, f"data.source={pair_store}", "data.heldout_fraction=0.1", "mesh.seq=2",
+         "mesh.data=2", "checkpoint_every=4"],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    with open(tmp_path / "two" / "metrics.jsonl") as f:
+        two = [json.loads(line) for line in f]
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=1e-6), (a, b)
+        if "eval_loss" in a:
+            assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=2e-5)
+    assert os.path.exists(tmp_path / "two" / "reference_logps.npy")
+    assert Checkpointer(str(tmp_path / "two" / "checkpoints")).latest_step() == 4
+
+
 def test_resume_reads_the_recorded_reference_and_continues_exactly(pair_store, seq1,
                                                                     tmp_path, capsys):
     _, one = seq1
