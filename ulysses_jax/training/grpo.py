@@ -151,8 +151,8 @@ class GRPOBatches:
                 else:
                     self.current = self._generate(params, step)
                     if g.num_iterations > 1:
-                        self.current[grpo_loss.OLD_LOGPS] = self._old_policy(params,
-                                                                             self.current)
+                        self.current[grpo_loss.OLD_LOGPS] = self._old_policy(
+                            params, self.current, order)
                         self._save_batch(step, self.current)
                 self.batch_step = first
             elif first != step:
@@ -298,8 +298,10 @@ class GRPOBatches:
                     "reward": None if np.isnan(total[j]) else float(total[j]),
                     "advantage": float(adv[j])}) + "\n")
 
-    def _old_policy(self, params, rows: dict) -> np.ndarray:
-        """The sampling policy's token log-probabilities [N, S] (num_iterations > 1)."""
+    def _old_policy(self, params, rows: dict, order: np.ndarray | None) -> np.ndarray:
+        """The sampling policy's token log-probabilities [N, S] (num_iterations > 1), in the
+        rows' own token order; ``order`` is the one the model reads rows in (the zigzag of a
+        ring mesh, ``trainer.token_order``; None: their own)."""
         from .train_step import batch_shardings, params_for_compute
         if self._old_logps is None:
             graphdef, mesh = self.graphdef, self.mesh
@@ -308,10 +310,6 @@ class GRPOBatches:
             self._old_logps = jax.jit(
                 lambda p, b: grpo_loss.token_logps(graphdef, prepare(p), b, mesh),
                 in_shardings=(self.shardings["params"], fields))
-        # On a ring mesh the model reads zigzag-ordered rows (trainer.token_order): the
-        # log-probabilities come back in that order and go back to the rows' own.
-        from .trainer import token_order
-        order = token_order(self.cfg)
         sharded = data_lib.shard_batch({k: rows[k] for k in data_lib.FIELDS}, self.mesh,
                                        order=order)
         got = np.asarray(jax.device_get(self._old_logps(params, sharded)), np.float32)
