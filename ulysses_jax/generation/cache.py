@@ -6,8 +6,9 @@ sequence for its block of heads (``head_layout``: N' query heads, K'R kv head co
 and copied as the exchange pads and copies them). The cache keeps that layout: per layer
 ``k`` and ``v`` [B, C, K'R, H] for C slots, split over ``seq`` on the head axis (and over
 ``data`` on the rows, each data replica generating its share of them), so each device holds
-1/P of its replica's rows and a decode step reads only its own heads. Layers stacked in the model (``decoder.layer_groups``) stay stacked here: one
-[R, B, C, K'R, H] pair per position of a group's unit, scanned with the layer weights.
+1/P of its replica's rows and a decode step reads only its own heads. Layers stacked in the
+model (``decoder.layer_groups``) stay stacked here: one [R, B, C, K'R, H] pair per position
+of a group's unit, scanned with the layer weights.
 
 Slots. Prompts are left-padded to a common length S (a multiple of P) and the new tokens
 follow: slot j of row b holds position j - pad[b]; slots before pad[b] are never attended.

@@ -1,11 +1,11 @@
 """Decode: one new token per row through every layer, its K and V written into the cache at
 one slot, attention over the cache on each device's own heads, and the next token chosen.
 
-The new token's activations are [B, 1, D] on every device of the ``seq`` axis (its rows
-split over ``data``); each device
-projects and attends with its block of heads against its block of the cache, and only the
-attention output (a [B, 1, D] all-reduce after the output projection) crosses devices: the
-cache never moves. One compiled program per (batch, cache slots), reused for every token.
+The new token's activations are [B, 1, D] on every device of the ``seq`` axis (the rows
+split over ``data``); each device projects and attends with its block of heads against its
+block of the cache, and only the attention output (a [B, 1, D] all-reduce after the output
+projection) crosses devices: the cache never moves. One compiled program per (batch, cache
+slots), reused for every token.
 """
 from __future__ import annotations
 
