@@ -79,7 +79,10 @@ def pytest_xdist_make_scheduler(config, log):
     worker, and a file's tests reuse the programs it compiled. With xdist's default
     distribution a file's tests land on both workers and both build its fixtures
     (test_lora's trained runs, 15 s, twice), or one waits on the other's lock (the real
-    checkpoint's conversion). Files of most tests go first (xdist's --loadscope-reorder)."""
+    checkpoint's conversion). Files of most tests go first (xdist's --loadscope-reorder).
+    Another ``--dist`` given on the command line is xdist's own."""
+    if config.getvalue("dist") != "load":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class FileScheduling(LoadScopeScheduling):
