@@ -313,11 +313,7 @@ class GRPOBatches:
         sharded = data_lib.shard_batch({k: rows[k] for k in data_lib.FIELDS}, self.mesh,
                                        order=order)
         got = np.asarray(jax.device_get(self._old_logps(params, sharded)), np.float32)
-        if order is None:
-            return got
-        out = np.empty_like(got)
-        out[:, order] = got
-        return out
+        return got if order is None else got[:, np.argsort(order)]
 
     def _batch_path(self, step: int) -> str:
         return os.path.join(self.workdir, BATCH_FILES.format(step=step))
