@@ -20,7 +20,7 @@ from conftest import DEVICES, need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.generate import main as generate_main
-from ulysses_jax.generation import Generator, Sampling
+from ulysses_jax.generation import GenerationError, Generator, Sampling
 from ulysses_jax.generation.cache import cache_layout
 from ulysses_jax.generation.sampling import filtered
 from ulysses_jax.models.decoder import Decoder
@@ -60,7 +60,22 @@ VARIANTS = {
     "d2_p2_moe": (2, ["model.moe_ffn_dim=16", "--preset=tiny-moe.yaml", "--data=2"]),
     # a hybrid mesh, ring 2 x seq 2: Ulysses over its 4 devices
     "r2_p2_window": (2, ["model.sliding_window=3", "model.layer_pattern=LG", "--ring=2"]),
+    # Qwen3-Next: DeltaNet states of 8 value heads over 8 devices (its 4 key heads copied
+    # twice), a gated attention layer, experts with a shared one; a prompt of 5 chunks
+    "p8_qwen3_next": (8, ["--preset=tiny-qwen3-next.yaml", "model.moe_ffn_dim=16",
+                          "model.moe_shared_ffn_dim=16", "model.linear_key_dim=8",
+                          "model.linear_value_dim=8", "--long=1"]),
 }
+LONG = [[(7 * i) % 90 + 3 for i in range(70)]]
+
+
+def test_deltanet_heads_must_split_over_the_devices():
+    """Qwen3-Next on 3 devices: its 8 DeltaNet value heads do not split; refused when the
+    generator is made, before anything is compiled."""
+    cfg, mesh, params = _model(3, preset="tiny-qwen3-next.yaml")
+    with pytest.raises(GenerationError, match="linear value heads 8 are not divisible by the "
+                                              "seq axis size 3"):
+        Generator(params, cfg, mesh)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -70,10 +85,11 @@ def test_decode_logits_equal_a_full_forward_pass(variant):
     cfg, mesh, params = _model(p, *[o for o in over if not o.startswith("--")],
                                preset=opts.get("preset", "tiny.yaml"),
                                data=int(opts.get("data", 1)), ring=int(opts.get("ring", 1)))
-    got = Generator(params, cfg, mesh).generate(PROMPTS, max_new_tokens=5, keep_logits=True)
+    prompts = PROMPTS + (LONG if "long" in opts else [])
+    got = Generator(params, cfg, mesh).generate(prompts, max_new_tokens=5, keep_logits=True)
     ref = Decoder(cfg, mesh=make_mesh(seq=1, data=1, devices=DEVICES[:1]), rngs=nnx.Rngs(0))
     forward = nnx.jit(lambda m, t: m(t))
-    for prompt, c in zip(PROMPTS, got, strict=True):
+    for prompt, c in zip(prompts, got, strict=True):
         assert len(c.ids) == 5 and c.finish_reason == "length"
         whole = np.asarray(forward(ref, jnp.asarray([prompt + c.ids[:-1]])))[0]   # [S, V]
         want = whole[len(prompt) - 1:]                    # the logits that chose each new id
@@ -172,8 +188,9 @@ def _main(argv):
 
 
 def test_cli_on_a_run_directory(chat_store_run, tmp_path):
-    """A run directory: a text row and a chat row (the store's template), 2 devices; every
-    output field, the summary last, and the same ids as a second call on 1 device."""
+    """A run directory: a text row and a chat row (the store's template), 2 data replicas x
+    2 seq devices (a row each); every output field, the summary last, and the same ids as a
+    second call on 1 device."""
     run, _, _ = chat_store_run
     rows = [{"prompt": "Say hi", "id": 7},
             {"messages": [{"role": "user", "content": "Say hi again"}]}]
@@ -183,7 +200,8 @@ def test_cli_on_a_run_directory(chat_store_run, tmp_path):
     for p in (2, 1):
         out = tmp_path / f"out{p}.jsonl"
         code, stdout = _main([run, "--prompts", str(prompts), "--out", str(out),
-                              "--max-new-tokens", "4", "--mesh-seq", str(p), "--no-progress"])
+                              "--max-new-tokens", "4", "--mesh-seq", str(p), "--mesh-data",
+                              str(p), "--no-progress"])
         assert code == 0
         outs.append([json.loads(line) for line in out.read_text().splitlines()])
         summary = json.loads(stdout.strip().splitlines()[-1])
@@ -208,6 +226,8 @@ def test_cli_on_a_run_directory(chat_store_run, tmp_path):
                   "positions"]),
     ("nan_temperature", ["temperature must be >= 0", "got nan"]),
     ("out_is_a_directory", ["is a directory; give a file name"]),
+    ("too_many_devices", ["--mesh-seq x --mesh-data must be between 1 and the 8 devices",
+                          "got 4 x 3"]),
 ])
 def test_bad_input_exits_2_and_writes_nothing(hf_without_template, tmp_path, capsys, case,
                                              words):
@@ -218,8 +238,8 @@ def test_bad_input_exits_2_and_writes_nothing(hf_without_template, tmp_path, cap
             "too_long": [{"prompt": "hello there, a few words"}]}.get(case, [{"prompt": "a"}])
     prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extra = {"too_long": ["--max-new-tokens", "60"], "nan_temperature": ["--temperature", "nan"]
-             }.get(case, [])
+    extra = {"too_long": ["--max-new-tokens", "60"], "nan_temperature": ["--temperature", "nan"],
+             "too_many_devices": ["--mesh-seq", "4", "--mesh-data", "3"]}.get(case, [])
     if case == "out_is_a_directory":
         out = tmp_path / "a_directory"
         out.mkdir()

@@ -112,7 +112,7 @@ class GRPOConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                  # 0: no top-k filter
-    beta: float = 0.0               # KL to the reference (k3); > 0 needs LoRA (the base)
+    beta: float = 0.0               # KL to the reference (k3): the LoRA base, else the initial weights
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None  # the clip above 1 (DAPO); None: epsilon
     loss_type: str = "dapo"         # grpo | bnpo | dr_grpo | dapo (token aggregation)
@@ -474,16 +474,12 @@ def _grpo_errors(cfg: Config) -> list[str]:
     if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs):
         errors.append(f"grpo.reward_weights has {len(g.reward_weights)} weights for "
                       f"{len(g.reward_funcs)} reward_funcs {list(g.reward_funcs)}")
-    if g.beta > 0 and not cfg.model.lora.rank:
-        errors.append(f"grpo.beta {g.beta} needs a reference policy: with LoRA it is the base "
-                      f"with the adapters off (set model.lora.rank); full fine-tuning with a "
-                      f"KL term is not supported yet, use grpo.beta=0")
-    elif g.beta > 0 and cfg.model.lora.trainable:
+    if g.beta > 0 and cfg.model.lora.rank and cfg.model.lora.trainable:
         errors.append(f"grpo.beta > 0 uses the base with the adapters off as the reference, "
                       f"but model.lora.trainable {list(cfg.model.lora.trainable)} also trains "
                       f"those groups")
     fam = traits(cfg.model.family)
-    if fam.vision or cfg.model.family == "qwen3_next":
+    if fam.vision:
         errors.append(f"objective grpo is not supported for model.family "
                       f"{cfg.model.family!r} yet (the generator does not run it)")
     return errors

@@ -1,7 +1,7 @@
 """Generation from the command line (and as a function): prompts in, completions out.
 
     python -m ulysses_jax.generate MODEL --prompts FILE --out FILE [--max-new-tokens N]
-        [--temperature T] [--top-p P] [--top-k K] [--seed S] [--mesh-seq P]
+        [--temperature T] [--top-p P] [--top-k K] [--seed S] [--mesh-seq P] [--mesh-data D]
         [--batch-size B] [--step N] [--no-progress]
 
 MODEL: a Hugging Face directory (an export or a checkpoint) or a training run's --workdir
@@ -20,7 +20,9 @@ a JSON summary: rows, prompt_tokens, completion_tokens, compile_s, prefill_s, de
 decode_tokens_per_s.
 
 The prompts are split over ``--mesh-seq`` devices by sequence (Ulysses attention) and each
-device keeps the KV cache of its heads (``ulysses_jax/generation``, docs/GENERATION.md).
+device keeps the KV cache of its heads (``ulysses_jax/generation``, docs/GENERATION.md);
+``--mesh-data`` replicas of those devices each generate their share of a batch's rows (D x P
+devices in all).
 
 Exit codes: 0 done; 2 a bad input (no model there, an empty prompts file, a row with neither
 prompt nor messages, a chat row for a model without a chat template, a prompt plus new tokens
@@ -136,9 +138,9 @@ def encode_rows(rows: list[dict], tokenizer, template, where: str) -> list[list[
 
 def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
              temperature: float | None = None, top_p: float | None = None,
-             top_k: int | None = None, seed: int = 0, mesh_seq: int = 1, batch_size: int = 8,
-             step: int | None = None, progress: bool = False, where: str = "prompts",
-             devices=None) -> tuple[list[dict], dict]:
+             top_k: int | None = None, seed: int = 0, mesh_seq: int = 1, mesh_data: int = 1,
+             batch_size: int = 8, step: int | None = None, progress: bool = False,
+             where: str = "prompts", devices=None) -> tuple[list[dict], dict]:
     """Completions of ``rows`` (dicts with "prompt" or "messages") by the model at ``path``.
 
     Returns (the rows with completion, completion_ids, prompt_tokens, finish_reason; the
@@ -149,14 +151,15 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
     from .generation import GenerationError, Generator, Sampling
     from .mesh import make_mesh
     devices = list(devices or jax.devices())
-    if mesh_seq < 1 or mesh_seq > len(devices):
-        raise GenerateError(f"--mesh-seq must be between 1 and the {len(devices)} devices "
-                            f"there are, got {mesh_seq}")
+    if mesh_seq < 1 or mesh_data < 1 or mesh_seq * mesh_data > len(devices):
+        raise GenerateError(f"--mesh-seq x --mesh-data must be between 1 and the "
+                            f"{len(devices)} devices there are (each at least 1), got "
+                            f"{mesh_seq} x {mesh_data}")
     if batch_size < 1:
         raise GenerateError(f"--batch-size must be >= 1, got {batch_size}")
     if not 0 <= seed < 2 ** 32:
         raise GenerateError(f"--seed must be in [0, 2**32), got {seed}")
-    mesh = make_mesh(seq=mesh_seq, data=1, devices=devices[:mesh_seq])
+    mesh = make_mesh(seq=mesh_seq, data=mesh_data, devices=devices[:mesh_seq * mesh_data])
     try:
         loaded = load(path, mesh, step)
     except EvalError as e:
@@ -231,6 +234,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, help="sample among the k likeliest (default 0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--mesh-seq", type=int, default=1, help="devices per sequence (Ulysses)")
+    p.add_argument("--mesh-data", type=int, default=1,
+                   help="data replicas, each generating its share of the rows (default 1)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch (default 8)")
     p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -241,7 +246,7 @@ def main(argv=None) -> int:
     import logging
     args = parse_args(argv)
     from .mesh import request_cpu_devices
-    request_cpu_devices(max(args.mesh_seq, 1))
+    request_cpu_devices(max(args.mesh_seq, 1) * max(args.mesh_data, 1))
     from .compile_cache import fence
     fence()
     logging.getLogger("absl").setLevel(logging.ERROR)
@@ -252,7 +257,7 @@ def main(argv=None) -> int:
         out, summary = generate(args.path, rows, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, mesh_seq=args.mesh_seq,
-                                batch_size=args.batch_size, step=args.step,
+                                mesh_data=args.mesh_data, batch_size=args.batch_size, step=args.step,
                                 progress=not args.no_progress, where=args.prompts)
     except GenerateError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -146,7 +146,7 @@ def l2_normalize(x, eps: float = 1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _normalized(q, k):
+def normalized_qk(q, k):
     """transformers' kernel prologue: l2-normalised q and k in float32, q / sqrt(Q)."""
     return l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
 
@@ -162,22 +162,42 @@ def recurrent_reference(q, k, v, g, beta, segment_ids=None):
     """
     b, s, hk, dq = q.shape
     h = v.shape[2]
-    q, k = (jnp.repeat(x, h // hk, axis=2) for x in _normalized(q, k))
+    q, k = (jnp.repeat(x, h // hk, axis=2) for x in normalized_qk(q, k))
     runs = run_ids(segment_ids, s, b)
     prev = jnp.concatenate([runs[:, :1], runs[:, :-1]], axis=1)
     fresh = (runs != prev)                                                    # [B, S]
 
     def step(z, xs):
         q_t, k_t, v_t, g_t, b_t, f_t = xs                                    # q_t: [B, h, Q]
-        z = jnp.where(f_t[:, None, None, None], 0.0, z) * jnp.exp(g_t)[..., None, None]
-        delta = b_t[..., None] * (v_t - jnp.einsum("bhqv,bhq->bhv", z, k_t, precision=_HI))
-        z = z + k_t[..., :, None] * delta[..., None, :]
-        return z, jnp.einsum("bhqv,bhq->bhv", z, q_t, precision=_HI)
+        return delta_step(jnp.where(f_t[:, None, None, None], 0.0, z), q_t, k_t, v_t, g_t, b_t)
 
     xs = [jnp.moveaxis(x.astype(_F32), 1, 0) for x in (q, k, v, g, beta)] + [fresh.T]
     z0 = jnp.zeros((b, h, dq, v.shape[-1]), _F32)
     _, o = jax.lax.scan(step, z0, xs)
     return jnp.moveaxis(o, 0, 1)
+
+
+def delta_step(z, q, k, v, g, beta):
+    """One token of the gated delta rule for each row and head (generation's decode step).
+
+    Args:
+      z: [B, h, Q, V] float32 state; q, k: [B, h, Q] float32, normalised (``normalized_qk``,
+        key heads repeated to the value heads); v: [B, h, V]; g, beta: [B, h] float32.
+    Returns:
+      (the new state, o [B, h, V] float32).
+    """
+    z = z * jnp.exp(g)[..., None, None]
+    delta = beta[..., None] * (v.astype(_F32) - jnp.einsum("bhqv,bhq->bhv", z, k, precision=_HI))
+    z = z + k[..., :, None] * delta[..., None, :]
+    return z, jnp.einsum("bhqv,bhq->bhv", z, q, precision=_HI)
+
+
+def conv_step(window, w):
+    """The convolution and SiLU at one new token: ``window`` [B, W, ...channels] holds the
+    W - 1 tokens before it (zeros before its document) and the token last; w [...channels,
+    W]. Returns [B, ...channels] in window's dtype, as ``conv_silu`` gives that token."""
+    out = jnp.einsum("bw...,...w->b...", window.astype(_F32), w.astype(_F32), precision=_HI)
+    return jax.nn.silu(out).astype(window.dtype)
 
 
 def _unit_lower_inverse(a):
@@ -208,7 +228,7 @@ def _chunk(carry, xs, conv=None):
         rr = jnp.concatenate([halo[3], runs], axis=1)                         # [B, W-1+C]
         q, k, v = (conv_silu(jnp.concatenate([x0, x], axis=1), w, rr)[:, x0.shape[1]:]
                    for x0, x, w in zip(halo[:3], (q, k, v), conv))
-    q, k = _normalized(q, k)                                                  # [B, C, n, Q]
+    q, k = normalized_qk(q, k)                                                  # [B, C, n, Q]
     g, beta = (jnp.moveaxis(x, 1, 3) for x in (g, beta))                      # [B, n, r, C]
     c = q.shape[1]
     cum = jnp.cumsum(g, axis=-1)                                              # [B, n, r, C]
@@ -247,7 +267,7 @@ def group_size(n: int) -> int:
 
 
 def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAULT_CHUNK,
-                       conv=None):
+                       conv=None, final_state: bool = False):
     """The gated delta rule over whole sequences in chunks (see the module docstring).
 
     Args (as ``recurrent_reference``):
@@ -260,14 +280,19 @@ def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAU
         then taken before Gated DeltaNet's short convolution, and SiLU(``causal_conv``) runs
         chunk by chunk, each chunk with the W - 1 tokens before it (``conv_silu``): no
         convolved sequence-length array exists, nor its fp32 intermediates.
+      final_state: also return the state after each row's last token (generation's prefill;
+        S must then be a multiple of ``chunk``, or the padding's run would end the rows).
     Returns:
-      o [B, S, h, V] in v's dtype.
+      o [B, S, h, V] in v's dtype; with ``final_state`` (o, Z [B, h, Q, V] float32).
     """
     b, s, hk, _ = q.shape
     h, dv = v.shape[2:]
     r = h // hk
     runs = run_ids(segment_ids, s, b)
     pad = -s % chunk
+    if final_state and pad:
+        raise ValueError(f"the final state needs a sequence length ({s}) that the chunk "
+                         f"({chunk}) divides")
     n = (s + pad) // chunk
     m = group_size(n)
 
@@ -303,8 +328,9 @@ def chunked_delta_rule(q, k, v, g, beta, segment_ids=None, *, chunk: int = DEFAU
         return jax.lax.scan(inner, carry, gxs)
 
     z0 = _like_varying(jnp.zeros((b, hk, r, q.shape[-1], dv), _F32), k)
-    _, o = jax.lax.scan(group, (z0, runs[:, 0]), xs)               # o: [n/M, M, B, C, n, r, V]
-    return jnp.moveaxis(o, 2, 0).reshape(b, n * chunk, h, dv)[:, :s]
+    (z, _), o = jax.lax.scan(group, (z0, runs[:, 0]), xs)          # o: [n/M, M, B, C, n, r, V]
+    o = jnp.moveaxis(o, 2, 0).reshape(b, n * chunk, h, dv)[:, :s]
+    return (o, z.reshape(b, h, z.shape[-2], dv)) if final_state else o
 
 
 def _like_varying(x, ref):

@@ -53,7 +53,7 @@ def key_copies(key_heads: int, value_heads: int, p: int) -> int:
 
 
 def gated_delta_core(q, k, v, b, a, conv_q, conv_k, conv_v, a_log, dt_bias, segment_ids,
-                     *, chunk: int = deltanet.DEFAULT_CHUNK):
+                     *, chunk: int = deltanet.DEFAULT_CHUNK, final_state: bool = False):
     """Convolution, normalisation, gates and the delta rule over whole sequences.
 
     Args:
@@ -61,14 +61,22 @@ def gated_delta_core(q, k, v, b, a, conv_q, conv_k, conv_v, a_log, dt_bias, segm
       conv_q, conv_k: [hk, Q, W], conv_v: [h, V, W]; a_log, dt_bias: [h]; h % hk == 0.
       segment_ids: [B, S] or None.
     Returns:
-      o [B, S, h, V] in v's dtype, before the output norm and gate.
+      o [B, S, h, V] in v's dtype, before the output norm and gate; with ``final_state``
+      (o, the state after each row's last token [B, h, Q, V] float32).
     """
-    beta = jax.nn.sigmoid(b.astype(_F32))                                        # [B, S, h]
-    g = -jnp.exp(a_log.astype(_F32)) * jax.nn.softplus(a.astype(_F32) + dt_bias.astype(_F32))
+    beta, g = gates(b, a, a_log, dt_bias)                                         # [B, S, h]
     # SiLU of the convolution (in the compute dtype, as transformers' causal_conv1d_fn)
     # runs inside the kernel, chunk by chunk; the kernel normalises q and k in float32.
     return deltanet.chunked_delta_rule(q, k, v, g, beta, segment_ids, chunk=chunk,
-                                       conv=(conv_q, conv_k, conv_v))
+                                       conv=(conv_q, conv_k, conv_v), final_state=final_state)
+
+
+def gates(b, a, a_log, dt_bias):
+    """(beta = sigmoid(b), decay g = -exp(A_log) softplus(a + dt_bias)), float32, from the
+    projections b, a [..., h] and the weights [h]."""
+    beta = jax.nn.sigmoid(b.astype(_F32))
+    g = -jnp.exp(a_log.astype(_F32)) * jax.nn.softplus(a.astype(_F32) + dt_bias.astype(_F32))
+    return beta, g
 
 
 def _exchange(parts, p: int):
@@ -88,7 +96,8 @@ def _exchange(parts, p: int):
 
 
 def gated_deltanet(q, k, v, b, a, conv_q, conv_k, conv_v, a_log, dt_bias, *, mesh: Mesh,
-                   segment_ids=None, chunk: int = deltanet.DEFAULT_CHUNK):
+                   segment_ids=None, chunk: int = deltanet.DEFAULT_CHUNK,
+                   final_state: bool = False):
     """Sequence-parallel Gated DeltaNet over the mesh's "seq" axis.
 
     Args:
@@ -98,8 +107,11 @@ def gated_deltanet(q, k, v, b, a, conv_q, conv_k, conv_v, a_log, dt_bias, *, mes
       mesh: a mesh with a "seq" axis and no ring axis.
       segment_ids: [B, S] ints or None; state and convolution restart at document starts.
       chunk: tokens per chunk of the delta rule.
+      final_state: also return the state after each row's last token (generation's prefill;
+        S a multiple of ``chunk``).
     Returns:
-      o [B, S, Hv, V] in v's dtype, sharded P("data", "seq").
+      o [B, S, Hv, V] in v's dtype, sharded P("data", "seq"); with ``final_state`` (o, the
+      state [B, Hv, Q, V] float32, split by head over "seq").
     """
     if axis_size(mesh, RING) > 1:
         raise ValueError(f"Gated DeltaNet layers need a mesh without a ring axis (ring axis "
@@ -116,8 +128,8 @@ def gated_deltanet(q, k, v, b, a, conv_q, conv_k, conv_v, a_log, dt_bias, *, mes
         q, k = (jnp.repeat(x, c, axis=2) for x in (q, k))
         conv_q, conv_k = (jnp.repeat(w, c, axis=0) for w in (conv_q, conv_k))
     dt = v.dtype
-    core = jax.checkpoint(partial(gated_delta_core, chunk=chunk), prevent_cse=False,
-                          policy=jax.checkpoint_policies.nothing_saveable)
+    core = jax.checkpoint(partial(gated_delta_core, chunk=chunk, final_state=final_state),
+                          prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
 
     def body(q, k, v, b, a, cq, ck, cv, alog, dtb, *seg):
         # q, k: [B/D, S/P, Hk c, Q]; v: [B/D, S/P, Hv, V]; weights: this device's heads
@@ -126,10 +138,12 @@ def gated_deltanet(q, k, v, b, a, conv_q, conv_k, conv_v, a_log, dt_bias, *, mes
             q, k, v, b, a = _exchange([q, k, v, b, a], p)                      # v: [B, S, Hv/P, V]
             if seg is not None:
                 seg = jax.lax.all_gather(seg, SEQ, axis=1, tiled=True)        # [B, S]
-        o = core(q, k, v, b, a, cq, ck, cv, alog, dtb, seg).astype(dt)        # [B, S, Hv/P, V]
+        o = core(q, k, v, b, a, cq, ck, cv, alog, dtb, seg)
+        o, state = o if final_state else (o, None)
+        o = o.astype(dt)                                                      # [B, S, Hv/P, V]
         if p > 1:
             o = jax.lax.all_to_all(o, SEQ, split_axis=1, concat_axis=2, tiled=True)
-        return o                                                              # [B, S/P, Hv, V]
+        return (o, state) if final_state else o                               # [B, S/P, Hv, V]
 
     batch_axis = DATA if DATA in mesh.axis_names else None
     act = P(batch_axis, SEQ)
@@ -140,5 +154,6 @@ def gated_deltanet(q, k, v, b, a, conv_q, conv_k, conv_v, a_log, dt_bias, *, mes
     if segment_ids is not None:
         args.append(shard(segment_ids, mesh, act))
         specs.append(act)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=act)
+    out = (act, P(batch_axis, SEQ)) if final_state else act
+    fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=out)
     return fn(*args)

@@ -4,7 +4,11 @@ its K and V) and over one new token per row (reading and extending the cache).
 Families: the Llama block (dense or mixture of experts) and the Gemma block share the
 attention part and differ in what follows it (``_llama_rest``, ``_gemma_rest``). The new
 tokens of a decode step reach their experts as one row of B tokens, padded to a multiple of
-the devices (``_moe_tokens``), by the expert-parallel dispatch training uses.
+the devices (``_moe_tokens``), by the expert-parallel dispatch training uses. Qwen3-Next's
+block mixes tokens with gated attention (the same cache, its output gate) or Gated DeltaNet,
+whose cache is the recurrent state per value head (split over ``seq`` by head like K and V)
+and the convolution's last W - 1 inputs: a decode step convolves over them and advances the
+state by one token of the delta rule (``deltanet.delta_step``), O(1) in the prompt length.
 
 Both walk the model's layer stacks as ``Decoder._run_layers`` does (one ``lax.scan`` per
 position of a group's unit, the caches scanned beside the weights) and call a family's two
@@ -18,10 +22,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..attention.deltanet import DEFAULT_CHUNK, conv_step, delta_step, normalized_qk
 from ..attention.heads import pad_kv, pad_query, unpad_output
-from ..mesh import DATA, act_spec, axis_size, shard
+from ..attention.linear import gated_deltanet, gates
+from ..mesh import DATA, SEQ, act_spec, axis_size, shard
 from ..models.decoder import layer_groups, unit_kinds
 from ..models.layers import by_kind, out_projection
 from .cache import CacheLayout, to_cache
@@ -85,22 +91,31 @@ def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLay
     the layer's cache with this token's k and v at ``slot``)."""
     attn, cfg = block.attn, block.attn.cfg
     q, k, v, adapt = attn.project(block.attn_norm(x))                      # [B, 1, ., H]
-    heads = NamedSharding(mesh, layout.spec(mesh))
 
     def attend(kind, q, k, v, ck, cv):
         q, k = attn.rope(kind, q, k, positions)
-        k, v = (jax.lax.with_sharding_constraint(a.astype(ck.dtype), heads)
-                for a in pad_kv(k, v, layout.heads))
-        ck = jax.lax.dynamic_update_slice_in_dim(ck, k, slot, axis=1)
-        cv = jax.lax.dynamic_update_slice_in_dim(cv, v, slot, axis=1)
-        q = jax.lax.with_sharding_constraint(pad_query(q, layout.heads), heads)
-        seen = visible(slot, pad, layout.slots, cfg.sliding_window if kind == "L" else None)
-        o = cached_attention(q, ck, cv, seen, scale=cfg.attn_scale or None,
-                             softcap=cfg.attn_softcap or None)
-        return unpad_output(o, layout.heads), ck, cv
+        window = cfg.sliding_window if kind == "L" else None
+        return _cached_heads(cfg, q, k, v, (ck, cv), slot, pad, layout, mesh, window)
 
     o, ck, cv = by_kind(attend, kind, q, k, v, *cache)
     return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), (ck, cv)
+
+
+def _cached_heads(cfg, q, k, v, cache, slot, pad, layout: CacheLayout, mesh: Mesh,
+                  window: int | None):
+    """Rotated q [B, 1, N, H], k, v [B, 1, K, H] of the new tokens: (attention over the
+    cache [B, 1, N, H], the cache's k and v with them written at ``slot``), each device on
+    its own heads."""
+    ck, cv = cache
+    heads = NamedSharding(mesh, layout.spec(mesh))
+    k, v = (jax.lax.with_sharding_constraint(a.astype(ck.dtype), heads)
+            for a in pad_kv(k, v, layout.heads))
+    ck = jax.lax.dynamic_update_slice_in_dim(ck, k, slot, axis=1)
+    cv = jax.lax.dynamic_update_slice_in_dim(cv, v, slot, axis=1)
+    q = jax.lax.with_sharding_constraint(pad_query(q, layout.heads), heads)
+    o = cached_attention(q, ck, cv, visible(slot, pad, layout.slots, window),
+                         scale=cfg.attn_scale or None, softcap=cfg.attn_softcap or None)
+    return unpad_output(o, layout.heads), ck, cv
 
 
 def _moe_tokens(moe, x, mesh: Mesh):
@@ -135,24 +150,111 @@ def _gemma_rest(block, x, o, segment_ids, mesh: Mesh):
     return x + block.mlp(x, block.mlp_norm, block.mlp_post_norm)
 
 
-def _prefill(rest):
+# ----------------------------------------------------------------------------- Qwen3-Next
+
+def _next_prompt(block, x, positions, segment_ids, kind, layout: CacheLayout, mesh: Mesh):
+    """Qwen3-Next's token mixer over the prompt: gated attention (its cache (k, v)) or Gated
+    DeltaNet (its cache (state, the convolution's last q, k, v inputs))."""
+    normed = block.attn_norm(x)
+    if block.attn is None:
+        return _deltanet_prompt(block.linear_attn, normed, segment_ids, mesh)
+    attn = block.attn
+    q, gate, k, v, adapt = attn.project(normed)
+    q, k = attn.rope(q, k, positions)
+    o = attn.gated_output(attn.attend(q, k, v, segment_ids), gate, adapt, x.dtype)
+    return o, to_cache(k, v, layout, mesh)
+
+
+def _next_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLayout,
+                 mesh: Mesh):
+    """Qwen3-Next's token mixer for one new token per row, reading and updating its cache."""
+    normed = block.attn_norm(x)
+    if block.attn is None:
+        return _deltanet_cached(block.linear_attn, normed, cache, mesh)
+    attn = block.attn
+    q, gate, k, v, adapt = attn.project(normed)                            # [B, 1, ., H]
+    q, k = attn.rope(q, k, positions)
+    o, ck, cv = _cached_heads(attn.cfg, q, k, v, cache, slot, pad, layout, mesh, None)
+    return attn.gated_output(o, gate, adapt, x.dtype), (ck, cv)
+
+
+def _rows_heads(mesh: Mesh) -> P:
+    """[B, heads, ...]: rows over ``data``, heads over ``seq``."""
+    return P(DATA if DATA in mesh.axis_names else None, SEQ)
+
+
+def _deltanet_prompt(mixer, x, segment_ids, mesh: Mesh):
+    """Gated DeltaNet over the prompts as training runs it, keeping for each row the state
+    after its last token [B, Hv, Q, V] (split by value head over ``seq``) and the last W - 1
+    inputs of its convolution (q, k [B, W-1, Hk, Q], v [B, W-1, Hv, V]; zeros before the
+    prompt). Returns (the output [B, S, D], that cache)."""
+    s = x.shape[1]
+    q, k, v, z, b, a, adapters = mixer.project(x)
+    # The final state is the last chunk's: a chunk that S divides (S is a multiple of 16).
+    chunk = next(c for c in (DEFAULT_CHUNK, 32, 16, 8, 4, 2, 1) if s % c == 0)
+    o, state = gated_deltanet(q, k, v, b, a, *mixer.kernel_weights(), mesh=mesh,
+                              segment_ids=segment_ids, chunk=chunk, final_state=True)
+    w = mixer.cfg.linear_conv - 1
+    rows = NamedSharding(mesh, P(_rows_heads(mesh)[0]))
+
+    def last(t):  # [B, W-1, ...]: the last W - 1 tokens (zeros before a shorter row)
+        t = jnp.pad(t, [(0, 0), (max(w - s, 0), 0)] + [(0, 0)] * (t.ndim - 2))
+        return t[:, t.shape[1] - w:]
+
+    seen = last(segment_ids) > 0                                           # [B, W-1]
+
+    def tail(t):  # the convolution's inputs there, zeros at the padding before the prompt
+        t = jnp.where(seen.reshape(seen.shape + (1,) * (t.ndim - 2)), last(t), 0)
+        return jax.lax.with_sharding_constraint(t, rows)
+
+    return mixer.output(o, z, adapters, x.dtype), (state, tail(q), tail(k), tail(v))
+
+
+def _deltanet_cached(mixer, x, cache, mesh: Mesh):
+    """Gated DeltaNet at one new token per row: its convolution over the kept inputs and
+    itself, one step of the delta rule on each device's value heads. Returns (the output
+    [B, 1, D], the cache advanced by the token)."""
+    state, *kept = cache
+    cfg = mixer.cfg
+    q, k, v, z, b, a, adapters = mixer.project(x)                         # q: [B, 1, Hk, Q]
+    conv_q, conv_k, conv_v, a_log, dt_bias = mixer.kernel_weights()
+    windows = [jnp.concatenate([c, t], axis=1) for c, t in zip(kept, (q, k, v))]
+    q, k, v = (conv_step(win, w) for win, w in zip(windows, (conv_q, conv_k, conv_v)))
+    q, k = normalized_qk(q, k)                                             # [B, Hk, Q] fp32
+    r = cfg.linear_value_heads // cfg.linear_key_heads
+    heads = NamedSharding(mesh, _rows_heads(mesh))
+    q, k, v = (jax.lax.with_sharding_constraint(t, heads)
+               for t in (jnp.repeat(q, r, axis=1), jnp.repeat(k, r, axis=1), v))
+    beta, g = gates(b[:, 0], a[:, 0], a_log, dt_bias)                      # [B, Hv]
+    state, o = delta_step(state, q, k, v, g, beta)                         # o: [B, Hv, V]
+    y = mixer.output(o.astype(v.dtype)[:, None], z, adapters, x.dtype)
+    rows = NamedSharding(mesh, P(_rows_heads(mesh)[0]))
+    return y, (jax.lax.with_sharding_constraint(state, heads),
+               *(jax.lax.with_sharding_constraint(w[:, 1:], rows) for w in windows))
+
+
+# --------------------------------------------------------------------------------- layers
+
+def _prefill(mix, rest):
     def layer(block, x, positions, segment_ids, kind, layout, mesh):
-        o, cache = _attend_prompt(block, x, positions, segment_ids, kind, layout, mesh)
+        o, cache = mix(block, x, positions, segment_ids, kind, layout, mesh)
         x = rest(block, x, o, segment_ids, mesh)
         return shard(x, mesh, act_spec(mesh, 1)), cache
     return layer
 
 
-def _decode(rest):
+def _decode(mix, rest):
     def layer(block, x, positions, kind, cache, slot, pad, layout, mesh):
-        o, cache = _attend_cached(block, x, positions, kind, cache, slot, pad, layout, mesh)
+        o, cache = mix(block, x, positions, kind, cache, slot, pad, layout, mesh)
         return rest(block, x, o, None, mesh), cache
     return layer
 
 
 # Per block family: (prefill, decode) layer functions.
-BLOCKS = {"llama": (_prefill(_llama_rest), _decode(_llama_rest)),
-          "gemma": (_prefill(_gemma_rest), _decode(_gemma_rest))}
+BLOCKS = {"llama": (_prefill(_attend_prompt, _llama_rest), _decode(_attend_cached, _llama_rest)),
+          "gemma": (_prefill(_attend_prompt, _gemma_rest), _decode(_attend_cached, _gemma_rest)),
+          "qwen3_next": (_prefill(_next_prompt, _llama_rest),
+                         _decode(_next_cached, _llama_rest))}
 
 
 def block_functions(cfg):

@@ -66,6 +66,13 @@ class Generator:
             # replica's row of the mesh kept (no ring attention in the cached decode).
             mesh = Mesh(mesh.devices.reshape(axis_size(mesh, DATA), -1), (DATA, SEQ),
                         axis_types=(AxisType.Auto, AxisType.Auto))
+        if self.cfg.family == "qwen3_next":
+            from ..attention.linear import key_copies
+            try:  # each device advances the state of whole value heads
+                key_copies(self.cfg.linear_key_heads, self.cfg.linear_value_heads,
+                           axis_size(mesh, SEQ))
+            except ValueError as e:
+                raise GenerationError(f"Gated DeltaNet generation: {e}") from None
         from ..models.decoder import Decoder
         from ..models.param_layout import param_shardings
         abstract = nnx.eval_shape(lambda: Decoder(self.cfg, mesh=mesh, rngs=nnx.Rngs(0)))

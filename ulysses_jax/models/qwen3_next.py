@@ -67,6 +67,13 @@ class GatedAttention(nnx.Module):
         self.cfg, self.mesh, self.layout, self.head_chunks = cfg, mesh, layout, head_chunks
 
     def __call__(self, x, positions, segment_ids):
+        q, gate, k, v, adapt = self.project(x)
+        q, k = self.rope(q, k, positions)                                          # [B, S, N, H]
+        return self.gated_output(self.attend(q, k, v, segment_ids), gate, adapt, x.dtype)
+
+    def project(self, x):
+        """(q [B, S, N, H] normed, its gate [B, S, N, H], k normed, v [B, S, K, H], adapt):
+        the projections of x with their LoRA adapters, before RoPE."""
         dt, mesh, cfg, h = x.dtype, self.mesh, self.cfg, self.cfg.head_dim
         adapt = lora_adapt(self, lora.ATTENTION, cfg, dt, mesh)
         qg = jnp.einsum("BSD,DNH->BSNH", x, _gathered(self.wq[...], dt, mesh))     # [B, S, N, 2H]
@@ -76,19 +83,29 @@ class GatedAttention(nnx.Module):
                   "BSD,DKH->BSKH", x)
         v = adapt(jnp.einsum("BSD,DKH->BSKH", x, _gathered(self.wv[...], dt, mesh)), "v",
                   "BSD,DKH->BSKH", x)
-        # RoPE (with its scaling) on the first rotary_dim dims of each head only.
+        return self.q_norm(q), gate, self.k_norm(k), v, adapt
+
+    def rope(self, q, k, positions):
+        """RoPE (with its scaling) on the first rotary_dim dims of each head only."""
+        cfg = self.cfg
         theta, scaling = cfg.rope("G")
         exact_from = None if cfg.rope_exact_from >= INT32_MAX else cfg.rope_exact_from
         rope = partial(apply_rope, positions=positions, theta=theta, scaling=scaling,
                        rotary_dim=rotary_dim(cfg), exact_from=exact_from)
-        q, k = rope(self.q_norm(q)), rope(self.k_norm(k))                           # [B, S, N, H]
-        o = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
-                              impl=cfg.attn_impl, head_chunks=self.head_chunks,
-                              layout=self.layout,
-                              max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
-                              scale=cfg.attn_scale or None)                        # [B, S, N, H]
-        o = o * jax.nn.sigmoid(gate)
-        return out_projection(o, self.wo[...], adapt, dt, mesh)
+        return rope(q), rope(k)
+
+    def attend(self, q, k, v, segment_ids):
+        """Ulysses attention of rotated q [B, S, N, H] over k, v [B, S, K, H]."""
+        cfg = self.cfg
+        return ulysses_attention(q, k, v, mesh=self.mesh, causal=True, segment_ids=segment_ids,
+                                 impl=cfg.attn_impl, head_chunks=self.head_chunks,
+                                 layout=self.layout,
+                                 max_segments=cfg.max_segments or DEFAULT_MAX_SEGMENTS,
+                                 scale=cfg.attn_scale or None)
+
+    def gated_output(self, o, gate, adapt, dtype):
+        """The attention output [B, S, N, H] times sigmoid(gate), projected -> [B, S, D]."""
+        return out_projection(o * jax.nn.sigmoid(gate), self.wo[...], adapt, dtype, self.mesh)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -114,6 +131,15 @@ class GatedDeltaNet(nnx.Module):
         self.cfg, self.mesh = cfg, mesh
 
     def __call__(self, x, segment_ids):
+        q, k, v, z, b, a, adapters = self.project(x)
+        o = gated_deltanet(q, k, v, b, a, *self.kernel_weights(), mesh=self.mesh,
+                           segment_ids=segment_ids)                               # [B, S, Hv, V]
+        return self.output(o, z, adapters, x.dtype)
+
+    def project(self, x):
+        """(q, k [B, S, Hk, Q], v, z [B, S, Hv, V], b, a [B, S, Hv], adapters): the
+        projections of x with their LoRA adapters, before the convolution; ``adapters`` as
+        ``lora.adapters`` gives them (gathered), for ``output``."""
         dt, mesh, cfg = x.dtype, self.mesh, self.cfg
         b_, s = x.shape[:2]
         hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
@@ -140,21 +166,32 @@ class GatedDeltaNet(nnx.Module):
         if "linear_ba" in adapters:  # (lora.delta's rank letter is R)
             ba = ba + lora.delta("BSD,DKJ->BSKJ", x, *adapters["linear_ba"], s_lora)
         b, a = ba[..., :r].reshape(b_, s, hv), ba[..., r:].reshape(b_, s, hv)     # [B, S, Hv]
+        return q, k, v, z, b, a, adapters
+
+    def kernel_weights(self):
+        """(conv_q, conv_k [Hk, Q, W], conv_v [Hv, V, W], a_log, dt_bias [Hv]) in float32,
+        replicated: the weights ``gated_deltanet`` takes."""
+        cfg, mesh = self.cfg, self.mesh
+        hk, dq, dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_dim
         conv = _gathered(self.conv[...], jnp.float32, mesh)[:, 0]                 # [C, W]
         cq = conv[:hk * dq].reshape(hk, dq, -1)
         ck = conv[hk * dq:2 * hk * dq].reshape(hk, dq, -1)
-        cv = conv[2 * hk * dq:].reshape(hv, dv, -1)
-        o = gated_deltanet(q, k, v, b, a, cq, ck, cv,
-                           _gathered(self.a_log[...], jnp.float32, mesh),
-                           _gathered(self.dt_bias[...], jnp.float32, mesh),
-                           mesh=mesh, segment_ids=segment_ids)                    # [B, S, Hv, V]
+        cv = conv[2 * hk * dq:].reshape(cfg.linear_value_heads, dv, -1)
+        return (cq, ck, cv, _gathered(self.a_log[...], jnp.float32, mesh),
+                _gathered(self.dt_bias[...], jnp.float32, mesh))
+
+    def output(self, o, z, adapters, dtype):
+        """The delta rule's output o [B, S, Hv, V]: normed, gated by SiLU(z) and projected
+        -> [B, S, D]."""
+        mesh = self.mesh
+        s_lora = lora.scaling(self.cfg.lora) if adapters else 0.0
         # The gradients of the output norm and projection are reduced before the recurrence's
         # backward runs (ordering.py, the compilation cache).
         o, (scale, out_proj, out_adapter) = ordering.grads_first(
             o, (self.norm_scale[...], self.out_proj[...], adapters.get("linear_out")))
         scale = _gathered(scale, jnp.float32, mesh)
-        o = gated_rms_norm(o, scale, z, cfg.norm_eps)                             # [B, S, Hv, V]
-        y = jnp.einsum("BSNV,NVD->BSD", o, _gathered(out_proj, dt, mesh))
+        o = gated_rms_norm(o, scale, z, self.cfg.norm_eps)                        # [B, S, Hv, V]
+        y = jnp.einsum("BSNV,NVD->BSD", o, _gathered(out_proj, dtype, mesh))
         if out_adapter is not None:
             y = y + lora.delta("BSNV,NVD->BSD", o, *out_adapter, s_lora)
         return y

@@ -20,7 +20,14 @@ can resume into are deleted) so a run resumed in its middle trains on the same b
 ``grpo.sft_warmup_steps`` first steps train on each prompt's reference completion with the
 next-token loss (the same compiled step: advantage 1 on every token, token weights 1 / the
 step's tokens, ratio 1, so the gradient is the mean next-token loss's; with ``beta`` > 0 the
-KL term to the base is added as in every step), before sampling. The reference ends with the
+KL term to the reference is added as in every step), before sampling.
+
+The reference of the KL term (``beta`` > 0): with LoRA the base, the adapters off (in the
+step); in full fine-tuning a frozen copy of the initial weights (``init_from``'s, or the
+seeded initialisation; made again the same way on resume), laid out as the parameters
+(split with ZeRO-3, in host memory with ``optimizer.offload``: one more copy of the
+parameters, no optimizer state), whose token log-probabilities each batch brings, computed
+once per generation batch as TRL computes them. The reference ends with the
 sampler's first stop id, the token that ends a sampled completion.
 """
 from __future__ import annotations
@@ -51,6 +58,30 @@ def reward_functions(cfg: Config) -> list[tuple[str, object]]:
     names = [n if short.count(n) == 1 else spec for n, spec in zip(short, g.reward_funcs)]
     return [(name, rewards_lib.load(spec, g.max_completion_length))
             for name, spec in zip(names, g.reward_funcs)]
+
+
+def reference_params(cfg: Config, mesh, shardings: dict, params, start: int):
+    """The frozen reference of full fine-tuning with beta > 0, laid out as the state's
+    parameters; None otherwise (``objectives.grpo.frozen_reference``).
+
+    Args:
+      params: the state's parameters; at ``start`` 0 the initial ones, copied (the train
+        step donates them). A resumed run makes the initial parameters again: ``init_from``'s,
+        or the seeded initialisation (the same values).
+    """
+    if not grpo_loss.frozen_reference(cfg):
+        return None
+    layout = shardings["params"]
+    if start == 0:
+        return jax.device_put(params, layout, may_alias=False)
+    from .resume import initial_params
+    from .train_step import build_model
+    loaded = initial_params(cfg, mesh)
+    if loaded is not None:
+        return jax.device_put(loaded, layout)
+    from flax import nnx
+    return jax.jit(lambda: nnx.to_pure_dict(nnx.split(build_model(cfg, mesh))[1]),
+                   out_shardings=layout)()
 
 
 def check_prompts(cfg: Config, prompts) -> None:
@@ -114,11 +145,14 @@ class GRPOBatches:
         self.current = None        # numpy rows of the current generation batch
         self.last: dict = {}
         self._generator = None
-        self._old_logps = None
+        self._logps = None
+        self.reference = None
 
-    def attach(self, graphdef, shardings) -> None:
-        """The train state's graphdef and layout (the old policy's program reads them)."""
-        self.graphdef, self.shardings = graphdef, shardings
+    def attach(self, graphdef, shardings, reference=None) -> None:
+        """The train state's graphdef and layout (the old policy's program reads them), and
+        in full fine-tuning with beta > 0 the frozen initial parameters (laid out as the
+        state's) whose log-probabilities each batch brings."""
+        self.graphdef, self.shardings, self.reference = graphdef, shardings, reference
 
     # -- position ---------------------------------------------------------------------------
 
@@ -142,6 +176,8 @@ class GRPOBatches:
         g = self.cfg.grpo
         if self.is_warmup(step):
             rows = self._warmup_rows()
+            if grpo_loss.REF_LOGPS in self.fields:
+                rows[grpo_loss.REF_LOGPS] = self._token_logps(self.reference, rows, order)
             self.last = {}
         else:
             first = self.generation_step(step)
@@ -150,8 +186,11 @@ class GRPOBatches:
                     self.current = self._load_batch(first)
                 else:
                     self.current = self._generate(params, step)
+                    if grpo_loss.REF_LOGPS in self.fields:
+                        self.current[grpo_loss.REF_LOGPS] = self._token_logps(
+                            self.reference, self.current, order)
                     if g.num_iterations > 1:
-                        self.current[grpo_loss.OLD_LOGPS] = self._old_policy(
+                        self.current[grpo_loss.OLD_LOGPS] = self._token_logps(
                             params, self.current, order)
                         self._save_batch(step, self.current)
                 self.batch_step = first
@@ -298,21 +337,22 @@ class GRPOBatches:
                     "reward": None if np.isnan(total[j]) else float(total[j]),
                     "advantage": float(adv[j])}) + "\n")
 
-    def _old_policy(self, params, rows: dict, order: np.ndarray | None) -> np.ndarray:
-        """The sampling policy's token log-probabilities [N, S] (num_iterations > 1), in the
-        rows' own token order; ``order`` is the one the model reads rows in (the zigzag of a
-        ring mesh, ``trainer.token_order``; None: their own)."""
+    def _token_logps(self, params, rows: dict, order: np.ndarray | None) -> np.ndarray:
+        """The token log-probabilities [N, S] of ``params`` (laid out as the state's): the
+        sampling policy's (num_iterations > 1) or the frozen reference's, in the rows' own
+        token order; ``order`` is the one the model reads rows in (the zigzag of a ring
+        mesh, ``trainer.token_order``; None: their own)."""
         from .train_step import batch_shardings, params_for_compute
-        if self._old_logps is None:
+        if self._logps is None:
             graphdef, mesh = self.graphdef, self.mesh
             fields = batch_shardings(mesh)
             prepare = params_for_compute(self.cfg, self.shardings)  # optimizer.offload
-            self._old_logps = jax.jit(
+            self._logps = jax.jit(
                 lambda p, b: grpo_loss.token_logps(graphdef, prepare(p), b, mesh),
                 in_shardings=(self.shardings["params"], fields))
         sharded = data_lib.shard_batch({k: rows[k] for k in data_lib.FIELDS}, self.mesh,
                                        order=order)
-        got = np.asarray(jax.device_get(self._old_logps(params, sharded)), np.float32)
+        got = np.asarray(jax.device_get(self._logps(params, sharded)), np.float32)
         return got if order is None else got[:, np.argsort(order)]
 
     def _batch_path(self, step: int) -> str:

@@ -385,8 +385,9 @@ def _train(cfg: Config, mesh, workdir: str, progress: bool, batches, held_rows) 
         start, (graphdef, state, shardings, tx), note = start_state(cfg, mesh, ckpt, batches)
         _log(note)
         if cfg.objective == "grpo":
-            from .grpo import truncate_completions
-            batches.attach(graphdef, shardings)
+            from .grpo import reference_params, truncate_completions
+            batches.attach(graphdef, shardings,
+                           reference_params(cfg, mesh, shardings, state["params"], start))
             truncate_completions(workdir, start)
         # Only now: a refused resume leaves the config that describes the checkpoints.
         if _is_main():

@@ -22,7 +22,9 @@ number as ``grpo_loss``'s (and TRL's) for every ``loss_type``, also over micro-b
 accumulated step (each then enters as TRL's 1 / gradient_accumulation_steps, or for dapo
 over the whole step's tokens), and one that nothing about sequence shards can change. The
 batch brings each completion token's advantage and weight as [B, S] fields
-(``TOKEN_FIELDS``), and with ``num_iterations`` > 1 the old policy's log-probabilities.
+(``TOKEN_FIELDS``), with ``num_iterations`` > 1 the old policy's log-probabilities, and
+in full fine-tuning with beta > 0 the reference's (a frozen copy of the initial weights,
+``REF_LOGPS``); with LoRA the reference is the base, the adapters zeroed, run in the step.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from .sft import next_token_loss, run_model, with_router_loss
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 TOKEN_FIELDS = ("advantages", "loss_weights")  # [B, S] fields of a GRPO batch
 OLD_LOGPS = "old_logps"                        # [B, S], with num_iterations > 1
+REF_LOGPS = "ref_token_logps"                  # [B, S], full fine-tuning with beta > 0
 METRICS = ("clip_ratio", "kl", "nll", "entropy")
 
 
@@ -62,7 +65,15 @@ def settings(cfg: Config) -> GRPOLoss:
 
 def token_fields(cfg: Config) -> tuple[str, ...]:
     """The [B, S] fields a GRPO batch brings beside the token fields."""
-    return TOKEN_FIELDS + ((OLD_LOGPS,) if cfg.grpo.num_iterations > 1 else ())
+    return (TOKEN_FIELDS + ((OLD_LOGPS,) if cfg.grpo.num_iterations > 1 else ())
+            + ((REF_LOGPS,) if frozen_reference(cfg) else ()))
+
+
+def frozen_reference(cfg: Config) -> bool:
+    """Whether the KL term's reference is a frozen copy of the initial weights (full
+    fine-tuning with beta > 0), whose log-probabilities the batch brings (``REF_LOGPS``);
+    with LoRA it is the base with the adapters off, computed in the step."""
+    return bool(cfg.grpo.beta) and not cfg.model.lora.rank
 
 
 def token_weights(mask: np.ndarray, g: GRPOLoss, k: int = 1, d: int = 1) -> np.ndarray:
@@ -170,7 +181,9 @@ def objective(cfg: Config, graphdef, params, batch: dict, mesh: Mesh,
     if OLD_LOGPS in batch:  # NaN where the policy itself is the old one (warm-up rows)
         old = jnp.where(jnp.isnan(batch[OLD_LOGPS]), old, batch[OLD_LOGPS])
     ref = None
-    if g.beta:  # the LoRA base (validate refuses beta > 0 without LoRA)
+    if g.beta and REF_LOGPS in batch:  # the initial weights' (full fine-tuning)
+        ref = batch[REF_LOGPS]
+    elif g.beta:  # the LoRA base: the adapters off
         ref = jax.lax.stop_gradient(token_logps(
             graphdef, jax.lax.stop_gradient(without_adapters(params)), batch, mesh))
     mask = batch["loss_mask"].astype(jnp.float32)
