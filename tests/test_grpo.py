@@ -304,3 +304,39 @@ def test_reward_functions_are_called_as_trl_calls_them():
                                        "returned 'a' for completion 0")):
         with pytest.raises(R.RewardError, match=match):
             R.score([(name, fn)], ["p", "q"], ["a", "b"], [[1], [2]], {}, first_row=4)
+
+
+def test_packed_rows_hold_every_sequence_as_its_own_segment():
+    """pack_rows: 7 sequences of 3 to 9 tokens in rows of 12, first fit in order: fewer
+    rows (padded to a multiple of 2), each sequence's tokens, positions and per-token
+    fields moved whole into one row, a new segment id for each sequence in a row, nothing
+    else non-zero; packed_row_count rounds up to a few sizes and never above the whole."""
+    from ulysses_jax.training.grpo import pack_rows, packed_row_count, sequence_rows
+    rng = np.random.default_rng(0)
+    lengths = [(2, 1), (4, 5), (3, 3), (1, 2), (5, 4), (2, 2), (3, 1)]
+    prompts = [list(rng.integers(1, 50, p)) for p, _ in lengths]
+    completions = [list(rng.integers(1, 50, c)) for _, c in lengths]
+    rows = sequence_rows(prompts, completions, 12)
+    rows["advantages"] = rows["loss_mask"] * rng.normal(size=(7, 1)).astype(np.float32)
+    packed = pack_rows(rows, 2)
+    n = packed["tokens"].shape[0]
+    assert n == 4 and packed["tokens"].shape[1] == 12       # 3 rows needed, padded to 4
+    found = 0
+    for r in range(n):
+        seg = packed["segment_ids"][r]
+        for s in range(1, seg.max() + 1):
+            at = np.flatnonzero(seg == s)
+            assert (np.diff(at) == 1).all()                 # one contiguous run
+            i = next(i for i in range(7) if len(prompts[i]) + len(completions[i]) == len(at)
+                     and (rows["tokens"][i, :len(at)] == packed["tokens"][r, at]).all())
+            for k in rows:
+                if k != "segment_ids":
+                    np.testing.assert_array_equal(packed[k][r, at], rows[k][i, :len(at)], k)
+            found += 1
+        rest = seg == 0
+        assert all((packed[k][r, rest] == 0).all() for k in packed)
+    assert found == 7
+    assert packed["loss_mask"].sum() == rows["loss_mask"].sum()
+    assert [packed_row_count(r, 2, 64) for r in (1, 3, 16, 17, 18, 19, 40)] == \
+        [2, 4, 16, 20, 20, 20, 40]
+    assert packed_row_count(63, 1, 60) == 60

@@ -7,6 +7,9 @@ configs/tiny-grpo.yaml.
   warm-up step) (a warm-up step, then a generation batch of
   num_iterations=2 updates), and a run stopped in the middle of a generation batch resumes
   to the same completions and numbers as the uninterrupted one;
+- packing the sequences into rows changes the rows, not the numbers; full fine-tuning with a
+  KL term keeps the initial weights as its reference, also across a resume; two processes
+  train as one;
 - bad input is refused before anything is compiled (an unimportable reward function, a
   prompt too long for seq_len - max_completion_length, num_generations 1, answer_match
   without answers, a warm-up without reference completions), and a reward
@@ -21,6 +24,7 @@ import pytest
 
 from conftest import need_devices
 from ulysses_jax.config import ConfigError, load_config
+from ulysses_jax.training.grpo import COMPLETIONS
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from make_retrieval import rows as retrieval_rows  # noqa: E402
@@ -155,6 +159,26 @@ def test_bad_input_is_refused_and_a_failing_reward_keeps_the_checkpoint(prompts,
              "grpo.reward_funcs=[test_grpo_train:failing_reward]")
 
 
+def test_packing_changes_the_rows_not_the_numbers(prompts, tmp_path):
+    """grpo.packing (the default) against one sequence per row, with rows of 128 tokens
+    (two or three 35-55 token sequences each), 2 accumulated micro-batches, the per-sequence
+    mean (loss_type grpo) and old log-probabilities: the same completions, losses,
+    gradient norms and metrics (token means over the whole step, whichever rows share a
+    micro-batch), from fewer rows."""
+    need_devices(2)
+    over = ["mesh.seq=2", "seq_len=128", "grad_accum_steps=2", "grpo.loss_type=grpo",
+            "steps=3"]
+    _, packed, done = _run(prompts, tmp_path / "packed", *over)
+    _, plain, plain_done = _run(prompts, tmp_path / "plain", *over, "grpo.packing=false")
+    assert [r["completion_ids"] for r in done] == [r["completion_ids"] for r in plain_done]
+    for a, b in zip(packed, plain, strict=True):
+        assert a["step_tokens"] < b["step_tokens"] == 8 * 128, (a["step_tokens"], a["step"])
+        # (A batch's first update has ratio 1 and advantages of mean 0 in each group: a loss
+        # of 0 up to float rounding of its O(1) terms, hence the absolute 1e-7.)
+        for key in ("loss", "grad_norm", "nll", "entropy", "clip_ratio"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a["step"])
+
+
 def test_full_fine_tuning_with_a_kl_term_keeps_the_initial_weights_as_reference(prompts,
                                                                                tmp_path):
     """grpo.beta > 0 without LoRA: the reference is a frozen copy of the initial weights. The
@@ -206,3 +230,49 @@ def test_lora_with_a_kl_term_zero3_and_experts_train(prompts, tmp_path, over):
         assert all(0 < r["kl"] < 10 for r in grpo_steps)
     elif "model.num_experts=4" in over:
         assert all("moe_aux_loss" in r for r in grpo_steps)
+
+
+def test_two_processes_train_as_one(prompts, tmp_path, monkeypatch):
+    """train.py in 2 processes x 2 CPU devices (gloo; mesh.data 2 x mesh.seq 2, a data
+    replica per process, each sampling its half of the completions) against one process on
+    the same 2 x 2 mesh: the same completions, rewards, losses and gradient norms (a warm-up
+    step, then a GRPO step), completions.jsonl written once, the checkpoint of step 2."""
+    import socket
+    import subprocess
+    from conftest import cli_env
+    from ulysses_jax.training.checkpoint import Checkpointer
+    need_devices(4)
+    (tmp_path / "two_rewards.py").write_text(
+        "def varied(completion_ids, **_):\n"
+        "    return [(sum(ids) % 7) / 7 for ids in completion_ids]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    over = ["mesh.seq=2", "mesh.data=2", "steps=2", "grpo.num_iterations=1",
+            "grpo.reward_funcs=[answer_match,two_rewards:varied]"]
+    _, one, done_one = _run(prompts, tmp_path / "one", *over)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                  PYTHONPATH=os.pathsep.join([str(tmp_path), root]))
+    args = [a for a in TINY if not a.startswith("grpo.reward_funcs=")]
+    procs = [subprocess.Popen(
+        [sys.executable, "train.py", "--workdir", str(tmp_path / "two"), "--no-progress",
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+         *args, f"data.source={prompts}", "data.heldout_fraction=0.2", *over],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[-3000:] for o in outs]
+    two, done_two = _lines(tmp_path / "two", "metrics.jsonl"), _lines(tmp_path / "two",
+                                                                       COMPLETIONS)
+    assert [r["completion_ids"] for r in done_two] == [r["completion_ids"] for r in done_one]
+    assert [r["reward"] for r in done_two] == [r["reward"] for r in done_one]
+    assert [r["phase"] for r in two] == [r["phase"] for r in one] == ["sft_warmup", "grpo"]
+    for a, b in zip(one, two):
+        for key in ("loss", "grad_norm", "reward"):
+            if a.get(key) is None:
+                assert b.get(key) is None, key
+            else:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a["step"])
+    assert Checkpointer(str(tmp_path / "two" / "checkpoints")).latest_step() == 2

@@ -123,6 +123,9 @@ class GRPOConfig:
     # Steps of supervised warm-up before sampling starts: each prompt's reference answer
     # (the row's "completion", else its "answer") trained on with the next-token loss.
     sft_warmup_steps: int = 0
+    # Prompt + completion sequences packed into rows of seq_len as SFT packs documents (each
+    # its own segment); false: one sequence per row. The loss is the same either way.
+    packing: bool = True
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,11 @@ def micro_batches(batch: dict, k: int, mesh: Mesh, shardings: dict) -> dict:
     return {name: split(x, shardings[name]) for name, x in batch.items()}
 
 
+# Metrics that are means over a micro-batch's loss-mask tokens (GRPO's): combined weighted
+# by those counts, they are the global batch's means, whatever rows share a micro-batch.
+TOKEN_MEANS = ("nll", "entropy", "clip_ratio", "kl")
+
+
 def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh: Mesh,
                       batch_shardings: dict, grad_shardings, on_host: bool = False,
                       weighting: str = "tokens"):
@@ -81,8 +86,9 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
 
     Returns:
       (cross-entropy of the global batch, metrics, float32 gradients laid out as
-      ``grad_shardings``): ``tokens`` summed over micro-batches, the ``moe_*`` metrics their
-      mean over micro-batches.
+      ``grad_shardings``): ``tokens`` summed over micro-batches, the ``TOKEN_MEANS``
+      (GRPO's means over a micro-batch's loss-mask tokens) weighted by those tokens (the
+      global batch's means), the others (``moe_*``) their mean over micro-batches.
     """
     stacked = micro_batches(batch, k, mesh, batch_shardings)
     # Every micro-batch's count c_i, reduced over the devices before the loop (one
@@ -112,6 +118,8 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
         zeros = jax.tree.map(lambda p, s: jax.device_put(jnp.zeros(p.shape, jnp.float32), s),
                              params, grad_shardings)
     grads, (ces, metrics) = jax.lax.scan(body, zeros, (stacked, weights))
-    metrics = {name: jnp.sum(v, axis=0) if name == "tokens" else jnp.mean(v, axis=0)
+    share = counts / jnp.maximum(jnp.sum(counts), 1.0)                            # c_i / C
+    metrics = {name: jnp.sum(v, axis=0) if name == "tokens" else
+               jnp.tensordot(share, v, axes=1) if name in TOKEN_MEANS else jnp.mean(v, axis=0)
                for name, v in metrics.items()}
     return jnp.sum(ces), metrics, grads

@@ -5,11 +5,15 @@ samples ``grpo.num_generations`` completions of each with the generator on the c
 parameters (``generation/``: the prompts' prefill split over the seq axis, the KV cache split
 by head, the completions split over the data replicas), decodes them, calls the reward
 functions (``objectives/rewards.py``) and computes
-the advantages; then ``grpo.num_iterations`` optimizer steps train on it. A row holds one
-prompt + completion sequence: the loss mask marks the completion's tokens (the stop token
-included when one was sampled), and the batch brings each token's advantage and weight
-(``objectives/grpo.py``), with ``num_iterations`` > 1 also the old policy's
-log-probabilities, computed once before the batch's first update.
+the advantages; then ``grpo.num_iterations`` optimizer steps train on it. Each prompt +
+completion sequence starts at position 0: the loss mask marks the completion's tokens (the
+stop token included when one was sampled), and the batch brings each token's advantage and
+weight (``objectives/grpo.py``; the weights made per sequence, as TRL's processes and
+micro-batches split sequences), with ``num_iterations`` > 1 also the old policy's
+log-probabilities, computed once before the batch's first update. With ``grpo.packing`` (the
+default) the sequences are then packed into rows of seq_len, each its own segment
+(``pack_rows``): the batch has as many rows as they fill (rounded up to a few sizes, each a
+train step compiled once), not one per sequence, and the same loss.
 
 The sampling key of generation batch n is the run's seed and n: the same completions at every
 mesh and on resume. With ``num_iterations`` > 1 the batch (rows and old log-probabilities) is
@@ -123,6 +127,42 @@ def sequence_rows(prompts: list, completions: list, seq_len: int) -> dict:
     return rows
 
 
+def packed_row_count(rows: int, multiple: int, most: int) -> int:
+    """Rows of a packed batch: ``rows`` rounded up to a multiple of ``multiple`` (the data
+    replicas x micro-batches that split it), then to one of 8 steps per power of two of
+    those, so that a run compiles its step for a few row counts; at most ``most``."""
+    n = -(-rows // multiple)
+    step = 1 << max((n - 1).bit_length() - 3, 0)
+    return min(-(-n // step) * step * multiple, most)
+
+
+def pack_rows(rows: dict, multiple: int) -> dict:
+    """The sequences of ``rows`` (numpy [N, S] fields, one sequence per row from position 0,
+    segment id 1) packed into fewer rows: each goes, in order, into the first row with room
+    (first fit), as its own segment (ids 1, 2, ... in a row) with its positions and every
+    per-token field (loss mask, advantages, token weights) moved along; empty rows pad the
+    count to ``packed_row_count``. The rows' tokens and what each token is trained with are
+    unchanged, so is the loss: segments do not see each other in attention."""
+    n, s = rows["tokens"].shape
+    lengths = (rows["segment_ids"] > 0).sum(1)
+    used, place = [], []
+    for length in lengths:
+        r = next((r for r, u in enumerate(used) if u + length <= s), len(used))
+        if r == len(used):
+            used.append(0)
+        place.append((r, used[r]))
+        used[r] += int(length)
+    out = {k: np.zeros((packed_row_count(len(used), multiple, n), s), v.dtype)
+           for k, v in rows.items()}
+    segments = [0] * len(used)
+    for i, ((r, at), length) in enumerate(zip(place, lengths)):
+        for k, v in rows.items():
+            out[k][r, at:at + length] = v[i, :length]
+        segments[r] += 1
+        out["segment_ids"][r, at:at + length] = segments[r]
+    return out
+
+
 class GRPOBatches:
     """The batch of each optimizer step of a GRPO run, the trainer's ``batches``.
 
@@ -208,9 +248,17 @@ class GRPOBatches:
         mask = rows["loss_mask"]
         rows["advantages"] = mask.copy()
         rows["loss_weights"] = (mask / max(mask.sum(), 1.0)).astype(np.float32)
+        rows = self._packed(rows)
         if grpo_loss.OLD_LOGPS in self.fields:
-            rows[grpo_loss.OLD_LOGPS] = np.full_like(mask, np.nan)  # NaN: the policy itself
+            # NaN: the policy itself
+            rows[grpo_loss.OLD_LOGPS] = np.full_like(rows["loss_mask"], np.nan)
         return rows
+
+    def _packed(self, rows: dict) -> dict:
+        """``rows`` packed (``grpo.packing``), or as they are."""
+        if not self.cfg.grpo.packing:
+            return rows
+        return pack_rows(rows, self.cfg.mesh.data * self.cfg.grad_accum_steps)
 
     def _sampler(self, params):
         """The generator on the run's (data, seq) mesh: each data replica samples its share
@@ -249,6 +297,7 @@ class GRPOBatches:
         rows["advantages"] = (mask * adv[:, None]).astype(np.float32)
         rows["loss_weights"] = grpo_loss.token_weights(mask, self.loss, cfg.grad_accum_steps,
                                                        cfg.mesh.data)
+        rows = self._packed(rows)
         self.last = self._metrics(per_func, total, ids, [c.finish_reason for c in done],
                                   sampled - t0, time.time() - sampled)
         self._log_completions(step, idx, prompt_ids, ids, texts, per_func, total, adv,

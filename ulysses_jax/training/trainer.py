@@ -101,8 +101,9 @@ def token_order(cfg: Config) -> np.ndarray | None:
     return zigzag_permutation(cfg.seq_len, cfg.mesh.ring)
 
 
-def _abstract_batch(cfg: Config, mesh):
-    rows = rows_per_batch(cfg)
+def _abstract_batch(cfg: Config, mesh, rows: int | None = None):
+    """The batch the train step is compiled for: ``rows`` rows (default: the config's)."""
+    rows = rows or rows_per_batch(cfg)
     shape = (rows, cfg.seq_len)
     out = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
                                    sharding=s) for k, s in batch_shardings(mesh).items()}
@@ -474,8 +475,11 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
     # and its cost analysis is per device (a lowered, unpartitioned program's is global).
     t0 = time.time()
     _log("compiling the train step")
-    step_fn = step_fn.lower(_abstract(state), _abstract_batch(cfg, mesh)).compile()
+    jitted, step_fn = step_fn, step_fn.lower(_abstract(state),
+                                             _abstract_batch(cfg, mesh)).compile()
     _log(f"compiled the train step in {time.time() - t0:.1f} s")
+    # GRPO's packed batches have fewer rows (a few sizes): a step compiled for each.
+    steps_by_rows = {rows_per_batch(cfg): step_fn}
     flops = model_flops_per_device(cfg)
     xla_flops = _xla_flops(step_fn)
     device = mesh.local_devices[0]
@@ -514,8 +518,15 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                     sampled_in = time.time() - t_sample
                 else:
                     batch = batches.next_global(mesh, order)
+                rows = batch["tokens"].shape[0]
+                if rows not in steps_by_rows:
+                    t_compile = time.time()
+                    steps_by_rows[rows] = jitted.lower(
+                        _abstract(state), _abstract_batch(cfg, mesh, rows)).compile()
+                    _log(f"compiled the train step for {rows} packed rows in "
+                         f"{time.time() - t_compile:.1f} s")
                 t_train = time.time()
-                state, metrics = step_fn(state, batch)
+                state, metrics = steps_by_rows[rows](state, batch)
                 loss = _scalar(metrics["loss"])  # also waits for the step: honest timings
                 train_s = time.time() - t_train
                 warmup = grpo and batches.is_warmup(step)
@@ -531,16 +542,18 @@ def _loop(cfg: Config, mesh, layout: tuple, start: int, batches, held_rows,
                     now = time.time()
                     dt = (now - last_time) / (step - last_step)
                     supervised = _scalar(metrics["tokens"])
-                    record = {"step": step, "loss": loss, "tokens_per_sec": tokens_per_step / dt,
+                    step_tokens = rows * cfg.seq_len if grpo else tokens_per_step
+                    record = {"step": step, "loss": loss, "tokens_per_sec": step_tokens / dt,
                               "step_time": dt, "lr": _scalar(metrics["lr"]),
                               "grad_norm": _scalar(metrics["grad_norm"]),
-                              "tokens": supervised, "step_tokens": tokens_per_step,
+                              "tokens": supervised, "step_tokens": step_tokens,
                               "supervised_tokens": supervised}
-                    record["flops_per_device"] = flops
+                    share = step_tokens / tokens_per_step  # a packed GRPO batch's rows
+                    record["flops_per_device"] = flops * share
                     if xla_flops:
-                        record["xla_flops_per_device"] = xla_flops
+                        record["xla_flops_per_device"] = xla_flops * share
                     if peak:
-                        record["mfu"] = flops / dt / peak
+                        record["mfu"] = flops * share / dt / peak
                     record.update({k: _scalar(metrics[k]) for k in objective_metrics})
                     if grpo:
                         record.update(batches.last, phase="sft_warmup" if warmup else "grpo",
