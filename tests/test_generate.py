@@ -161,6 +161,31 @@ def test_the_cache_is_split_over_the_devices():
     assert sizes[1, 2] - sizes[2, 2] == whole // 4, (sizes, whole)
 
 
+@pytest.mark.parametrize("pattern", ["LG", "L"])
+def test_window_layers_keep_only_their_window(pattern):
+    """The decode program's arguments per device (XLA's compiled memory analysis) on 2
+    devices: with a window of 4 on the local layers (pattern LG: local and global layers in
+    one stack, a pool per kind; L: every layer local), each local layer keeps 4 cache entries
+    instead of C = 16 + 3, exactly: the arguments shrink by (C - 4) slots of each local layer
+    against the same model with a window of 64 (beyond C: every slot kept)."""
+    sizes, layouts = {}, {}
+    for window in (4, 64):
+        cfg, mesh, params = _model(2, f"model.sliding_window={window}",
+                                   f"model.layer_pattern={pattern}")
+        gen = Generator(params, cfg, mesh)
+        gen.generate(PROMPTS, max_new_tokens=3)
+        key, decode = next((k, v) for k, v in gen._programs.items() if k[0] == "decode")
+        sizes[window] = decode.memory_analysis().argument_size_in_bytes
+        layouts[window] = cache_layout(gen.cfg, mesh, len(PROMPTS), key[2])
+    kinds = cfg.layer_kinds()
+    assert layouts[4].slots == 19 and layouts[4].ring("L") == 4 and layouts[4].ring("G") == 19
+    assert "L" in kinds and (pattern == "L") == ("G" not in kinds)
+    assert layouts[64].ring("L") == 19
+    saved = (layouts[64].bytes_per_device(mesh, ["L"] * kinds.count("L")) -
+             layouts[4].bytes_per_device(mesh, ["L"] * kinds.count("L")))
+    assert saved > 0 and sizes[64] - sizes[4] == saved, (sizes, saved)
+
+
 @pytest.fixture(scope="module")
 def hf_without_template(chat_store_run, tmp_path_factory):
     """The store run exported as a Hugging Face directory, with its chat template removed

@@ -30,7 +30,7 @@ from ..attention.linear import gated_deltanet, gates
 from ..mesh import DATA, SEQ, act_spec, axis_size, shard
 from ..models.decoder import layer_groups, unit_kinds
 from ..models.layers import by_kind, out_projection
-from .cache import CacheLayout, to_cache
+from .cache import CacheLayout, pool_index, to_cache
 
 
 class GenerationError(ValueError):
@@ -59,30 +59,53 @@ def cached_attention(q, k, v, valid, *, scale: float | None, softcap: float | No
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def visible(slot, pad, slots: int, window: int | None):
-    """[B, 1, C] bool: the slots the token at ``slot`` sees in each row (``pad`` [B] left
-    padding): its row's prompt and tokens up to itself, the last ``window`` of them."""
-    j = jnp.arange(slots)[None, :]
-    seen = (j >= pad[:, None]) & (j <= slot)
+def visible(slot, pad, ring: int, window: int | None):
+    """[B, 1, W] bool: the entries of a W-entry cache ring (``cache``) that the token at
+    ``slot`` sees in each row (``pad`` [B] left padding): entry r holds the latest slot
+    j = slot - ((slot - r) mod W) written there, seen when j is in the row's prompt or
+    answer (j >= pad) and, with a ``window``, among its last ``window`` slots."""
+    j = slot - jnp.mod(slot - jnp.arange(ring), ring)[None, :]
+    seen = j >= pad[:, None]
     if window:
         seen &= slot - j < window
     return seen[:, None, :]
 
 
+def _take(cache, kind: str):
+    """A layer's (k, v): the cache itself, or (a mixed stack's pools, ``run_layers``) its
+    entry "at" of its kind's pool."""
+    if isinstance(cache, dict):
+        return tuple(jax.lax.dynamic_index_in_dim(a, cache["at"], keepdims=False)
+                     for a in cache[kind])
+    return cache
+
+
+def _put(cache, kind: str, kv):
+    """``cache`` with the layer's (k, v) replaced: ``kv`` itself, or written at its entry of
+    its kind's pool."""
+    if isinstance(cache, dict):
+        return {**cache, kind: tuple(jax.lax.dynamic_update_index_in_dim(a, x, cache["at"], 0)
+                                     for a, x in zip(cache[kind], kv))}
+    return kv
+
+
 # ------------------------------------------------------------------------- attention blocks
 
-def _attend_prompt(block, x, positions, segment_ids, kind, layout: CacheLayout, mesh: Mesh):
+def _attend_prompt(block, x, positions, segment_ids, kind, layout: CacheLayout, mesh: Mesh,
+                   cache=None):
     """The block's attention over the prompt as training runs it: (the projected output
-    [B, S, D], the prompt's (k, v) in the cache's layout)."""
+    [B, S, D], the prompt's (k, v) as the layer's cache ring, or ``cache`` (a mixed stack's
+    pools) with them written)."""
     attn = block.attn
     q, k, v, adapt = attn.project(block.attn_norm(x))
 
-    def attend(kind, q, k, v):
+    def attend(kind, q, k, v, cache):
         q, k = attn.rope(kind, q, k, positions)
-        return attn.attend(kind, q, k, v, segment_ids), k
+        o = attn.attend(kind, q, k, v, segment_ids)
+        return o, _put(cache, kind, to_cache(k, v, layout, mesh, kind))
 
-    o, k = by_kind(attend, kind, q, k, v)
-    return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), to_cache(k, v, layout, mesh)
+    o, cache = by_kind(attend, kind, q, k, v, cache)
+    return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), cache
 
 
 def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLayout,
@@ -92,30 +115,34 @@ def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLay
     attn, cfg = block.attn, block.attn.cfg
     q, k, v, adapt = attn.project(block.attn_norm(x))                      # [B, 1, ., H]
 
-    def attend(kind, q, k, v, ck, cv):
+    def attend(kind, q, k, v, cache):
         q, k = attn.rope(kind, q, k, positions)
         window = cfg.sliding_window if kind == "L" else None
-        return _cached_heads(cfg, q, k, v, (ck, cv), slot, pad, layout, mesh, window)
+        o, kv = _cached_heads(cfg, q, k, v, _take(cache, kind), slot, pad, layout, mesh,
+                              window)
+        return o, _put(cache, kind, kv)
 
-    o, ck, cv = by_kind(attend, kind, q, k, v, *cache)
-    return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), (ck, cv)
+    o, cache = by_kind(attend, kind, q, k, v, cache)
+    return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), cache
 
 
 def _cached_heads(cfg, q, k, v, cache, slot, pad, layout: CacheLayout, mesh: Mesh,
                   window: int | None):
     """Rotated q [B, 1, N, H], k, v [B, 1, K, H] of the new tokens: (attention over the
-    cache [B, 1, N, H], the cache's k and v with them written at ``slot``), each device on
-    its own heads."""
+    cache ring [B, 1, N, H], the ring's (k, v) with them written at entry slot mod W), each
+    device on its own heads."""
     ck, cv = cache
+    ring = ck.shape[1]
     heads = NamedSharding(mesh, layout.spec(mesh))
     k, v = (jax.lax.with_sharding_constraint(a.astype(ck.dtype), heads)
             for a in pad_kv(k, v, layout.heads))
-    ck = jax.lax.dynamic_update_slice_in_dim(ck, k, slot, axis=1)
-    cv = jax.lax.dynamic_update_slice_in_dim(cv, v, slot, axis=1)
+    at = jnp.mod(slot, ring)
+    ck = jax.lax.dynamic_update_slice_in_dim(ck, k, at, axis=1)
+    cv = jax.lax.dynamic_update_slice_in_dim(cv, v, at, axis=1)
     q = jax.lax.with_sharding_constraint(pad_query(q, layout.heads), heads)
-    o = cached_attention(q, ck, cv, visible(slot, pad, layout.slots, window),
+    o = cached_attention(q, ck, cv, visible(slot, pad, ring, window),
                          scale=cfg.attn_scale or None, softcap=cfg.attn_softcap or None)
-    return unpad_output(o, layout.heads), ck, cv
+    return unpad_output(o, layout.heads), (ck, cv)
 
 
 def _moe_tokens(moe, x, mesh: Mesh):
@@ -152,7 +179,8 @@ def _gemma_rest(block, x, o, segment_ids, mesh: Mesh):
 
 # ----------------------------------------------------------------------------- Qwen3-Next
 
-def _next_prompt(block, x, positions, segment_ids, kind, layout: CacheLayout, mesh: Mesh):
+def _next_prompt(block, x, positions, segment_ids, kind, layout: CacheLayout, mesh: Mesh,
+                 cache=None):
     """Qwen3-Next's token mixer over the prompt: gated attention (its cache (k, v)) or Gated
     DeltaNet (its cache (state, the convolution's last q, k, v inputs))."""
     normed = block.attn_norm(x)
@@ -174,8 +202,8 @@ def _next_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLayou
     attn = block.attn
     q, gate, k, v, adapt = attn.project(normed)                            # [B, 1, ., H]
     q, k = attn.rope(q, k, positions)
-    o, ck, cv = _cached_heads(attn.cfg, q, k, v, cache, slot, pad, layout, mesh, None)
-    return attn.gated_output(o, gate, adapt, x.dtype), (ck, cv)
+    o, kv = _cached_heads(attn.cfg, q, k, v, cache, slot, pad, layout, mesh, None)
+    return attn.gated_output(o, gate, adapt, x.dtype), kv
 
 
 def _rows_heads(mesh: Mesh) -> P:
@@ -236,8 +264,8 @@ def _deltanet_cached(mixer, x, cache, mesh: Mesh):
 # --------------------------------------------------------------------------------- layers
 
 def _prefill(mix, rest):
-    def layer(block, x, positions, segment_ids, kind, layout, mesh):
-        o, cache = mix(block, x, positions, segment_ids, kind, layout, mesh)
+    def layer(block, x, positions, segment_ids, kind, layout, mesh, cache=None):
+        o, cache = mix(block, x, positions, segment_ids, kind, layout, mesh, cache)
         x = rest(block, x, o, segment_ids, mesh)
         return shard(x, mesh, act_spec(mesh, 1)), cache
     return layer
@@ -265,35 +293,57 @@ def block_functions(cfg):
     return BLOCKS[cfg.family]
 
 
-def run_layers(model, x, layer_fn, caches=None):
+def run_layers(model, x, layer_fn, caches=None, empty=None):
     """Every layer stack of ``model`` in order: ``layer_fn(block, x, kind, cache)`` ->
-    (x, cache) per layer, the caches scanned with the weights.
+    (x, cache) per layer.
+
+    A position of a group's unit whose layers all have one kind gets its own cache (None in
+    prefill, where the layers make it), scanned with the weights: [R, ...] per leaf. One
+    whose layers mix kinds (local and global, ``unit_kinds``) keeps the pools of
+    ``cache.empty_pools`` in the scan's carry, and each layer gets {kind: pool, "at": its
+    entry} (``_take``, ``_put``).
 
     Args:
       caches: None (prefill: made by the layers), or what a previous call returned.
+      empty: ``kinds -> pools`` (prefill: the zero pools of a mixed position).
     Returns:
-      (x, caches): caches a list per (group, unit position) of (k, v) [R, B, C, K'R, H].
+      (x, caches): caches a list per (group, unit position).
     """
     cfg = model.cfg
     homogeneous = not isinstance(model.layers, nnx.List)
     groups = [[model.layers]] if homogeneous else model.layers
+    kinds = cfg.layer_kinds()
     out, at = [], 0
     for (first, unit, repeats), units in zip(layer_groups(cfg), groups):
         graphdefs, states = zip(*(nnx.split(m) for m in units))
         static, ids = unit_kinds(cfg, first, unit, repeats)
-        mine = None if caches is None else caches[at:at + len(unit)]
+        n = len(unit)
+        mixed = [static[u] is None for u in range(n)]
+        mine = [None] * n if caches is None else list(caches[at:at + n])
+        per_u = [list(kinds[first + u::n][:repeats]) for u in range(n)]
+        pools = [(mine[u] if caches is not None else empty(per_u[u])) if mixed[u] else None
+                 for u in range(n)]
+        entries = [jnp.asarray(pool_index(per_u[u])) if mixed[u] else None for u in range(n)]
+        scanned = [None if mixed[u] else mine[u] for u in range(n)]
 
-        def body(x, xs, graphdefs=graphdefs, static=static):
-            states, ids, cache = xs
-            made = []
+        def body(carry, xs, graphdefs=graphdefs, static=static, mixed=mixed):
+            x, pools = carry
+            states, ids, scanned, entries = xs
+            kept, made = [], []
             for u, (g, state) in enumerate(zip(graphdefs, states)):
                 kind = static[u] if static[u] else ids[u]
-                x, c = layer_fn(nnx.merge(g, state), x, kind, None if cache is None
-                                else cache[u])
-                made.append(c)
-            return x, made
+                cache = {**pools[u], "at": entries[u]} if mixed[u] else scanned[u]
+                x, c = layer_fn(nnx.merge(g, state), x, kind, cache)
+                if mixed[u]:
+                    kept.append({k: c[k] for k in pools[u]})
+                    made.append(None)
+                else:
+                    kept.append(None)
+                    made.append(c)
+            return (x, kept), made
 
-        x, made = jax.lax.scan(body, x, (list(states), ids, mine))
-        out.extend(made)
-        at += len(unit)
+        (x, pools), made = jax.lax.scan(body, (x, pools),
+                                        (list(states), ids, scanned, entries))
+        out.extend(pools[u] if mixed[u] else made[u] for u in range(n))
+        at += n
     return x, out

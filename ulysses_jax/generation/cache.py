@@ -12,6 +12,14 @@ of a group's unit, scanned with the layer weights.
 
 Slots. Prompts are left-padded to a common length S (a multiple of P) and the new tokens
 follow: slot j of row b holds position j - pad[b]; slots before pad[b] are never attended.
+
+Windows. A layer's cache is a ring of W entries: slot j lives at entry j mod W, overwritten
+by slot j + W. A global layer's W is C (every slot has its own entry); a sliding-window
+layer's is min(window, C), so it keeps only the slots its window can still see: its cache
+does not grow past the window however long the prompt and the answer. When a layer stack
+mixes local and global layers (Gemma: one scan over all layers, the kind switching per
+layer), the stack's caches are two pools, one per kind ([layers of that kind, B, W, K'R, H]),
+each layer reading and writing its own entry of its kind's pool (``run_layers``).
 """
 from __future__ import annotations
 
@@ -36,11 +44,21 @@ class CacheLayout:
     slots: int
     head_dim: int
     dtype: str
+    window: int = 0              # the sliding window of "L" layers (0: none)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """[B, C, K'R, H]."""
         return self.batch, self.slots, self.heads.kv_sent, self.head_dim
+
+    def ring(self, kind: str) -> int:
+        """Entries W of a layer of ``kind``'s cache: min(window, C) for "L" layers with a
+        window, else C."""
+        return min(self.window, self.slots) if kind == "L" and self.window else self.slots
+
+    def shape_of(self, kind: str) -> tuple[int, int, int, int]:
+        """[B, W, K'R, H] of a layer of ``kind``."""
+        return self.batch, self.ring(kind), self.heads.kv_sent, self.head_dim
 
     @staticmethod
     def spec(mesh: Mesh) -> P:
@@ -48,30 +66,60 @@ class CacheLayout:
         over ``seq``."""
         return P(DATA if DATA in mesh.axis_names else None, None, SEQ, None)
 
-    def bytes_per_device(self, mesh: Mesh, layers: int) -> int:
-        """K and V of ``layers`` layers, on one device."""
-        whole = 2 * layers * int(np.prod(self.shape)) * jnp.dtype(self.dtype).itemsize
+    def bytes_per_device(self, mesh: Mesh, layers: int | list[str]) -> int:
+        """K and V of ``layers`` layers of C entries (or of the layers of those kinds,
+        "L" / "G", each its own W), on one device."""
+        kinds = ["G"] * layers if isinstance(layers, int) else list(layers)
+        entries = sum(int(np.prod(self.shape_of(k))) for k in kinds)
+        whole = 2 * entries * jnp.dtype(self.dtype).itemsize
         return whole // (axis_size(mesh, SEQ) * axis_size(mesh, DATA))
 
 
 def cache_layout(cfg: ModelConfig, mesh: Mesh, batch: int, slots: int) -> CacheLayout:
     """The cache of ``cfg``'s attention layers for ``batch`` rows of ``slots`` positions."""
     return CacheLayout(head_layout(cfg.n_heads, cfg.n_kv_heads, axis_size(mesh, SEQ)),
-                       batch, slots, cfg.head_dim, cfg.dtype)
+                       batch, slots, cfg.head_dim, cfg.dtype, cfg.sliding_window or 0)
 
 
-def to_cache(k: jax.Array, v: jax.Array, layout: CacheLayout, mesh: Mesh):
-    """A prompt's [B, S, K, H] keys and values as the first S slots of a layer's cache,
-    split by head over ``seq`` (XLA moves them from the sequence split: an all-to-all)."""
+def to_cache(k: jax.Array, v: jax.Array, layout: CacheLayout, mesh: Mesh, kind: str = "G"):
+    """A prompt's [B, S, K, H] keys and values as a layer of ``kind``'s cache ring (slot j
+    at entry j mod W; the last W slots where S > W), split by head over ``seq`` (XLA moves
+    them from the sequence split: an all-to-all)."""
     sharding = NamedSharding(mesh, layout.spec(mesh))
+    ring = layout.ring(kind)
 
-    def slots(x):
+    def entries(x):
         # Heads padded and copied on each device's tokens, then one move from the sequence
-        # split to the head split, then the slots for new tokens added (a dimension no
-        # longer split); padding a split dimension would make XLA gather it whole.
+        # split to the head split, then the ring formed (a dimension no longer split);
+        # padding a split dimension would make XLA gather it whole.
         x = shard(x, mesh, act_spec(mesh, 2))                          # [B, S/P, K'R, H]
         x = jax.lax.with_sharding_constraint(x.astype(layout.dtype), sharding)
-        x = jnp.pad(x, ((0, 0), (0, layout.slots - x.shape[1]), (0, 0), (0, 0)))
-        return jax.lax.with_sharding_constraint(x, sharding)           # [B, C, K'R/P, H]
+        s = x.shape[1]
+        if s >= ring:  # slots s - W .. s - 1, slot j at entry j mod W
+            x = jnp.roll(x[:, s - ring:], (s - ring) % ring, axis=1)
+        else:
+            x = jnp.pad(x, ((0, 0), (0, ring - s), (0, 0), (0, 0)))
+        return jax.lax.with_sharding_constraint(x, sharding)           # [B, W, K'R/P, H]
 
-    return tuple(slots(x) for x in pad_kv(k, v, layout.heads))
+    return tuple(entries(x) for x in pad_kv(k, v, layout.heads))
+
+
+def empty_pools(layout: CacheLayout, mesh: Mesh, kinds: list[str]) -> dict:
+    """Zero caches of a stack whose layers have ``kinds`` (mixed): {kind: (k, v) [n, B, W,
+    K'R, H]} for each kind present, split as the layer caches are."""
+    spec = layout.spec(mesh)
+    sharding = NamedSharding(mesh, P(None, *spec))
+    zeros = lambda kind: jax.lax.with_sharding_constraint(  # noqa: E731
+        jnp.zeros((kinds.count(kind),) + layout.shape_of(kind), layout.dtype), sharding)
+    return {kind: (zeros(kind), zeros(kind)) for kind in sorted(set(kinds))}
+
+
+def pool_index(kinds: list[str]) -> np.ndarray:
+    """[R] int32: each layer's entry in its kind's pool (its rank among the layers of its
+    kind)."""
+    seen: dict = {}
+    out = []
+    for kind in kinds:
+        out.append(seen.get(kind, 0))
+        seen[kind] = out[-1] + 1
+    return np.asarray(out, np.int32)

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .blocks import block_functions, run_layers
-from .cache import CacheLayout
+from .cache import CacheLayout, empty_pools
 from .sampling import Sampling, choose
 
 
@@ -32,10 +32,11 @@ def prefill_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Samplin
         prefill_block, _ = block_functions(model.cfg)
         x = model.embed_tokens(tokens)                                            # [B, S, D]
 
-        def layer(block, x, kind, _):
-            return prefill_block(block, x, positions, segment_ids, kind, layout, mesh)
+        def layer(block, x, kind, cache):
+            return prefill_block(block, x, positions, segment_ids, kind, layout, mesh, cache)
 
-        x, caches = run_layers(model, x, layer)
+        x, caches = run_layers(model, x, layer,
+                               empty=lambda kinds: empty_pools(layout, mesh, kinds))
         out = model.logits(model.final_norm(x[:, -1]))                            # [B, V]
         tok = choose(out, sampling, seed, rows, jnp.int32(0))
         # Replicated, whatever layout the head's propagation reaches (an MoE model's can be
