@@ -11,7 +11,8 @@ and the convolution's last W - 1 inputs: a decode step convolves over them and a
 state by one token of the delta rule (``deltanet.delta_step``), O(1) in the prompt length.
 
 Both walk the model's layer stacks as ``Decoder._run_layers`` does (one ``lax.scan`` per
-position of a group's unit, the caches scanned beside the weights) and call a family's two
+position of a group's unit, the caches scanned beside the weights, or carried as one pool
+per attention kind where a stack mixes local and global layers) and call a family's two
 functions (``BLOCKS``) per layer, built from the block's own parts, so the weights, LoRA
 adapters and variants (biases, q/k norms, RoPE scalings, windows) are the ones training uses.
 Letters as in models/decoder.py; C cache slots, T = 1 new token.
