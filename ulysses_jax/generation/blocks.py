@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -298,11 +299,14 @@ def run_layers(model, x, layer_fn, caches=None, empty=None):
     """Every layer stack of ``model`` in order: ``layer_fn(block, x, kind, cache)`` ->
     (x, cache) per layer.
 
-    A position of a group's unit whose layers all have one kind gets its own cache (None in
-    prefill, where the layers make it), scanned with the weights: [R, ...] per leaf. One
-    whose layers mix kinds (local and global, ``unit_kinds``) keeps the pools of
-    ``cache.empty_pools`` in the scan's carry, and each layer gets {kind: pool, "at": its
-    entry} (``_take``, ``_put``).
+    A position of a group's unit whose layers all have one kind gets its own cache: in
+    prefill None (the layers make theirs, stacked by the scan, [R, ...] per leaf); in decode
+    its entry of those stacks, which the scan carries and each layer's step writes back at
+    its index (not a scanned input: XLA would give the scan's stacked output buffers of its
+    own, about 1.4 caches of temporary memory on the CPU compiler, where the carried stacks
+    are updated in place). One whose layers mix kinds (local and global, ``unit_kinds``)
+    keeps the pools of ``cache.empty_pools`` in the carry, and each layer gets {kind: pool,
+    "at": its entry} (``_take``, ``_put``).
 
     Args:
       caches: None (prefill: made by the layers), or what a previous call returned.
@@ -322,29 +326,40 @@ def run_layers(model, x, layer_fn, caches=None, empty=None):
         mixed = [static[u] is None for u in range(n)]
         mine = [None] * n if caches is None else list(caches[at:at + n])
         per_u = [list(kinds[first + u::n][:repeats]) for u in range(n)]
-        pools = [(mine[u] if caches is not None else empty(per_u[u])) if mixed[u] else None
-                 for u in range(n)]
-        entries = [jnp.asarray(pool_index(per_u[u])) if mixed[u] else None for u in range(n)]
-        scanned = [None if mixed[u] else mine[u] for u in range(n)]
+        carried = [mine[u] if caches is not None else empty(per_u[u]) if mixed[u] else None
+                   for u in range(n)]
+        entries = [jnp.asarray(pool_index(per_u[u]) if mixed[u] else np.arange(repeats))
+                   for u in range(n)]
 
         def body(carry, xs, graphdefs=graphdefs, static=static, mixed=mixed):
-            x, pools = carry
-            states, ids, scanned, entries = xs
+            x, carried = carry
+            states, ids, entries = xs
             kept, made = [], []
             for u, (g, state) in enumerate(zip(graphdefs, states)):
-                kind = static[u] if static[u] else ids[u]
-                cache = {**pools[u], "at": entries[u]} if mixed[u] else scanned[u]
+                kind, pool, at = static[u] if static[u] else ids[u], carried[u], entries[u]
+                if mixed[u]:
+                    cache = {**pool, "at": at}
+                elif pool is not None:  # decode: this layer's entry of the carried stacks
+                    cache = jax.tree.map(
+                        lambda a, at=at: jax.lax.dynamic_index_in_dim(a, at, keepdims=False),
+                        pool)
+                else:
+                    cache = None
                 x, c = layer_fn(nnx.merge(g, state), x, kind, cache)
                 if mixed[u]:
-                    kept.append({k: c[k] for k in pools[u]})
+                    kept.append({k: c[k] for k in pool})
+                    made.append(None)
+                elif pool is not None:
+                    kept.append(jax.tree.map(
+                        lambda a, b, at=at: jax.lax.dynamic_update_index_in_dim(a, b, at, 0),
+                        pool, c))
                     made.append(None)
                 else:
                     kept.append(None)
                     made.append(c)
             return (x, kept), made
 
-        (x, pools), made = jax.lax.scan(body, (x, pools),
-                                        (list(states), ids, scanned, entries))
-        out.extend(pools[u] if mixed[u] else made[u] for u in range(n))
+        (x, carried), made = jax.lax.scan(body, (x, carried), (list(states), ids, entries))
+        out.extend(carried[u] if carried[u] is not None else made[u] for u in range(n))
         at += n
     return x, out

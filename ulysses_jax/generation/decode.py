@@ -19,9 +19,11 @@ from .cache import CacheLayout
 from .sampling import Sampling, choose
 
 
-def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling):
+def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling,
+                   cache_shardings=None):
     """Jitted ``(params, caches, tokens [B], slot, pad [B], rows [B], step, seed) ->
-    (next tokens [B], logits [B, V], caches)``; the caches are donated.
+    (next tokens [B], logits [B, V], caches)``; the caches are donated, and returned laid out
+    as ``cache_shardings`` (the prefill's: the next step's input).
 
     ``slot``: the cache slot of ``tokens`` (its position in row b is slot - pad[b]);
     ``rows``: each row's index in the request, ``step`` the token's index in its answer and
@@ -40,6 +42,8 @@ def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling
             return decode_block(block, x, positions, kind, cache, slot, pad, layout, mesh)
 
         x, caches = run_layers(model, x, layer, caches)
+        if cache_shardings is not None:
+            caches = jax.lax.with_sharding_constraint(caches, cache_shardings)
         out = model.logits(model.final_norm(x[:, 0]))                             # [B, V]
         tok = choose(out, sampling, seed, rows, step)
         # Replicated, whatever layout the head's propagation reaches (an MoE model's can be

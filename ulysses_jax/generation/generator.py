@@ -167,9 +167,10 @@ class Generator:
                     jnp.int32(step + 1), seed_a)
             if decode is None:
                 t_compile = time.perf_counter()
+                laid_out = jax.tree.map(lambda a: a.sharding, caches)
                 decode = self._compiled(("decode", b, slots, sampling),
                                         lambda: decode_program(self.graphdef, layout, mesh,
-                                                               sampling), *args)
+                                                               sampling, laid_out), *args)
                 t += time.perf_counter() - t_compile  # compiling is not decoding
             tok, out, caches = decode(*args)
             tok_host = np.asarray(tok)
