@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..attention.deltanet import DEFAULT_CHUNK, conv_step, delta_step, normalized_qk
 from ..attention.heads import pad_kv, pad_query, unpad_output
+from ..config import LAYER_KINDS
 from ..attention.linear import gated_deltanet, gates
 from ..mesh import DATA, SEQ, act_spec, axis_size, shard
 from ..models.decoder import layer_groups, unit_kinds
@@ -116,6 +117,10 @@ def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLay
     the layer's cache with this token's k and v at ``slot``)."""
     attn, cfg = block.attn, block.attn.cfg
     q, k, v, adapt = attn.project(block.attn_norm(x))                      # [B, 1, ., H]
+    if isinstance(cache, dict):
+        o, cache = _attend_pools(attn, q, k, v, positions, kind, cache, slot, pad, layout,
+                                 mesh)
+        return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), cache
 
     def attend(kind, q, k, v, cache):
         q, k = attn.rope(kind, q, k, positions)
@@ -126,6 +131,42 @@ def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLay
 
     o, cache = by_kind(attend, kind, q, k, v, cache)
     return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), cache
+
+
+def _attend_pools(attn, q, k, v, positions, kind, cache, slot, pad, layout: CacheLayout,
+                  mesh: Mesh):
+    """``_attend_cached`` for a layer of a stack mixing kinds (``kind`` a traced index,
+    ``cache`` the stack's pools and the layer's entry "at"): the new token's k and v are
+    written into every pool before the kind switch, into the layer's own entry of its kind's
+    pool and, in the other pools, over the value already there (a token-sized read and
+    write), so the switch only reads the pools; a switch that wrote them would return pools
+    XLA copies. Returns (attention output [B, 1, N, H], the pools)."""
+    cfg, at = attn.cfg, cache["at"]
+    heads = NamedSharding(mesh, layout.spec(mesh))
+    pools = {c: pair for c, pair in cache.items() if c != "at"}
+    for c, pair in pools.items():
+        mine = kind == LAYER_KINDS.index(c)
+        _, kc = attn.rope(c, q, k, positions)
+        new = [jax.lax.with_sharding_constraint(a.astype(pair[0].dtype), heads)
+               for a in pad_kv(kc, v, layout.heads)]                       # [B, 1, K'R, H]
+        start = (jnp.where(mine, at, 0), 0, jnp.mod(slot, pair[0].shape[2]), 0, 0)
+
+        def put(pool, token, start=start, mine=mine):
+            old = jax.lax.dynamic_slice(pool, start, (1,) + token.shape)
+            return jax.lax.dynamic_update_slice(pool, jnp.where(mine, token[None], old), start)
+
+        pools[c] = tuple(put(pool, token) for pool, token in zip(pair, new))
+
+    def attend(c, q, pools):
+        q, _ = attn.rope(c, q, k, positions)
+        ck, cv = (jax.lax.dynamic_index_in_dim(a, at, keepdims=False) for a in pools[c])
+        q = jax.lax.with_sharding_constraint(pad_query(q, layout.heads), heads)
+        window = cfg.sliding_window if c == "L" else None
+        o = cached_attention(q, ck, cv, visible(slot, pad, ck.shape[1], window),
+                             scale=cfg.attn_scale or None, softcap=cfg.attn_softcap or None)
+        return unpad_output(o, layout.heads)
+
+    return by_kind(attend, kind, q, pools), pools
 
 
 def _cached_heads(cfg, q, k, v, cache, slot, pad, layout: CacheLayout, mesh: Mesh,
