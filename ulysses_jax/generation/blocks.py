@@ -74,15 +74,6 @@ def visible(slot, pad, ring: int, window: int | None):
     return seen[:, None, :]
 
 
-def _take(cache, kind: str):
-    """A layer's (k, v): the cache itself, or (a mixed stack's pools, ``run_layers``) its
-    entry "at" of its kind's pool."""
-    if isinstance(cache, dict):
-        return tuple(jax.lax.dynamic_index_in_dim(a, cache["at"], keepdims=False)
-                     for a in cache[kind])
-    return cache
-
-
 def _put(cache, kind: str, kv):
     """``cache`` with the layer's (k, v) replaced: ``kv`` itself, or written at its entry of
     its kind's pool."""
@@ -125,9 +116,7 @@ def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLay
     def attend(kind, q, k, v, cache):
         q, k = attn.rope(kind, q, k, positions)
         window = cfg.sliding_window if kind == "L" else None
-        o, kv = _cached_heads(cfg, q, k, v, _take(cache, kind), slot, pad, layout, mesh,
-                              window)
-        return o, _put(cache, kind, kv)
+        return _cached_heads(cfg, q, k, v, cache, slot, pad, layout, mesh, window)
 
     o, cache = by_kind(attend, kind, q, k, v, cache)
     return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), cache
@@ -347,7 +336,7 @@ def run_layers(model, x, layer_fn, caches=None, empty=None):
     own, about 1.4 caches of temporary memory on the CPU compiler, where the carried stacks
     are updated in place). One whose layers mix kinds (local and global, ``unit_kinds``)
     keeps the pools of ``cache.empty_pools`` in the carry, and each layer gets {kind: pool,
-    "at": its entry} (``_take``, ``_put``).
+    "at": its entry} (``_put``, ``_attend_pools``).
 
     Args:
       caches: None (prefill: made by the layers), or what a previous call returned.
