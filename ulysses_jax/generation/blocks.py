@@ -239,8 +239,13 @@ def _next_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLayou
 
 
 def _rows_heads(mesh: Mesh) -> P:
-    """[B, heads, ...]: rows over ``data``, heads over ``seq``."""
-    return P(DATA if DATA in mesh.axis_names else None, SEQ)
+    """[B, heads, ...]: rows over ``data`` (as the activations' rows), heads over ``seq``."""
+    return P(act_spec(mesh)[0], SEQ)
+
+
+def _rows(mesh: Mesh) -> NamedSharding:
+    """[B, ...]: rows over ``data``, the rest on every device."""
+    return NamedSharding(mesh, P(act_spec(mesh)[0]))
 
 
 def _deltanet_prompt(mixer, x, segment_ids, mesh: Mesh):
@@ -255,7 +260,7 @@ def _deltanet_prompt(mixer, x, segment_ids, mesh: Mesh):
     o, state = gated_deltanet(q, k, v, b, a, *mixer.kernel_weights(), mesh=mesh,
                               segment_ids=segment_ids, chunk=chunk, final_state=True)
     w = mixer.cfg.linear_conv - 1
-    rows = NamedSharding(mesh, P(_rows_heads(mesh)[0]))
+    rows = _rows(mesh)
 
     def last(t):  # [B, W-1, ...]: the last W - 1 tokens (zeros before a shorter row)
         t = jnp.pad(t, [(0, 0), (max(w - s, 0), 0)] + [(0, 0)] * (t.ndim - 2))
@@ -288,7 +293,7 @@ def _deltanet_cached(mixer, x, cache, mesh: Mesh):
     beta, g = gates(b[:, 0], a[:, 0], a_log, dt_bias)                      # [B, Hv]
     state, o = delta_step(state, q, k, v, g, beta)                         # o: [B, Hv, V]
     y = mixer.output(o.astype(v.dtype)[:, None], z, adapters, x.dtype)
-    rows = NamedSharding(mesh, P(_rows_heads(mesh)[0]))
+    rows = _rows(mesh)
     return y, (jax.lax.with_sharding_constraint(state, heads),
                *(jax.lax.with_sharding_constraint(w[:, 1:], rows) for w in windows))
 

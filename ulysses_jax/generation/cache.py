@@ -8,7 +8,8 @@ and copied as the exchange pads and copies them). The cache keeps that layout: p
 ``data`` on the rows, each data replica generating its share of them), so each device holds
 1/P of its replica's rows and a decode step reads only its own heads. Layers stacked in the
 model (``decoder.layer_groups``) stay stacked here: one [R, B, C, K'R, H] pair per position
-of a group's unit, scanned with the layer weights.
+of a group's unit, made by the prefill's layer scan and carried through the decode step's,
+each layer's entry updated in place (``blocks.run_layers``).
 
 Slots. Prompts are left-padded to a common length S (a multiple of P) and the new tokens
 follow: slot j of row b holds position j - pad[b]; slots before pad[b] are never attended.
@@ -64,7 +65,7 @@ class CacheLayout:
     def spec(mesh: Mesh) -> P:
         """Rows over ``data`` (each data replica generates its share of the rows), heads
         over ``seq``."""
-        return P(DATA if DATA in mesh.axis_names else None, None, SEQ, None)
+        return P(act_spec(mesh)[0], None, SEQ, None)
 
     def bytes_per_device(self, mesh: Mesh, layers: int | list[str]) -> int:
         """K and V of ``layers`` layers of C entries (or of the layers of those kinds,

@@ -36,14 +36,19 @@ class Completion:
     logits: list[np.ndarray] | None = None    # [V] fp32 per new token, when asked for
 
 
+def few_sizes(n: int, unit: int) -> int:
+    """``n`` rounded up to a multiple of ``unit``, then to one of 8 steps per power of two of
+    units (at most 1/8 more): nearby sizes share one compiled program."""
+    units = -(-n // unit)
+    step = 1 << max((units - 1).bit_length() - 3, 0)
+    return unit * -(-units // step) * step
+
+
 def prompt_slots(longest: int, seq: int) -> int:
-    """The padded prompt length S: a multiple of unit = lcm(P, 16), at least ``longest``,
-    rounded up to one of 8 steps per power of two of units (at most 1/8 padding beyond the
-    unit), so that prompts of nearby lengths share one compiled program."""
-    unit = seq * 16 // math.gcd(seq, 16)
-    n = -(-longest // unit)
-    step = 1 << max((n - 1).bit_length() - 3, 0)
-    return unit * -(-n // step) * step
+    """The padded prompt length S: at least ``longest``, a multiple of unit = lcm(P, 16),
+    rounded as ``few_sizes`` rounds, so that prompts of nearby lengths share one compiled
+    program."""
+    return few_sizes(longest, seq * 16 // math.gcd(seq, 16))
 
 
 class Generator:

@@ -79,13 +79,11 @@ def reference_params(cfg: Config, mesh, shardings: dict, params, start: int):
     if start == 0:
         return jax.device_put(params, layout, may_alias=False)
     from .resume import initial_params
-    from .train_step import build_model
+    from .train_step import model_params
     loaded = initial_params(cfg, mesh)
     if loaded is not None:
         return jax.device_put(loaded, layout)
-    from flax import nnx
-    return jax.jit(lambda: nnx.to_pure_dict(nnx.split(build_model(cfg, mesh))[1]),
-                   out_shardings=layout)()
+    return jax.jit(lambda: model_params(cfg, mesh), out_shardings=layout)()
 
 
 def check_prompts(cfg: Config, prompts) -> None:
@@ -130,10 +128,10 @@ def sequence_rows(prompts: list, completions: list, seq_len: int) -> dict:
 def packed_row_count(rows: int, multiple: int, most: int) -> int:
     """Rows of a packed batch: ``rows`` rounded up to a multiple of ``multiple`` (the data
     replicas x micro-batches that split it), then to one of 8 steps per power of two of
-    those, so that a run compiles its step for a few row counts; at most ``most``."""
-    n = -(-rows // multiple)
-    step = 1 << max((n - 1).bit_length() - 3, 0)
-    return min(-(-n // step) * step * multiple, most)
+    those (``generator.few_sizes``), so that a run compiles its step for a few row counts;
+    at most ``most``."""
+    from ..generation.generator import few_sizes
+    return min(few_sizes(rows, multiple), most)
 
 
 def pack_rows(rows: dict, multiple: int) -> dict:

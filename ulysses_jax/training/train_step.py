@@ -44,6 +44,11 @@ def build_model(cfg: Config, mesh: Mesh, seed: int | None = None) -> Decoder:
                    stream_layers=cfg.optimizer.offload)
 
 
+def model_params(cfg: Config, mesh: Mesh) -> dict:
+    """The seeded initialisation's parameters (a pure dict); inside jit, laid out there."""
+    return nnx.to_pure_dict(nnx.split(build_model(cfg, mesh))[1])
+
+
 def state_layout(cfg: Config, mesh: Mesh):
     """Returns (graphdef, abstract state, state shardings, optimizer) without allocating."""
     tx = make_optimizer(cfg.optimizer, cfg.steps)
@@ -87,9 +92,9 @@ def init_state(cfg: Config, mesh: Mesh, params: dict | None = None):
 
     def init(params):
         if params is None:
-            params = nnx.to_pure_dict(nnx.split(build_model(cfg, mesh))[1])
+            params = model_params(cfg, mesh)
         elif lo.rank:  # the loaded base, and fresh adapters (B = 0: the base's function)
-            fresh = nnx.to_pure_dict(nnx.split(build_model(cfg, mesh))[1])
+            fresh = model_params(cfg, mesh)
             params = lora.overlay(fresh, params)
         params = lora.store_base(params, lo)
         return {"step": jnp.zeros((), jnp.int32), "params": params,
