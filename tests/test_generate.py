@@ -246,6 +246,7 @@ def test_cli_on_a_run_directory(chat_store_run, tmp_path):
     ("empty", ["has no rows"]),
     ("neither", ["row 2 has neither \"prompt\"", "nor \"messages\""]),
     ("chat_without_template", ["row 1 is a chat", "has no chat template"]),
+    ("image_for_a_text_model", ["row 1 holds images or videos", "has no vision tower"]),
     ("too_long", ["row 1: its", "prompt tokens plus 60 new tokens exceed the model's 64 "
                   "positions"]),
     ("nan_temperature", ["temperature must be >= 0", "got nan"]),
@@ -259,6 +260,8 @@ def test_bad_input_exits_2_and_writes_nothing(hf_without_template, tmp_path, cap
     rows = {"no_model": [{"prompt": "a"}], "empty": [],
             "neither": [{"prompt": "a"}, {"text": "b"}],
             "chat_without_template": [{"messages": [{"role": "user", "content": "hi"}]}],
+            "image_for_a_text_model": [{"messages": [{"role": "user", "content": [
+                {"type": "image", "image": "cat.png"}, {"type": "text", "text": "hi"}]}]}],
             "too_long": [{"prompt": "hello there, a few words"}]}.get(case, [{"prompt": "a"}])
     prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))

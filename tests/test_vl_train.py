@@ -54,7 +54,7 @@ def _overrides(store_path):
             "data.vision_patches=512"]  # these rows hold under 200 patches each
 
 
-def test_multimodal_store_trains_evaluates_and_exports(store, tmp_path):
+def test_multimodal_store_trains_evaluates_and_exports(store, tmp_path, capsys):
     path, tokenizer = store
     need_devices(4)
     runs = {}
@@ -100,6 +100,44 @@ def test_multimodal_store_trains_evaluates_and_exports(store, tmp_path):
     got = np.asarray(ours(jnp.asarray(tokens), pixel_values=pixels,
                           image_grid_thw=np.asarray(grid).reshape(1, 3)))
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) <= 1e-4
+
+    # generation: the CLI on the run (mesh seq 2) with an image chat and a text prompt; the
+    # greedy ids equal transformers' generate on the export (the run's tokenizer's EOS), the
+    # image's pixels from its file; the trained model answers the image chat as it learned
+    from ulysses_jax.generate import _template_of, encode_rows, main as generate_main, \
+        media_options
+    rows = [{"messages": [{"role": "user", "content": [
+                {"type": "image", "image": "img4.png"}, {"type": "text", "text": "Say hi"}]}]},
+            {"prompt": "Say hi"}]
+    prompts, generated = tmp_path / "data" / "prompts.jsonl", tmp_path / "generated.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert generate_main([str(tmp_path / "run4"), "--prompts", str(prompts), "--out",
+                          str(generated), "--max-new-tokens", "5", "--mesh-seq", "2",
+                          "--no-progress"]) == 0
+    got = [json.loads(line) for line in generated.read_text().splitlines()]
+    ids, media = encode_rows(rows, loaded.tokenizer, _template_of(loaded, str(tmp_path / "run4")),
+                             "prompts", media_options(loaded, str(tmp_path / "run4")),
+                             base=str(tmp_path / "data"))
+    assert media[1] is None and media[0]["image_grid_thw"].tolist() == [[1, 6, 8]]
+    assert [r["prompt_tokens"] for r in got] == [len(i) for i in ids]
+    for row, prompt, m in zip(got, ids, media):
+        t = torch.tensor([prompt])
+        kw = {k: torch.from_numpy(np.asarray(v)) for k, v in (m or {}).items()
+              if v is not None}
+        with torch.no_grad():
+            made = hf.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
+                               max_new_tokens=5, eos_token_id=loaded.tokenizer.eos_id,
+                               mm_token_type_ids=(t == cfg.image_token_id).long(), **kw)
+        assert row["completion_ids"] == made[0, len(prompt):].tolist(), row
+    # an image file that is not there: exit 2, the row and the file named, nothing written
+    rows[0]["messages"][0]["content"][0]["image"] = "gone.png"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    generated.unlink()
+    assert generate_main([str(tmp_path / "run4"), "--prompts", str(prompts), "--out",
+                          str(generated), "--no-progress"]) == 2
+    assert "row 1: image 'gone.png'" in capsys.readouterr().err and not generated.exists()
+    assert got[0]["finish_reason"] == "stop" and got[0]["completion"] in (" hi again",
+                                                                          " the answer is 42")
 
 
 def test_store_and_model_must_agree(store):

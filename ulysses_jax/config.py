@@ -484,7 +484,8 @@ def _grpo_errors(cfg: Config) -> list[str]:
     fam = traits(cfg.model.family)
     if fam.vision:
         errors.append(f"objective grpo is not supported for model.family "
-                      f"{cfg.model.family!r} yet (the generator does not run it)")
+                      f"{cfg.model.family!r} yet (the generator runs it, but GRPO's prompt data "
+                      f"carry no images to it or to the train step)")
     return errors
 
 

@@ -8,7 +8,9 @@ MODEL: a Hugging Face directory (an export or a checkpoint) or a training run's 
 (its newest checkpoint, or ``--step``; its tokenizer; its LoRA adapters applied).
 FILE: jsonl (or parquet) rows ``{"prompt": "text"}``, tokenized as transformers tokenizes
 (the tokenizer's own BOS where it adds one), or ``{"messages": [...]}``, rendered with the
-model's chat template (a run's: its chat store's) and the generation prompt.
+model's chat template (a run's: its chat store's) and the generation prompt. A multimodal
+model's messages may hold image and video parts (as in training data; paths relative to
+FILE), preprocessed as transformers' processor does.
 
 Each output row is the input row with ``completion`` (text, special tokens left out),
 ``completion_ids`` (the stop token included when one was chosen), ``prompt_tokens`` and
@@ -115,33 +117,115 @@ def _init_from(run: str) -> str | None:
     return source if source and os.path.isfile(os.path.join(source, "config.json")) else None
 
 
-def encode_rows(rows: list[dict], tokenizer, template, where: str) -> list[list[int]]:
+def media_options(loaded, path: str):
+    """A multimodal model's image and video preprocessing (``data.media.MediaOptions``): its
+    tower's patching, and the pixel bounds and video rate of the run's chat store, or of the
+    Hugging Face directory's preprocessor_config.json (``min_pixels`` / ``max_pixels`` or
+    ``size``), else the processor's defaults. None for a text model."""
+    from .data.media import MediaOptions
+    from .data.store import TokenStore, is_store
+    from .families import family
+    cfg = loaded.model
+    if not family(cfg.family).vision:
+        return None
+    v = cfg.vision
+    opts = {"patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+            "merge_size": v.spatial_merge_size}
+    fields = set(MediaOptions.__dataclass_fields__) - set(opts)
+    if loaded.run_data and is_store(loaded.source):
+        media = TokenStore(loaded.source).manifest.get("media") or {}
+        opts.update({k: media[k] for k in fields if k in media})
+    elif not loaded.run_data:
+        config = os.path.join(path, "preprocessor_config.json")
+        if os.path.isfile(config):
+            try:
+                with open(config, encoding="utf-8") as f:
+                    pre = json.load(f)
+            except ValueError as e:
+                raise GenerateError(f"{config} is not JSON: {e}") from None
+            size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+            low = pre.get("min_pixels", size.get("shortest_edge"))
+            high = pre.get("max_pixels", size.get("longest_edge"))
+            if low is not None:
+                opts["image_min_pixels"] = int(low)
+            if high is not None:
+                opts["image_max_pixels"] = int(high)
+    try:
+        return MediaOptions(**opts)
+    except ValueError as e:
+        raise GenerateError(f"the model's image preprocessing: {e}") from None
+
+
+def _row_media(ids, messages, tokenizer, opts, base: str, name: str):
+    """(the prompt ids with each <|image_pad|> / <|video_pad|> expanded to its image's or
+    video's count, that row's media as ``Generator.generate`` takes them, or None)."""
+    import numpy as np
+    from .data import media as media_lib
+    from .data.vision_batches import media_inputs
+    try:
+        items = (media_lib.conversation_items(messages, base, opts, name)
+                 if messages else ([], [], []))
+        image_id, video_id = media_lib.placeholder_ids(tokenizer, bool(items[0]),
+                                                       bool(items[1]), name)
+        expand = media_lib.Expander(items[0], items[1], image_id, video_id, opts.merge_size)
+        ids = [int(i) for i in expand(np.asarray(ids))]
+        expand.check(name)
+        if not expand.placed:
+            return ids, None
+        load = {k: getattr(opts, k) for k in ("patch_size", "temporal_patch_size",
+                                              "merge_size", "image_min_pixels",
+                                              "image_max_pixels", "video_min_pixels",
+                                              "video_max_pixels")}
+        loaded = [(item, *media_lib.load_item(item, **load)) for item in expand.placed]
+    except ValueError as e:
+        raise GenerateError(str(e)) from None
+    return ids, media_inputs([loaded])
+
+
+def encode_rows(rows: list[dict], tokenizer, template, where: str, media_opts=None,
+                base: str = ".") -> tuple[list[list[int]], list[dict | None]]:
     """Each row's prompt ids: text with the tokenizer's own special tokens, or the messages
-    rendered with the generation prompt (the template writes any BOS itself)."""
-    out = []
+    rendered with the generation prompt (the template writes any BOS itself); and each row's
+    images and videos (a multimodal model's ``media_opts``; their paths relative to
+    ``base``), None for a row without."""
+    from .data.media import media_parts
+    out, media = [], []
     for n, row in enumerate(rows, 1):
-        if isinstance(row.get("prompt"), str):
-            out.append([int(i) for i in tokenizer.encode_prompt(row["prompt"])])
-            continue
-        if template is None:
-            raise GenerateError(f"{where} row {n} is a chat (\"messages\"), but the model has "
-                                f"no chat template (tokenizer_config.json \"chat_template\" "
-                                f"or chat_template.jinja)")
-        try:
-            text = template.render(row["messages"], add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 (jinja2 raises its own kinds for a bad row)
-            raise GenerateError(f"{where} row {n}: the chat template cannot render its "
-                                f"messages: {type(e).__name__}: {e}") from None
-        out.append([int(i) for i in tokenizer.encode(text)])
-    return out
+        messages = row.get("messages") if not isinstance(row.get("prompt"), str) else None
+        if messages is None:
+            ids = [int(i) for i in tokenizer.encode_prompt(row["prompt"])]
+        else:
+            if media_opts is None and media_parts(messages):
+                raise GenerateError(f"{where} row {n} holds images or videos, but the model "
+                                    f"has no vision tower (a multimodal family: qwen2_5_vl)")
+            if template is None:
+                raise GenerateError(f"{where} row {n} is a chat (\"messages\"), but the model "
+                                    f"has no chat template (tokenizer_config.json "
+                                    f"\"chat_template\" or chat_template.jinja)")
+            try:
+                text = template.render(messages, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 (jinja2 raises its own kinds for a bad row)
+                raise GenerateError(f"{where} row {n}: the chat template cannot render its "
+                                    f"messages: {type(e).__name__}: {e}") from None
+            ids = [int(i) for i in tokenizer.encode(text)]
+        found = None
+        if media_opts is not None:
+            ids, found = _row_media(ids, messages, tokenizer, media_opts, base,
+                                    f"{where} row {n}")
+        out.append(ids)
+        media.append(found)
+    return out, media
 
 
 def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
              temperature: float | None = None, top_p: float | None = None,
              top_k: int | None = None, seed: int = 0, mesh_seq: int = 1, mesh_data: int = 1,
              batch_size: int = 8, step: int | None = None, progress: bool = False,
-             where: str = "prompts", devices=None) -> tuple[list[dict], dict]:
+             where: str = "prompts", media_base: str = ".",
+             devices=None) -> tuple[list[dict], dict]:
     """Completions of ``rows`` (dicts with "prompt" or "messages") by the model at ``path``.
+    A multimodal model's messages may hold image and video parts, their paths relative to
+    ``media_base``.
 
     Returns (the rows with completion, completion_ids, prompt_tokens, finish_reason; the
     summary). Raises GenerateError on bad input, before anything is compiled.
@@ -179,7 +263,8 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
         raise GenerateError(str(e)) from None
     if new < 1:
         raise GenerateError(f"--max-new-tokens must be >= 1, got {new}")
-    prompts = encode_rows(rows, loaded.tokenizer, _template_of(loaded, path), where)
+    prompts, media = encode_rows(rows, loaded.tokenizer, _template_of(loaded, path), where,
+                                 media_options(loaded, path), base=media_base)
     for n, ids in enumerate(prompts, 1):
         if not ids:
             raise GenerateError(f"{where} row {n} has an empty prompt (no tokens)")
@@ -199,8 +284,12 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
     eos = frozenset(defaults.eos_ids)
     for start in range(0, len(rows), batch_size):
         stop = min(start + batch_size, len(rows))
-        done = gen.generate(prompts[start:stop], max_new_tokens=new, eos_ids=eos,
-                            sampling=sampling, seed=seed, rows=list(range(start, stop)))
+        try:
+            done = gen.generate(prompts[start:stop], max_new_tokens=new, eos_ids=eos,
+                                sampling=sampling, seed=seed, rows=list(range(start, stop)),
+                                media=media[start:stop])
+        except GenerationError as e:
+            raise GenerateError(f"{where} rows {start + 1}-{stop}: {e}") from None
         for i, c in zip(range(start, stop), done):
             text_ids = [t for t in c.ids if t not in eos]
             out.append({**rows[i], "completion": loaded.tokenizer.decode(text_ids),
@@ -257,8 +346,10 @@ def main(argv=None) -> int:
         out, summary = generate(args.path, rows, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, mesh_seq=args.mesh_seq,
-                                mesh_data=args.mesh_data, batch_size=args.batch_size, step=args.step,
-                                progress=not args.no_progress, where=args.prompts)
+                                mesh_data=args.mesh_data, batch_size=args.batch_size,
+                                step=args.step, progress=not args.no_progress,
+                                where=args.prompts,
+                                media_base=os.path.dirname(os.path.abspath(args.prompts)))
     except GenerateError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

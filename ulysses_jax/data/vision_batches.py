@@ -141,7 +141,7 @@ def token_index(segment_ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def _inputs(rows: list[list[tuple]]) -> dict:
+def media_inputs(rows: list[list[tuple]]) -> dict:
     """``multimodal.prepare``'s media keywords of rows of loaded (item, pixels, grid)."""
     pieces = {"image": ([], []), "video": ([], [])}
     seconds = []
@@ -184,7 +184,7 @@ def host_batch(batch: dict, media: list[list[dict]], cfg: Config, pixel_options:
     try:
         positions, vision = multimodal.prepare(
             batch["tokens"], cfg.model, segment_ids=batch["segment_ids"],
-            shards=vision_groups(cfg), capacity=vision_slots(cfg), **_inputs(loaded))
+            shards=vision_groups(cfg), capacity=vision_slots(cfg), **media_inputs(loaded))
     except multimodal.CapacityError as e:
         raise ConfigError(f"data.vision_patches {cfg.data.vision_patches or 'auto'} "
                           f"({vision_slots(cfg)} patch slots per group): {e}; set it higher, "
@@ -194,7 +194,7 @@ def host_batch(batch: dict, media: list[list[dict]], cfg: Config, pixel_options:
             try:
                 multimodal.prepare(batch["tokens"][r:r + 1], cfg.model,
                                    segment_ids=batch["segment_ids"][r:r + 1],
-                                   **_inputs(loaded[r:r + 1]))
+                                   **media_inputs(loaded[r:r + 1]))
             except ValueError as row_error:
                 raise ValueError(f"{where(r)}: {row_error}") from None
         raise

@@ -1,7 +1,8 @@
 """The decoder's blocks run for generation: over a prompt (the layer as in training, keeping
 its K and V) and over one new token per row (reading and extending the cache).
 
-Families: the Llama block (dense or mixture of experts) and the Gemma block share the
+Families: the Llama block (dense or mixture of experts; Qwen2.5-VL's text decoder, whose
+images enter in the prefill's embeddings) and the Gemma block share the
 attention part and differ in what follows it (``_llama_rest``, ``_gemma_rest``). The new
 tokens of a decode step reach their experts as one row of B tokens, padded to a multiple of
 the devices (``_moe_tokens``), by the expert-parallel dispatch training uses. Qwen3-Next's
@@ -317,6 +318,9 @@ def _decode(mix, rest):
 
 # Per block family: (prefill, decode) layer functions.
 BLOCKS = {"llama": (_prefill(_attend_prompt, _llama_rest), _decode(_attend_cached, _llama_rest)),
+          # the Qwen2 text block (its prompts' images enter in the prefill's embeddings)
+          "qwen2_5_vl": (_prefill(_attend_prompt, _llama_rest),
+                         _decode(_attend_cached, _llama_rest)),
           "gemma": (_prefill(_attend_prompt, _gemma_rest), _decode(_attend_cached, _gemma_rest)),
           "qwen3_next": (_prefill(_next_prompt, _llama_rest),
                          _decode(_next_cached, _llama_rest))}

@@ -21,22 +21,26 @@ from .sampling import Sampling, choose
 
 def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling,
                    cache_shardings=None):
-    """Jitted ``(params, caches, tokens [B], slot, pad [B], rows [B], step, seed) ->
-    (next tokens [B], logits [B, V], caches)``; the caches are donated, and returned laid out
-    as ``cache_shardings`` (the prefill's: the next step's input).
+    """Jitted ``(params, caches, tokens [B], slot, pad [B], deltas [B], rows [B], step,
+    seed) -> (next tokens [B], logits [B, V], caches)``; the caches are donated, and returned
+    laid out as ``cache_shardings`` (the prefill's: the next step's input).
 
-    ``slot``: the cache slot of ``tokens`` (its position in row b is slot - pad[b]);
+    ``slot``: the cache slot of ``tokens``, whose position in row b is slot - pad[b] +
+    deltas[b] (``deltas``: 0, or where a multimodal prompt's M-RoPE positions ran ahead of
+    its token count, the difference, as transformers' ``rope_deltas``: the text after an
+    image counts on from its largest position; all three M-RoPE components of a new token
+    are that one position, which rotates as plain RoPE does);
     ``rows``: each row's index in the request, ``step`` the token's index in its answer and
     ``seed`` (uint32) the request's seed (the sampling key, ``sampling.row_keys``)."""
 
     replicated = NamedSharding(mesh, P())
 
-    def run(params, caches, tokens, slot, pad, rows, step, seed):
+    def run(params, caches, tokens, slot, pad, deltas, rows, step, seed):
         model = nnx.merge(graphdef, params)
         _, decode_block = block_functions(model.cfg)
         x = model.embed_tokens(tokens[:, None], split=False)                      # [B, 1, D]
         x = shard(x, mesh, P(act_spec(mesh)[0], None, None))  # rows over data replicas
-        positions = (slot - pad)[:, None]                                         # [B, 1]
+        positions = (slot - pad + deltas)[:, None]                                # [B, 1]
 
         def layer(block, x, kind, cache):
             return decode_block(block, x, positions, kind, cache, slot, pad, layout, mesh)

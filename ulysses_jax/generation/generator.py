@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import ModelConfig
+from ..families import family
 from ..mesh import DATA, RING, SEQ, act_spec, axis_size
 from .blocks import GenerationError, block_functions
 from .cache import cache_layout
@@ -49,6 +50,51 @@ def prompt_slots(longest: int, seq: int) -> int:
     rounded as ``few_sizes`` rounds, so that prompts of nearby lengths share one compiled
     program."""
     return few_sizes(longest, seq * 16 // math.gcd(seq, 16))
+
+
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+              "second_per_grid_ts")
+
+
+def _joined(media: list[dict | None]) -> dict:
+    """The rows' media (``multimodal.prepare``'s keywords per row, or None) as one request's:
+    each kind's pixels, grids and seconds concatenated in row order (the order the
+    placeholders take them in)."""
+    shapes = {"image_grid_thw": (-1, 3), "video_grid_thw": (-1, 3), "second_per_grid_ts": (-1,)}
+    out = {}
+    for key in MEDIA_KEYS:
+        parts = [np.asarray(m[key]) for m in media if m and m.get(key) is not None]
+        if parts:
+            out[key] = np.concatenate([p.reshape(shapes[key]) if key in shapes else p
+                                       for p in parts])
+    return out
+
+
+def vision_inputs(cfg: ModelConfig, shards: int, tokens, segments, lengths,
+                  media: list[dict | None]):
+    """A multimodal model's prompts on the host: (M-RoPE positions [B, S, 3], the tower's
+    inputs or None when no row has media, deltas [B]: each row's next position after its
+    prompt minus its token count).
+
+    The positions are transformers' ``get_rope_index`` of each row's own tokens (the left
+    padding at 0); the tower's slots per group are rounded as ``few_sizes`` rounds, so that
+    requests of nearby sizes share a compiled prefill."""
+    from ..models import multimodal
+    joined = _joined(media)
+    try:
+        positions, vision = multimodal.prepare(tokens, cfg, segment_ids=segments,
+                                               shards=shards, **joined)
+        if vision is not None:
+            m2 = cfg.vision.spatial_merge_size ** 2
+            fullest = len(vision["pixels"]) // shards
+            if few_sizes(fullest, m2) != fullest:
+                positions, vision = multimodal.prepare(
+                    tokens, cfg, segment_ids=segments, shards=shards,
+                    capacity=few_sizes(fullest, m2), **joined)
+    except ValueError as e:
+        raise GenerationError(f"the prompts and their images: {e}") from None
+    deltas = positions.max(axis=(1, 2)).astype(np.int64) + 1 - np.asarray(lengths)
+    return positions, vision, deltas.astype(np.int32)
 
 
 class Generator:
@@ -87,6 +133,9 @@ class Generator:
         self.shardings = param_shardings(params, mesh, "replicated")
         self.params = jax.device_put(params, self.shardings)
         self.mesh = mesh
+        # the vision tower's frame groups (``VisionTower.shards``): every device when split
+        self.vision_shards = (mesh.devices.size if family(self.cfg.family).vision
+                              and self.cfg.vision.split else 1)
         self.seq = axis_size(mesh, SEQ)
         self.replicas = axis_size(mesh, DATA)
         self._programs: dict = {}
@@ -105,11 +154,16 @@ class Generator:
                  eos_ids: set[int] | frozenset = frozenset(),
                  sampling: Sampling = Sampling(), seed: int = 0,
                  rows: list[int] | None = None, keep_logits: bool = False,
-                 on_token=None) -> list[Completion]:
+                 on_token=None, media: list[dict | None] | None = None) -> list[Completion]:
         """New tokens for each prompt (lists of token ids, of any lengths), one batch.
 
         Args:
           rows: each prompt's index in the whole request (the sampling keys); default 0..B-1.
+          media: a multimodal model's images and videos per prompt: None, or a dict of
+            transformers' inputs (``pixel_values`` [N, K] with ``image_grid_thw`` [n, 3],
+            ``pixel_values_videos`` with ``video_grid_thw``, ``second_per_grid_ts``), for
+            the prompt's placeholder tokens (one per merged unit, as the processor expands
+            them) in order.
           keep_logits: also return each new token's fp32 logits (tests).
           on_token: called once per new token of the batch (progress).
         """
@@ -121,11 +175,19 @@ class Generator:
         rows = list(range(len(prompts))) if rows is None else list(rows)
         if len(rows) != len(prompts):
             raise GenerationError(f"rows names {len(rows)} rows for {len(prompts)} prompts")
+        vision_model = family(self.cfg.family).vision
+        media = [None] * len(prompts) if media is None else list(media)
+        if len(media) != len(prompts):
+            raise GenerationError(f"media names {len(media)} rows for {len(prompts)} prompts")
+        if any(media) and not vision_model:
+            raise GenerationError(f"model.family={self.cfg.family} has no vision tower: its "
+                                  f"prompts cannot hold images or videos")
         # Each data replica generates B/D rows: B made a multiple of D with copies of the
         # last row (done from the start, dropped at the end).
         n = len(prompts)
         extra = -n % self.replicas
         prompts, rows = list(prompts) + [prompts[-1]] * extra, rows + [rows[-1]] * extra
+        media += [media[-1]] * extra
         b, mesh = len(prompts), self.mesh
         s = prompt_slots(max(len(p) for p in prompts), self.seq)
         slots = s + max_new_tokens
@@ -135,19 +197,31 @@ class Generator:
         tokens = np.zeros((b, s), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, pad[i]:] = p
-        positions = np.maximum(j - pad[:, None], 0).astype(np.int32)
         segments = (j >= pad[:, None]).astype(np.int32)
         put = lambda a: jax.device_put(a, NamedSharding(mesh, act_spec(mesh)))  # noqa: E731
-        batch = [put(a) for a in (tokens, positions, segments)]
+        vision, deltas = None, np.zeros(b, np.int32)
+        if vision_model:
+            from ..data.vision_batches import vision_shardings
+            positions, vision, deltas = vision_inputs(
+                self.cfg, self.vision_shards, tokens, segments, [len(p) for p in prompts],
+                media)
+            shardings = vision_shardings(mesh, self.cfg.vision.split)
+            positions = jax.device_put(positions, shardings["positions"])
+            if vision is not None:
+                vision = jax.device_put(vision, shardings["vision"])
+        else:
+            positions = put(np.maximum(j - pad[:, None], 0).astype(np.int32))
+        batch = [put(tokens), positions, put(segments)]
         rep = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
         rows_a = rep(np.asarray(rows, np.int32))
-        pad_a, seed_a = rep(pad), rep(np.uint32(seed))
+        pad_a, deltas_a, seed_a = rep(pad), rep(deltas), rep(np.uint32(seed))
 
-        prefill = self._compiled(("prefill", b, s, slots, sampling),
+        patches = None if vision is None else vision["pixels"].shape[0]
+        prefill = self._compiled(("prefill", b, s, slots, sampling, patches),
                                  lambda: prefill_program(self.graphdef, layout, mesh, sampling),
-                                 self.params, *batch, rows_a, seed_a)
+                                 self.params, *batch, rows_a, seed_a, vision)
         t = time.perf_counter()
-        tok, out, caches = prefill(self.params, *batch, rows_a, seed_a)
+        tok, out, caches = prefill(self.params, *batch, rows_a, seed_a, vision)
         tok_host = np.asarray(tok)
         self.timings["prefill_s"] += time.perf_counter() - t
 
@@ -168,7 +242,7 @@ class Generator:
                 on_token()
             if done.all() or step == max_new_tokens - 1:
                 break
-            args = (self.params, caches, tok, jnp.int32(s + step), pad_a, rows_a,
+            args = (self.params, caches, tok, jnp.int32(s + step), pad_a, deltas_a, rows_a,
                     jnp.int32(step + 1), seed_a)
             if decode is None:
                 t_compile = time.perf_counter()

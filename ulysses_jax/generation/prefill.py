@@ -13,24 +13,30 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..models.vision import merge_features
 from .blocks import block_functions, run_layers
 from .cache import CacheLayout, empty_pools
 from .sampling import Sampling, choose
 
 
 def prefill_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling):
-    """Jitted ``(params, tokens, positions, segment_ids, rows, seed) -> (first new tokens
-    [B], their logits [B, V], caches)``.
+    """Jitted ``(params, tokens, positions, segment_ids, rows, seed, vision) -> (first new
+    tokens [B], their logits [B, V], caches)``.
 
-    tokens, positions, segment_ids: [B, S] int32, S a multiple of the ``seq`` axis; rows and
-    seed as in ``decode.decode_program`` (the first token is step 0)."""
+    tokens, segment_ids: [B, S] int32, S a multiple of the ``seq`` axis; positions [B, S]
+    (or a multimodal model's M-RoPE [B, S, 3]); rows and seed as in ``decode.decode_program``
+    (the first token is step 0); vision: the prompts' images and videos
+    (``multimodal.prepare``) whose features replace their placeholders' embeddings, or
+    None."""
 
     replicated = NamedSharding(mesh, P())
 
-    def run(params, tokens, positions, segment_ids, rows, seed):
+    def run(params, tokens, positions, segment_ids, rows, seed, vision):
         model = nnx.merge(graphdef, params)
         prefill_block, _ = block_functions(model.cfg)
         x = model.embed_tokens(tokens)                                            # [B, S, D]
+        if vision is not None:
+            x = merge_features(x, model.visual(vision), vision["feature_index"], mesh)
 
         def layer(block, x, kind, cache):
             return prefill_block(block, x, positions, segment_ids, kind, layout, mesh, cache)
