@@ -26,12 +26,12 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from ..config import Config, ConfigError
 from ..mesh import act_spec
 from ..models import multimodal
-from ..models.vision import split_axes
+from ..models.vision import vision_shardings
 from . import images, media as media_lib
 from .text import FIELDS, BatchIterator, eval_batches
 
@@ -94,19 +94,6 @@ def check_store(cfg: Config, manifest: dict) -> None:
         raise ConfigError(f"the store's largest frame has {largest} patches, more than the "
                           f"{DEFAULT_FRAME_PATCHES} the default patch slots leave room for; "
                           f"set data.vision_patches >= {need}")
-
-
-def vision_shardings(mesh: Mesh, split: bool) -> dict:
-    """Shardings of ``positions`` [B, S, 3] and of each ``vision`` array."""
-    groups = P(split_axes(mesh)) if split else P()
-    act = NamedSharding(mesh, act_spec(mesh))
-    return {"positions": NamedSharding(mesh, act_spec(mesh, 1)),
-            "vision": {"pixels": NamedSharding(mesh, groups),
-                       "rope_hw": NamedSharding(mesh, groups),
-                       "window_segments": NamedSharding(mesh, groups),
-                       "frame_segments": NamedSharding(mesh, groups),
-                       "unit_order": NamedSharding(mesh, P()),
-                       "feature_index": act}}
 
 
 def abstract_vision(cfg: Config, mesh: Mesh) -> dict:

@@ -201,7 +201,7 @@ class Generator:
         put = lambda a: jax.device_put(a, NamedSharding(mesh, act_spec(mesh)))  # noqa: E731
         vision, deltas = None, np.zeros(b, np.int32)
         if vision_model:
-            from ..data.vision_batches import vision_shardings
+            from ..models.vision import vision_shardings
             positions, vision, deltas = vision_inputs(
                 self.cfg, self.vision_shards, tokens, segments, [len(p) for p in prompts],
                 media)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..attention.chunked import chunked_attention
 from ..config import ModelConfig
@@ -204,6 +204,19 @@ class VisionTower(nnx.Module):
         merger = {k: w for k, w in params.items() if k.startswith("merge")}
         units = split(partial(_merge, cfg=cfg), 1, 1)(gather(merger), x)           # [G*C/M^2, D]
         return jnp.take(units, vision["unit_order"], axis=0)
+
+
+def vision_shardings(mesh: Mesh, split: bool) -> dict:
+    """Shardings of ``positions`` [B, S, 3] and of each ``vision`` array."""
+    groups = P(split_axes(mesh)) if split else P()
+    act = NamedSharding(mesh, act_spec(mesh))
+    return {"positions": NamedSharding(mesh, act_spec(mesh, 1)),
+            "vision": {"pixels": NamedSharding(mesh, groups),
+                       "rope_hw": NamedSharding(mesh, groups),
+                       "window_segments": NamedSharding(mesh, groups),
+                       "frame_segments": NamedSharding(mesh, groups),
+                       "unit_order": NamedSharding(mesh, P()),
+                       "feature_index": act}}
 
 
 def merge_features(x: jax.Array, features: jax.Array, feature_index: jax.Array,

@@ -27,7 +27,7 @@ from . import objectives
 from .accumulate import accumulated_grads
 from .objectives.sft import objective  # noqa: F401 (re-exported: the SFT objective)
 from .optimizer import compute_copy_mask, make_optimizer, make_schedule
-from ..data.vision_batches import vision_shardings
+from ..models.vision import vision_shardings
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
 from ..interop.peft import model_targets
