@@ -68,43 +68,6 @@ if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", "0") not in ("", "0"):
     fence(warn=False)
 
 
-def _memoize_compiles():
-    """One XLA compile per distinct program in a worker: tests that build the same program
-    again (the same model, mesh and step in another test, or a test's reference built twice)
-    get the executable compiled the first time, in memory. The key is the program's text
-    (no source locations), its devices and its compile options (a dump directory, a memory
-    limit: a program compiled with other options is compiled again), so an executable is
-    reused only where XLA would have compiled the same input. Nothing is serialized: this is
-    not the persistent cache, whose read-back executables the fence is about
-    (ulysses_jax/compile_cache.py). Programs with host callbacks are always compiled.
-    test_accumulate.py in one process (2026-12-04): 10 of 184 compiles found, 8.0 s of
-    compile saved for 1.4 s of hashing. ULYSSES_TEST_COMPILE_MEMO=0 turns it off."""
-    import hashlib
-
-    from jax._src import compiler
-
-    compile_and_load = compiler.backend_compile_and_load
-    done: dict = {}
-
-    def memoized(backend, module, executable_devices, options, host_callbacks):
-        if host_callbacks:
-            return compile_and_load(backend, module, executable_devices, options,
-                                    host_callbacks)
-        text = module.operation.get_asm(enable_debug_info=False)
-        key = (hashlib.sha256(text.encode()).digest(), id(backend),
-               tuple(d.id for d in executable_devices), options.SerializeAsString())
-        if key not in done:
-            done[key] = compile_and_load(backend, module, executable_devices, options,
-                                         host_callbacks)
-        return done[key]
-
-    compiler.backend_compile_and_load = memoized
-
-
-if os.environ.get("ULYSSES_TEST_COMPILE_MEMO", "1") not in ("", "0"):
-    _memoize_compiles()
-
-
 # Test files whose tests share a session fixture with another file's: one scheduling unit.
 _SCOPE_OF_FILE = {"tests/test_real_dpo.py": "tests/test_real_checkpoint.py",
                   "tests/test_real_grpo.py": "tests/test_real_checkpoint.py"}
