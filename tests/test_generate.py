@@ -87,11 +87,16 @@ def test_decode_logits_equal_a_full_forward_pass(variant):
     prompts = PROMPTS + (LONG if "long" in opts else [])
     got = Generator(params, cfg, mesh).generate(prompts, max_new_tokens=5, keep_logits=True)
     ref = Decoder(cfg, mesh=make_mesh(seq=1, data=1, devices=DEVICES[:1]), rngs=nnx.Rngs(0))
-    forward = nnx.jit(lambda m, t: m(t))
-    for prompt, c in zip(prompts, got, strict=True):
+    # Every row's prompt + generated tokens in one forward pass, right-padded: a causal
+    # model's logits at a row's own positions do not see the padding after them.
+    rows = [prompt + c.ids[:-1] for prompt, c in zip(prompts, got, strict=True)]
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = row
+    forward = np.asarray(nnx.jit(lambda m, t: m(t))(ref, jnp.asarray(tokens)))  # [n, S, V]
+    for prompt, c, row, whole in zip(prompts, got, rows, forward):
         assert len(c.ids) == 5 and c.finish_reason == "length"
-        whole = np.asarray(forward(ref, jnp.asarray([prompt + c.ids[:-1]])))[0]   # [S, V]
-        want = whole[len(prompt) - 1:]                    # the logits that chose each new id
+        want = whole[len(prompt) - 1:len(row)]            # the logits that chose each new id
         np.testing.assert_allclose(np.stack(c.logits), want, atol=1e-4, rtol=0)
         assert c.ids == list(want.argmax(-1)), (c.ids, want.argmax(-1))
 
