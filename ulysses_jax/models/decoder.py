@@ -128,12 +128,16 @@ class Decoder(nnx.Module):
     ``layout`` matters only on a mesh with a ring axis: "natural" (tokens in order; attention
     reorders internally) or "zigzag" (the batch is already in ``ring.zigzag_permutation``
     order, as the training data loader produces it, with true positions). ``head_chunks``:
-    see ``ulysses_attention``.
+    see ``ulysses_attention``. ``param_sharding``: the run's layout of the parameters
+    ("replicated" or "zero3"), which the objectives' ordering edges depend on
+    (``objectives.sft.run_model``).
     """
 
     def __init__(self, cfg: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, layout: str = "natural",
-                 head_chunks: int = 1, stream_layers: bool = False):
+                 head_chunks: int = 1, stream_layers: bool = False,
+                 param_sharding: str = "replicated"):
         self.cfg, self.mesh = cfg, mesh
+        self.param_sharding = param_sharding
         # The layer weights live in host memory (optimizer.offload): each layer's are moved
         # to the device inside the layer loop, so one layer's weights are on it at a time,
         # and their gradients go back to the host the same way (the transpose of the move).

@@ -41,7 +41,7 @@ def build_model(cfg: Config, mesh: Mesh, seed: int | None = None) -> Decoder:
     layout = "zigzag" if axis_size(mesh, RING) > 1 else "natural"
     return Decoder(cfg.model, mesh=mesh, rngs=nnx.Rngs(cfg.seed if seed is None else seed),
                    layout=layout, head_chunks=cfg.ulysses.chunks,
-                   stream_layers=cfg.optimizer.offload)
+                   stream_layers=cfg.optimizer.offload, param_sharding=cfg.param_sharding)
 
 
 def model_params(cfg: Config, mesh: Mesh) -> dict:

@@ -39,10 +39,18 @@ def run_model(graphdef, params, batch):
     hidden, stats = model.hidden_and_stats(batch["tokens"], batch["positions"],
                                            batch["segment_ids"], batch.get("vision"))
     head = model.head_weight()
-    if model.lm_head is not None:
+    zero3 = model.param_sharding == "zero3"
+    if zero3:
+        # Under ZeRO-3 the loss moves the head from the parameters' split to its vocabulary
+        # split (an all-to-all and a gather): after the layers' loop, not beside it.
+        head = ordering.after(head, hidden)
+    if model.lm_head is not None or zero3:
         # An untied head's gradient is gathered to its replicated layout before the backward
-        # pass goes on into the layers, not beside their loop (ordering.py). (A tied head's
-        # is part of the embedding's, gathered after the last backward loop.)
+        # pass goes on into the layers, not beside their loop (ordering.py); so is a tied
+        # head's under ZeRO-3, where it moves from the loss's vocabulary split to the
+        # embedding's split (an all-to-all). (Replicated, a tied head's gradient is part of
+        # the embedding's, gathered after the last backward loop, and keeping it whole
+        # through the layers' backward pass would cost a [V, D] of memory there.)
         hidden, head = ordering.grads_first(hidden, head)
     return model, hidden, head, stats
 
