@@ -188,6 +188,7 @@ def encode_rows(rows: list[dict], tokenizer, template, where: str, media_opts=No
     rendered with the generation prompt (the template writes any BOS itself); and each row's
     images and videos (a multimodal model's ``media_opts``; their paths relative to
     ``base``), None for a row without."""
+    from .data.chat import prompt_ids
     from .data.media import media_parts
     out, media = [], []
     for n, row in enumerate(rows, 1):
@@ -203,11 +204,9 @@ def encode_rows(rows: list[dict], tokenizer, template, where: str, media_opts=No
                                     f"has no chat template (tokenizer_config.json "
                                     f"\"chat_template\" or chat_template.jinja)")
             try:
-                text = template.render(messages, add_generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 (jinja2 raises its own kinds for a bad row)
-                raise GenerateError(f"{where} row {n}: the chat template cannot render its "
-                                    f"messages: {type(e).__name__}: {e}") from None
-            ids = [int(i) for i in tokenizer.encode(text)]
+                ids = prompt_ids(tokenizer, template, messages)
+            except ValueError as e:
+                raise GenerateError(f"{where} row {n}: {e}") from None
         found = None
         if media_opts is not None:
             ids, found = _row_media(ids, messages, tokenizer, media_opts, base,

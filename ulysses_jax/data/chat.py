@@ -137,6 +137,18 @@ class ChatTemplate:
                                      **self.special)
 
 
+def prompt_ids(tokenizer, template: ChatTemplate, messages: Sequence[dict]) -> list[int]:
+    """The ids of ``messages`` rendered with the generation prompt (the template writes any
+    BOS itself): what a model answering them reads. ValueError when the template cannot
+    render them (jinja2 raises its own kinds for a bad conversation)."""
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 (jinja2's errors, named in the message)
+        raise ValueError(f"the chat template cannot render its messages: "
+                         f"{type(e).__name__}: {e}") from None
+    return [int(i) for i in tokenizer.encode(text)]
+
+
 def _check_messages(messages, name: str) -> None:
     if not messages:
         raise NoSupervision(f"{name}: an empty conversation has no assistant turn")

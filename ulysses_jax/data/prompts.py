@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from . import sources
+from .chat import prompt_ids
 from .text import _unit_hash, heldout_mask, load_tokenizer
 
 
@@ -74,11 +75,9 @@ def load_prompts(source: str, tokenizer_path: str | None, max_prompt_tokens: int
                                  f"tokenizer ({tokenizer_path or 'bytes'}) has no chat "
                                  f"template")
             try:
-                text = template.render(prompt, add_generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 (jinja2 raises its own kinds for a bad row)
-                raise ValueError(f"{where}: the chat template cannot render its messages: "
-                                 f"{type(e).__name__}: {e}") from None
-            tokens = np.asarray(tokenizer.encode(text), np.int32)
+                tokens = np.asarray(prompt_ids(tokenizer, template, prompt), np.int32)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
         else:
             raise ValueError(f'{where}: a prompt row needs "prompt", a text or a list of '
                              f'messages (keys {sorted(row)})')
