@@ -10,8 +10,10 @@ loss chunks of 16 (a loop of one trip is unrolled by XLA, and its collectives wi
 ``test_compile_cache.py`` shows that these pairs are what a read-back executable runs out of
 order, and that the same programs traced without ``ulysses_jax.ordering`` have them.
 
-Not yet here: Qwen2.5-VL, whose train step still has pairs at these shapes (2026-12-02); the
-fence keeps its programs out of the cache.
+Not yet here: Qwen3-Next under ZeRO-3 with a layer pattern that runs once (``n_layers`` =
+``len(mixer_pattern)``, as in its tiny preset): XLA hoists the gathers of the one-trip loop's
+weights out of it (42 pairs at 2 data x 2 seq, 2026-12-04; none with two repeats). The fence
+keeps those programs out of the cache.
 """
 import os
 
@@ -40,6 +42,12 @@ CASES = {
     "zero3": ("tiny", ["param_sharding=zero3", "mesh.data=2", "mesh.seq=4"], True),
     "zero3_untied_accum": ("tiny", ["param_sharding=zero3", "model.tie_embeddings=false",
                                     "grad_accum_steps=2"], False),
+    # an untied head split over 2 data x 2 seq devices (a vocabulary the 4 divide): it moves
+    # to the loss's split and its gradient back, and the optimizer's reductions wait for the
+    # embedding's split gradient
+    "zero3_untied_data_seq": ("tiny", ["param_sharding=zero3", "model.tie_embeddings=false",
+                                       "model.vocab_size=256", "mesh.data=2", "mesh.seq=2"],
+                              False),
     "moe": ("tiny-moe", [], True),
     "moe_data_accum_lora": ("tiny-moe", ["mesh.data=2", "mesh.seq=4", "grad_accum_steps=2",
                                          "model.lora.rank=4"], False),
@@ -47,6 +55,11 @@ CASES = {
     "qwen3_next_data_accum_lora": ("tiny-qwen3-next", ["mesh.data=2", "mesh.seq=4",
                                                        "grad_accum_steps=2",
                                                        "model.lora.rank=4"], False),
+    # the vision tower after the embedding's loop; under ZeRO-3 its outer weights gathered
+    # after their inputs
+    "qwen2_5_vl": ("tiny-qwen2.5-vl", [], True),
+    "qwen2_5_vl_zero3": ("tiny-qwen2.5-vl", ["param_sharding=zero3", "mesh.data=2",
+                                             "mesh.seq=2"], False),
 }
 
 

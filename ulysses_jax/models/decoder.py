@@ -215,7 +215,11 @@ class Decoder(nnx.Module):
                 # The embedding's backward (a loop of collectives) runs after the tower's
                 # parameter gradients are reduced, not beside the tower's backward loop.
                 x, visual = grads_first(x, self.visual)
-                x = merge_features(x, visual(vision), vision["feature_index"], self.mesh)
+                # The tower runs after the embedding's loop: the gather of its output (an
+                # all-reduce) would otherwise run beside that loop.
+                vision = {**vision, "pixels": ordering.after(vision["pixels"], x)}
+                x = merge_features(x, visual(vision, zero3=self.param_sharding == "zero3"),
+                                   vision["feature_index"], self.mesh)
         # What attention gathers of these (XLA takes it out of the layer loop) is gathered
         # after the embedding, not beside its loop (ordering.py, the compilation cache).
         positions, segment_ids = ordering.after((positions, segment_ids), x)

@@ -11,6 +11,7 @@ import math
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .. import ordering
 from .expert_parallel import expert_spec
 from .moe import is_expert_param
 
@@ -48,3 +49,21 @@ def param_shardings(params, mesh: Mesh, mode: str, memory_kind: str | None = Non
 
 def _names(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def in_split(y, mesh: Mesh):
+    """``y`` (a pytree of ZeRO-3 parameters other than experts' weights) constrained to its
+    stored split (``param_spec``)."""
+    return jax.tree.map(lambda w: jax.lax.with_sharding_constraint(
+        w, NamedSharding(mesh, param_spec(w.shape, mesh, "zero3"))), y)
+
+
+def after_in_split(y, x, mesh: Mesh):
+    """``ordering.after(y, x)`` for ZeRO-3 parameters ``y``, the edge taken in their stored
+    split, so that whatever gathers or moves them next reads its result. Left free, the
+    partitioner gathers (or moves) a weight first and adds the edge to the result: the
+    gather then has no path from x and runs beside the loop x came from (the compilation
+    cache, ``ordering``). The identity where ``ordering`` adds no edges."""
+    if not ordering.active():
+        return y
+    return in_split(ordering.after(y, x), mesh)

@@ -198,9 +198,13 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
         # The optimizer's reductions (the global norm over split parameters) wait for every
         # replicated gradient, the last of the backward pass among them, so none runs beside
         # a backward loop (ordering.py, the compilation cache).
-        grads = ordering.after(grads, [g for g, sh in zip(jax.tree.leaves(grads),
-                                                          jax.tree.leaves(trained_shardings))
-                                       if sh.is_fully_replicated])
+        # Under ZeRO-3 the embedding's gradient, made last (by the backward pass's last loop
+        # of collectives), is split: the reductions wait for it by name.
+        last = [g for g, sh in zip(jax.tree.leaves(grads), jax.tree.leaves(trained_shardings))
+                if sh.is_fully_replicated]
+        if cfg.param_sharding == "zero3" and isinstance(grads, dict) and "embed" in grads:
+            last.append(grads["embed"])
+        grads = ordering.after(grads, last)
         with jax.named_scope("optimizer"):
             if offload:  # gradients to the host (the layers' are there already), update there
                 grads = jax.device_put(grads, on_host)
