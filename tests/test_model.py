@@ -1,4 +1,5 @@
 """The sequence-parallel decoder, loss and train step against the same model on one device."""
+import functools
 import re
 
 import chex
@@ -12,7 +13,7 @@ from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.models.loss import chunked_cross_entropy, plain_cross_entropy
 from ulysses_jax.models.decoder import Decoder
-from ulysses_jax.training.train_step import init_state, loss_fn, make_train_step
+from ulysses_jax.training.train_step import init_state, loss_fn, make_train_step, state_layout
 
 V = 257
 
@@ -51,6 +52,44 @@ def _setup(seq, data, **over):
     return cfg, mesh, graphdef, state, shardings, tx
 
 
+def _mesh(cfg):
+    seq, data, ring = cfg.mesh.seq, cfg.mesh.data, cfg.mesh.ring
+    return make_mesh(seq=seq, data=data, ring=ring, devices=need_devices(seq * data * ring))
+
+
+@functools.cache
+def _built(cfg):
+    """(mesh, graphdef, state, shardings, optimizer, loss-and-gradients program) for ``cfg``,
+    built once per module: the tests that share a config share its init program and one
+    jit(value_and_grad(loss)) taking (params, batch)."""
+    mesh = _mesh(cfg)
+    graphdef, state, shardings, tx = init_state(cfg, mesh)
+    loss_grad = jax.jit(jax.value_and_grad(lambda p, batch: loss_fn(graphdef, p, batch, mesh)[0]))
+    return mesh, graphdef, state, shardings, tx, loss_grad
+
+
+def _shared_setup(seq, data, **over):
+    """``_setup`` from the module's one init per config; the state is a fresh copy (train
+    steps donate theirs)."""
+    cfg = _cfg(seq, data, **over)
+    mesh, graphdef, state, shardings, tx, _ = _built(cfg)
+    return cfg, mesh, graphdef, jax.device_put(state, may_alias=False), shardings, tx
+
+
+def _shared_loss_and_grads(cfg, params, batch):
+    """``_loss_and_grads`` of ``_shared_setup``'s model for ``cfg``, one program per config."""
+    return _built(cfg)[-1](params, batch)
+
+
+def _layout(seq, data, **over):
+    """``_setup`` with the abstract state (shapes and shardings, no init program), for tests
+    that only lower or read the tree."""
+    cfg = _cfg(seq, data, **over)
+    mesh = _mesh(cfg)
+    graphdef, state, shardings, tx = state_layout(cfg, mesh)
+    return cfg, mesh, graphdef, state, shardings, tx
+
+
 def _logits(graphdef, params, batch):
     model = nnx.merge(graphdef, params)
     return model(batch["tokens"], batch["positions"], batch["segment_ids"])
@@ -72,13 +111,13 @@ def _rel_close(a, b, rtol):
                                                (4, 2, "zero3")])
 def test_sharded_model_equals_one_device(seq, data, sharding):
     batch = _batch(0)
-    _, mesh1, g1, s1, _, _ = _setup(1, 1)
-    _, mesh, g, s, _, _ = _setup(seq, data, param_sharding=sharding)
+    cfg1, _, g1, s1, _, _ = _shared_setup(1, 1)
+    cfg, _, g, s, _, _ = _shared_setup(seq, data, param_sharding=sharding)
     logits1 = jax.jit(_logits, static_argnums=0)(g1, s1["params"], batch)
     logits = jax.jit(_logits, static_argnums=0)(g, s["params"], batch)
     chex.assert_trees_all_close(logits, logits1, atol=1e-5, rtol=1e-5)
-    loss1, grads1 = _loss_and_grads(g1, s1, batch, mesh1)
-    loss, grads = _loss_and_grads(g, s, batch, mesh)
+    loss1, grads1 = _shared_loss_and_grads(cfg1, s1["params"], batch)
+    loss, grads = _shared_loss_and_grads(cfg, s["params"], batch)
     _rel_close(loss, loss1, 1e-4)
     _rel_close(grads, grads1, 1e-4)
     assert float(loss) > 0
@@ -87,7 +126,7 @@ def test_sharded_model_equals_one_device(seq, data, sharding):
 def test_ten_steps_same_loss_curve():
     curves = {}
     for seq in (1, 4):
-        cfg, mesh, g, state, sh, tx = _setup(seq, 1)
+        cfg, mesh, g, state, sh, tx = _shared_setup(seq, 1)
         step = make_train_step(cfg, mesh, g, tx, sh)
         curve = []
         for i in range(10):
@@ -99,7 +138,7 @@ def test_ten_steps_same_loss_curve():
 
 
 def test_causal_prefix_invariance():
-    _, mesh, g, s, _, _ = _setup(4, 1)
+    _, mesh, g, s, _, _ = _shared_setup(4, 1)
     batch = _batch(3, docs=False)
     longer = {k: np.concatenate([v, _batch(4, docs=False)[k]], axis=1) for k, v in batch.items()}
     longer["positions"] = np.broadcast_to(np.arange(128, dtype=np.int32), (2, 128))
@@ -110,7 +149,7 @@ def test_causal_prefix_invariance():
 
 def test_packed_batch_equals_documents_alone():
     """A row holding three documents gives the token-weighted loss of the three run alone."""
-    _, mesh, g, s, _, _ = _setup(4, 1)
+    _, mesh, g, s, _, _ = _shared_setup(4, 1)
     packed = _batch(5, b=1)
     seg = packed["segment_ids"][0]
     total, count = 0.0, 0.0
@@ -150,7 +189,7 @@ def test_positions_matter_and_are_global():
 
 
 def test_chunked_loss_equals_plain_loss():
-    _, mesh, g, s, _, _ = _setup(4, 2)
+    _, mesh, g, s, _, _ = _shared_setup(4, 2)
     batch = _batch(7, b=2)
 
     def plain(p):
@@ -176,7 +215,7 @@ def test_compiled_step_holds_no_full_logits():
     over = {"model.vocab_size": vocab, "seq_len": s, "batch_size": b, "model.loss_chunk": 16,
             "model.d_model": 16, "model.ffn_dim": 32, "model.n_layers": 1, "model.n_heads": 4,
             "model.n_kv_heads": 4, "model.head_dim": 8}
-    cfg, mesh, g, state, sh, tx = _setup(seq, 1, **over)
+    cfg, mesh, g, state, sh, tx = _layout(seq, 1, **over)
     batch = _batch(8, b=b, s=s)
     logits_elems = b * (s // seq) * vocab
     compiled = make_train_step(cfg, mesh, g, tx, sh).lower(state, batch).compile()
@@ -235,7 +274,7 @@ def test_vocab_parallel_step_holds_no_full_vocab_buffer(vocab):
     batch = _batch(17, b=1, s=256)
     found = {}
     for split in (True, False):
-        cfg, mesh, g, state, sh, tx = _setup(seq, 1, **over, **{"model.vocab_parallel": split})
+        cfg, mesh, g, state, sh, tx = _layout(seq, 1, **over, **{"model.vocab_parallel": split})
         compiled = make_train_step(cfg, mesh, g, tx, sh).lower(state, batch).compile()
         f32_sizes = [np.prod([int(x) for x in dims.split(",")])
                      for dims in re.findall(r"f32\[([\d,]+)\]", compiled.as_text())]
@@ -260,10 +299,10 @@ def test_gqa_and_mqa_train(heads, kv, seq):
 
 def _assert_option_keeps_numbers(batch, option, **base):
     """Loss and gradients at seq=2 with ``option`` set equal those without it (1e-5)."""
-    _, mesh, g, s, _, _ = _setup(2, 1, **base)
-    _, _, go, so, _, _ = _setup(2, 1, **base, **option)
-    l0, g0 = _loss_and_grads(g, s, batch, mesh)
-    l1, g1 = _loss_and_grads(go, so, batch, mesh)
+    cfg, _, _, s, _, _ = _shared_setup(2, 1, **base)
+    cfgo, _, _, so, _, _ = _shared_setup(2, 1, **base, **option)
+    l0, g0 = _shared_loss_and_grads(cfg, s["params"], batch)
+    l1, g1 = _shared_loss_and_grads(cfgo, so["params"], batch)
     _rel_close(l1, l0, 1e-5)
     _rel_close(g1, g0, 1e-5)
 
@@ -275,10 +314,10 @@ def test_remat_does_not_change_numbers(remat, seed):
 
 def test_bfloat16_compute_close_to_float32():
     batch = _batch(11)
-    _, mesh, g, s, _, _ = _setup(2, 1)
-    _, _, gb, sb, _, _ = _setup(2, 1, **{"model.dtype": "bfloat16"})
-    l32 = _loss_and_grads(g, s, batch, mesh)[0]
-    l16 = _loss_and_grads(gb, sb, batch, mesh)[0]
+    cfg, _, _, s, _, _ = _shared_setup(2, 1)
+    cfgb, _, _, sb, _, _ = _shared_setup(2, 1, **{"model.dtype": "bfloat16"})
+    l32 = _shared_loss_and_grads(cfg, s["params"], batch)[0]
+    l16 = _shared_loss_and_grads(cfgb, sb["params"], batch)[0]
     np.testing.assert_allclose(float(l16), float(l32), rtol=1e-2)
 
 
@@ -289,13 +328,14 @@ def test_tiled_mlp_same_numbers_less_memory():
     batch = _batch(12, s=256)
     _, mesh, g, s, _, _ = _setup(2, 1, **over)
     _, _, gt, st, _, _ = _setup(2, 1, **over, **{"model.mlp_chunk": 16})
-    loss_grad = lambda g: jax.jit(jax.value_and_grad(lambda p: loss_fn(g, p, batch, mesh)[0]))
-    l0, g0 = loss_grad(g)(s["params"])
-    l1, g1 = loss_grad(gt)(st["params"])
+    compiled = lambda g, p: jax.jit(jax.value_and_grad(
+        lambda p: loss_fn(g, p, batch, mesh)[0])).lower(p).compile()
+    c0, c1 = compiled(g, s["params"]), compiled(gt, st["params"])
+    l0, g0 = c0(s["params"])
+    l1, g1 = c1(st["params"])
     _rel_close(l1, l0, 1e-5)
     _rel_close(g1, g0, 1e-5)
-    temp = lambda g, p: loss_grad(g).lower(p).compile().memory_analysis().temp_size_in_bytes
-    untiled, tiled = temp(g, s["params"]), temp(gt, st["params"])
+    untiled, tiled = (c.memory_analysis().temp_size_in_bytes for c in (c0, c1))
     ffn_bytes = 2 * (256 // 2) * 2048 * 4  # one fp32 [B, S/P, F] buffer
     assert tiled < untiled - ffn_bytes, (tiled, untiled, ffn_bytes)
 
@@ -303,7 +343,7 @@ def test_tiled_mlp_same_numbers_less_memory():
 def test_weight_decay_spares_norms_and_biases():
     """Stacked layers make norm scales [L, D]; decay must still skip them (by name)."""
     from ulysses_jax.training.optimizer import _decays
-    cfg, mesh, g, state, sh, tx = _setup(1, 1, **{"model.qkv_bias": True})
+    cfg, mesh, g, state, sh, tx = _layout(1, 1, **{"model.qkv_bias": True})
     flags = {"/".join(str(getattr(k, "key", k)) for k in path): _decays(path, leaf)
              for path, leaf in jax.tree_util.tree_leaves_with_path(state["params"])}
     assert flags["layers/attn/wq"] and flags["embed"] and flags["layers/mlp/w_down"]
@@ -317,16 +357,16 @@ def test_ring_mesh_model_matches_one_device():
     model fed the zigzag-ordered batch gives the same loss and gradients."""
     from ulysses_jax.attention.ring import zigzag_permutation
     batch = _batch(14)
-    _, mesh1, g1, s1, _, _ = _setup(1, 1)
-    cfg, mesh, g, s, _, _ = _setup(2, 1, **{"mesh.ring": 4})
+    cfg1, _, g1, s1, _, _ = _shared_setup(1, 1)
+    cfg, mesh, g, s, _, _ = _shared_setup(2, 1, **{"mesh.ring": 4})
     natural = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg.model, mesh=mesh, rngs=nnx.Rngs(0))))
     logits1 = jax.jit(_logits, static_argnums=0)(g1, s1["params"], batch)
     logits = jax.jit(_logits, static_argnums=0)(natural, s["params"], batch)
     chex.assert_trees_all_close(logits, logits1, atol=1e-5, rtol=1e-5)
     order = zigzag_permutation(64, 4)
     zigzag = {k: v[:, order] for k, v in batch.items()}
-    loss1, grads1 = _loss_and_grads(g1, s1, batch, mesh1)
-    loss, grads = _loss_and_grads(g, s, zigzag, mesh)
+    loss1, grads1 = _shared_loss_and_grads(cfg1, s1["params"], batch)
+    loss, grads = _shared_loss_and_grads(cfg, s["params"], zigzag)
     _rel_close(loss, loss1, 1e-5)
     _rel_close(grads, grads1, 1e-4)
 
@@ -347,9 +387,9 @@ def test_train_step_keeps_no_per_tile_masks_or_embedding_masks():
     embedding ownership mask broadcast over D ([..., tokens, D] booleans kept for the
     backward pass)."""
     s, d = 2048, 64
-    cfg, mesh, g, st, sh, tx = _setup(2, 1, **{"seq_len": s, "model.d_model": d,
-                                               "model.attn_impl": "chunked",
-                                               "model.remat": "full"})
+    cfg, mesh, g, st, sh, tx = _layout(2, 1, **{"seq_len": s, "model.d_model": d,
+                                                "model.attn_impl": "chunked",
+                                                "model.remat": "full"})
     batch = _batch(23, s=s)
     step = make_train_step(cfg, mesh, g, tx, sh)
     text = step.lower(st, batch).compile().as_text()
