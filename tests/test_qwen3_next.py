@@ -10,6 +10,7 @@ shared expert, a dense layer) written by transformers, imported on 1, 2 and 4 de
 and loss); packed documents against each document alone; export round trip; refusals.
 """
 import dataclasses
+import functools
 import json
 import os
 
@@ -68,9 +69,9 @@ def _packed_segments(b, s):
 def test_chunked_delta_rule_matches_the_recurrence_and_transformers():
     q, k, v, g, beta = _rng_inputs(0, 2, 200, 6, 16, 8)
     q, k = q[:, :, :3], k[:, :, :3]          # 3 key heads, 6 value heads: 2 per key head
-    want = deltanet.recurrent_reference(q, k, v, g, beta)
+    want = jax.jit(deltanet.recurrent_reference)(q, k, v, g, beta)
     got = jax.jit(lambda *a: deltanet.chunked_delta_rule(*a, chunk=16))(q, k, v, g, beta)
-    assert float(jnp.max(jnp.abs(want))) > 0.1
+    assert float(np.max(np.abs(want))) > 0.1
     np.testing.assert_allclose(got, want, atol=1e-5)
     t = lambda x: torch.tensor(np.asarray(x), dtype=torch.float64)
     theirs, _ = hf_next.torch_chunk_gated_delta_rule(t(q), t(k), t(v), t(g), t(beta),
@@ -84,45 +85,58 @@ def test_document_resets_values_and_gradients():
     q, k, v, g, beta = _rng_inputs(1, 2, 200, 2, 16, 8)
     args = (q, k, v, g, beta)
     seg = _packed_segments(2, 200)
-    got = deltanet.chunked_delta_rule(*args, seg, chunk=16)
-    np.testing.assert_allclose(got, deltanet.recurrent_reference(*args, seg), atol=1e-5)
+    chunked = lambda *a: deltanet.chunked_delta_rule(*a, chunk=16)
+    reference = jax.jit(deltanet.recurrent_reference)
+    got = np.asarray(jax.jit(chunked)(*args, seg))
+    np.testing.assert_allclose(got, reference(*args, seg), atol=1e-5)
     checked = 0
     for row, (lo, hi) in [(0, (70, 150)), (0, (150, 200)), (1, (33, 40)), (1, (40, 70))]:
-        alone = deltanet.recurrent_reference(*(x[row:row + 1, lo:hi] for x in args))
+        alone = np.asarray(reference(*(x[row:row + 1, lo:hi] for x in args)))
         np.testing.assert_allclose(got[row, lo:hi], alone[0], atol=1e-5)
         checked += 1
     assert checked == 4
 
     def grad(fn):
-        return jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a, seg))), argnums=range(5))
+        return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a, seg))), argnums=range(5)))
 
-    grads = grad(lambda *a: deltanet.chunked_delta_rule(*a, chunk=16))(*args)
+    grads = grad(chunked)(*args)
     want = grad(deltanet.recurrent_reference)(*args)
     for a, b in zip(grads, want, strict=True):
-        assert float(jnp.max(jnp.abs(b))) > 0
-        np.testing.assert_allclose(a, b, atol=2e-5 * float(jnp.max(jnp.abs(b))))
+        assert float(np.max(np.abs(b))) > 0
+        np.testing.assert_allclose(a, b, atol=2e-5 * float(np.max(np.abs(b))))
 
 
 def test_conv_restarts_at_document_starts():
     rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.normal(size=(1, 12, 3)).astype(np.float32))
-    w = jnp.asarray(rng.normal(size=(3, 4)).astype(np.float32))
+    x = rng.normal(size=(1, 12, 3)).astype(np.float32)
+    w = rng.normal(size=(3, 4)).astype(np.float32)
     seg = jnp.asarray([[1] * 5 + [2] * 7])
-    runs = deltanet.run_ids(seg, 12)
-    got = deltanet.causal_conv(x, w, runs)
+    got = np.asarray(jax.jit(lambda x, w: deltanet.causal_conv(x, w, deltanet.run_ids(seg, 12)))(
+        x, w))
     for lo, hi in ((0, 5), (5, 12)):
         part = x[:, lo:hi]
         alone = torch.nn.functional.conv1d(
-            torch.tensor(np.asarray(part)).transpose(1, 2), torch.tensor(np.asarray(w))[:, None],
+            torch.tensor(part).transpose(1, 2), torch.tensor(w)[:, None],
             padding=3, groups=3)[:, :, :hi - lo].transpose(1, 2).numpy()
         np.testing.assert_allclose(got[:, lo:hi], alone, atol=1e-6)
 
 
 def _core_args(seed, hk, hv, s=96):
     rng = np.random.default_rng(seed)
-    f = lambda *shape: jnp.asarray(rng.normal(size=shape).astype(np.float32))
+    f = lambda *shape: rng.normal(size=shape).astype(np.float32)
     return (f(B, s, hk, 16), f(B, s, hk, 16), f(B, s, hv, 8), f(B, s, hv), f(B, s, hv),
             f(hk, 16, 4), f(hk, 16, 4), f(hv, 8, 4), 0.5 * f(hv), f(hv))
+
+
+def _sum_sin_grad(fn):
+    return jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=range(10))
+
+
+# The one-device core on _packed_segments(B, 96) (the reference of every mesh below; one
+# program each for all cases of one shape).
+_core_ref = jax.jit(lambda *a: linear.gated_delta_core(*a, _packed_segments(B, 96), chunk=16))
+_core_ref_grads = jax.jit(_sum_sin_grad(
+    lambda *a: linear.gated_delta_core(*a, _packed_segments(B, 96), chunk=16)))
 
 
 @pytest.mark.parametrize("p,hk", [(2, 2), (4, 2)])
@@ -133,11 +147,9 @@ def test_ulysses_deltanet_matches_one_device(p, hk):
     seg = _packed_segments(B, 96)
     mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
     ours = lambda *a: linear.gated_deltanet(*a, mesh=mesh, segment_ids=seg, chunk=16)
-    ref = lambda *a: linear.gated_delta_core(*a, seg, chunk=16)
-    np.testing.assert_allclose(jax.jit(ours)(*args), ref(*args), atol=1e-5)
-    grad = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=range(10))
-    for a, b in zip(jax.jit(grad(ours))(*args), grad(ref)(*args), strict=True):
-        scale = float(jnp.max(jnp.abs(b)))
+    np.testing.assert_allclose(jax.jit(ours)(*args), _core_ref(*args), atol=1e-5)
+    for a, b in zip(jax.jit(_sum_sin_grad(ours))(*args), _core_ref_grads(*args), strict=True):
+        scale = float(np.max(np.abs(b)))
         assert scale > 0
         np.testing.assert_allclose(a, b, atol=1e-5 * scale)
     assert linear.key_copies(hk, 4, p) == (2 if hk % p else 1)
@@ -208,15 +220,17 @@ def _ours(model, tokens, mesh, segment_ids=None, positions=None):
              "positions": (np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
                            if positions is None else positions)}
     graphdef, params = nnx.split(model)
+    return [np.asarray(x) for x in _logits_and_objective(graphdef, params, batch, mesh)]
 
-    @jax.jit
-    def run(params, batch):
-        obj, _ = objective(graphdef, params, batch, mesh)
-        logits = nnx.merge(graphdef, params)(batch["tokens"], batch["positions"],
-                                             batch["segment_ids"])
-        return logits, obj
 
-    return [np.asarray(x) for x in run(params, batch)]
+# One program per model and mesh (test_import_matches_transformers[4] and
+# test_packed_documents_equal_each_document_alone run the same one).
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _logits_and_objective(graphdef, params, batch, mesh):
+    obj, _ = objective(graphdef, params, batch, mesh)
+    logits = nnx.merge(graphdef, params)(batch["tokens"], batch["positions"],
+                                         batch["segment_ids"])
+    return logits, obj
 
 
 def test_checkpoint_is_what_it_claims(checkpoint):
@@ -321,7 +335,8 @@ def test_flops_count_the_weights_and_the_delta_rule():
     cfg = load_config(os.path.join(ROOT, "configs", "tiny-qwen3-next.yaml"),
                       ["model.num_experts=0"]).model
     mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
-    params = nnx.to_pure_dict(nnx.state(Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
+        lambda: Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0)))))
     names = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "in_proj_qkvz",
              "in_proj_ba", "out_proj"}
     weights = sum(math.prod(leaf.shape) for path, leaf in
@@ -340,12 +355,14 @@ def test_conv_silu_gradients_match_autodiff():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(2, 20, 3, 4)).astype(np.float32))
     w = jnp.asarray(rng.normal(size=(3, 4, 4)).astype(np.float32))
-    runs = deltanet.run_ids(jnp.asarray(np.repeat([[1] * 7 + [2] * 3 + [4] * 10], 2, 0)), 20)
-    plain = lambda x, w: jax.nn.silu(deltanet.causal_conv(x, w, runs))
-    np.testing.assert_allclose(deltanet.conv_silu(x, w, runs), plain(x, w), atol=1e-6)
+    seg = jnp.asarray(np.repeat([[1] * 7 + [2] * 3 + [4] * 10], 2, 0))
+    plain = lambda x, w: jax.nn.silu(deltanet.causal_conv(x, w, deltanet.run_ids(seg, 20)))
+    custom = lambda x, w: deltanet.conv_silu(x, w, deltanet.run_ids(seg, 20))
+    np.testing.assert_allclose(*jax.jit(lambda x, w: (custom(x, w), plain(x, w)))(x, w),
+                               atol=1e-6)
     ct = jnp.asarray(rng.normal(size=x.shape).astype(np.float32))
-    got = jax.vjp(lambda x, w: deltanet.conv_silu(x, w, runs), x, w)[1](ct)
-    want = jax.vjp(plain, x, w)[1](ct)
+    got, want = jax.jit(lambda x, w, ct: [jax.vjp(fn, x, w)[1](ct) for fn in (custom, plain)])(
+        x, w, ct)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
@@ -360,19 +377,21 @@ def test_convolution_inside_the_chunks_equals_convolving_first():
     g, beta = -0.3 * jnp.abs(f(B, 90, 4)), jax.nn.sigmoid(f(B, 90, 4))
     conv = (f(2, 16, 4), f(2, 16, 4), f(4, 8, 4))
     seg = _packed_segments(B, 90)
-    runs = deltanet.run_ids(seg, 90, B)
 
     def first(q, k, v, *conv):
+        runs = deltanet.run_ids(seg, 90, B)
         q, k, v = (deltanet.conv_silu(x, w, runs) for x, w in zip((q, k, v), conv))
         return deltanet.chunked_delta_rule(q, k, v, g, beta, seg, chunk=16)
 
     def fused(q, k, v, *conv):
         return deltanet.chunked_delta_rule(q, k, v, g, beta, seg, chunk=16, conv=conv)
 
-    np.testing.assert_allclose(fused(q, k, v, *conv), first(q, k, v, *conv), atol=1e-5)
+    np.testing.assert_allclose(
+        *jax.jit(lambda *a: (fused(*a), first(*a)))(q, k, v, *conv), atol=1e-5)
     grad = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=range(6))
-    for a, b in zip(grad(fused)(q, k, v, *conv), grad(first)(q, k, v, *conv), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+    got, want = jax.jit(lambda *a: (grad(fused)(*a), grad(first)(*a)))(q, k, v, *conv)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(np.max(np.abs(b))))
 
 
 def test_yarn_scaled_checkpoint_matches_transformers_at_long_positions(tmp_path):
