@@ -5,9 +5,10 @@ and the size of the compiled HLO; the persistent compilation cache off.
     python benchmarks/program_cost.py [--config configs/tiny.yaml] [OVERRIDES ...]
 
 With the test suite's XLA flags (tests/conftest.py: 8 fake devices, LLVM optimisations off,
-the older loop emitters, one codegen module), so the figures are what a test pays per
-program. CPU seconds of this process (time.process_time), which the machine's other jobs
-disturb less than wall time; still compare figures of one sitting only.
+the older loop emitters, one codegen module) and its locations without Python tracebacks, so
+the figures are what a test pays per program. CPU seconds of this process
+(time.process_time), which the machine's other jobs disturb less than wall time; still
+compare figures of one sitting only.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
                            "device_count=8 --xla_backend_optimization_level=0 "
                            "--xla_cpu_use_fusion_emitters=false "
                            "--xla_cpu_parallel_codegen_split_count=1").strip()
+os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "0")  # as tests/conftest.py
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
