@@ -26,12 +26,13 @@ if not any(importlib.util.find_spec(name) for name in ("jax_cuda13_plugin", "jax
     _CPU_TEST_FLAGS += (" --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
                         " --xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CPU_TEST_FLAGS).strip()
-# No Python call stacks in the programs' locations. JAX 0.10 writes each operation's whole
-# traceback (up to 100 frames) into its MLIR location, which XLA then carries through every
-# pass; the suite reads no location (its HLO checks read op names, which stay). Without them
-# test_accumulate.py + test_ring.py in one process: 157 s to 145 s of test wall, XLA compiles
-# 93 s to 83 s (2026-12-04, docs/PERF.md section 12). Subprocesses inherit it (``cli_env``).
-os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "0")
+# No Python call stacks in the programs' locations: JAX 0.10 writes up to 100 frames of each
+# operation's traceback into its MLIR location, which XLA carries through every pass. With
+# none, the tiny train step's compiled HLO is 797,276 characters instead of 926,418 and its
+# compile 0.80 CPU s instead of 0.84 (benchmarks/program_cost.py mesh.seq=4, two runs each,
+# 2026-12-04). The op names stay (the dry run's memory categories and the HLO checks read
+# them): JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS=0 would drop them with the stacks.
+# Subprocesses inherit it (``cli_env``).
 os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
 
 import gc  # noqa: E402
