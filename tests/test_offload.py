@@ -1,6 +1,7 @@
 """Memory options for long sequences: layer checkpoints and the optimizer in host memory,
 bfloat16 moments; the same numbers as without, the placement in a GPU lowering, and the
 planner's device/host accounting."""
+import functools
 import json
 import os
 import subprocess
@@ -13,10 +14,11 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import DEVICES, cli_env
-from test_model import _batch, _setup
+from conftest import DEVICES, cli_env, need_devices
+from test_model import _batch, _cfg, _setup
+from ulysses_jax import make_mesh
 from ulysses_jax.training.optimizer import scale_by_adam_stored
-from ulysses_jax.training.train_step import make_train_step
+from ulysses_jax.training.train_step import make_train_step, state_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,8 +53,31 @@ def test_bfloat16_moments_are_stored_in_bfloat16_and_update_alike():
     assert 0 < err < 2e-2, err  # different storage, same update up to bf16 rounding
 
 
-def _train(over, steps=3, compiler_options=None):
-    cfg, mesh, g, st, sh, tx = _setup(2, 1, **over)
+def _layout(over):
+    """``_setup(2, 1, **over)`` without allocating: (cfg, mesh, graphdef, abstract state,
+    state shardings, optimizer)."""
+    cfg = _cfg(2, 1, **over)
+    mesh = make_mesh(seq=2, data=1, devices=need_devices(2))
+    return cfg, mesh, *state_layout(cfg, mesh)
+
+
+@functools.cache
+def _initial_state(items):
+    """The seeded initial state and its shardings of ``_setup(2, 1, **dict(items))``, made
+    once per module: the tests and cases that start from one config share its init program."""
+    _, _, _, state, shardings, _ = _setup(2, 1, **dict(items))
+    return state, shardings
+
+
+def _train(over, steps=3, compiler_options=None, state_of=None):
+    """``steps`` steps of ``over``'s config on one batch from a copy of its seeded initial
+    state, or of ``state_of``'s config's (the same parameters and layout: ``over`` adds an
+    option of the forward pass only)."""
+    cfg, mesh, g, _, sh, tx = _layout(over)
+    state, shardings = _initial_state(tuple(sorted((over if state_of is None
+                                                    else state_of).items())))
+    assert shardings == sh
+    st = jax.device_put(state, may_alias=False)  # the step donates its state
     step = make_train_step(cfg, mesh, g, tx, sh)
     batch = _batch(3)
     if compiler_options:
@@ -79,7 +104,8 @@ def test_offload_options_keep_the_numbers(option):
     default = {"xla_cpu_use_fusion_emitters": True} if DEVICES[0].platform == "cpu" else None
     base = {"model.remat": "full"} if "model.remat" in option else {}
     l0, n0, s0, _, _ = _train(base, compiler_options=default)
-    l1, n1, s1, step, batch = _train(option, compiler_options=default)
+    l1, n1, s1, step, batch = _train(option, compiler_options=default,
+                                     state_of=base if "model.remat" in option else None)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     np.testing.assert_allclose(n1, n0, rtol=1e-6)
     chex.assert_trees_all_close(s1["params"], s0["params"], rtol=1e-6, atol=1e-7)
@@ -105,13 +131,15 @@ def test_optimizer_offload_keeps_the_state_in_host_memory_and_updates_there():
 
 def test_checkpoint_offload_moves_the_layer_input_to_the_host():
     """GPU lowering: each layer's [B, S, D] input (global shape) goes to pinned_host in the
-    forward pass and comes back for the backward pass; without the option nothing moves."""
+    forward pass and comes back for the backward pass; without the option nothing moves.
+    (Lowered from the state's layout: nothing needs initialising.)"""
     lowered = {}
     for offload in (False, True):
-        cfg, mesh, g, st, sh, tx = _setup(2, 1, **{"model.remat": "full",
-                                                   "model.offload_checkpoints": offload})
+        cfg, mesh, g, abstract, sh, tx = _layout({"model.remat": "full",
+                                                  "model.offload_checkpoints": offload})
         step = make_train_step(cfg, mesh, g, tx, sh)
-        lowered[offload] = step.trace(st, _batch(3)).lower(lowering_platforms=("cuda",)).as_text()
+        lowered[offload] = step.trace(abstract, _batch(3)).lower(
+            lowering_platforms=("cuda",)).as_text()
     b, s, d = 2, 64, 128  # the test batch and model; the lowering has global shapes
     to_host = [line for line in lowered[True].splitlines()
                if '_xla_buffer_placement = "pinned_host"' in line]
