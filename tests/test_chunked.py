@@ -1,5 +1,7 @@
 """Chunked (flash-style) attention: values and gradients against the dense reference, the
 Ulysses path, compiled memory, and causal block skipping."""
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,10 @@ from ulysses_jax.attention.chunked import _backward, _delta, _forward, _pad_inpu
 from ulysses_jax.attention.kernels import local_attention, resolve_impl
 
 
+@functools.partial(jax.jit,
+                   static_argnames=("b", "t", "s", "n", "kh", "h", "dtype", "segments"))
 def _inputs(seed, b, t, s, n, kh, h, dtype=jnp.float32, segments=False):
+    # One program per shape (the same values as the ops run one by one).
     ks = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(ks[0], (b, t, n, h), dtype)
     k = jax.random.normal(ks[1], (b, s, kh, h), dtype)
@@ -64,7 +69,8 @@ def test_bf16_forward_and_custom_scale():
     q, k, v, seg, _ = _inputs(1, 1, 40, 40, 4, 2, 8, dtype=jnp.bfloat16, segments=True)
     out = jax.jit(lambda q, k, v: chunked_attention(q, k, v, causal=True, segment_ids=seg,
                                                     block_q=16, block_k=12, scale=0.3))(q, k, v)
-    ref = reference_attention(q, k, v, causal=True, segment_ids=seg, scale=0.3)
+    ref = jax.jit(lambda q, k, v: reference_attention(q, k, v, causal=True, segment_ids=seg,
+                                                      scale=0.3))(q, k, v)
     assert out.dtype == jnp.bfloat16
     chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32),
                                 atol=tolerance(jnp.bfloat16), rtol=tolerance(jnp.bfloat16))
@@ -112,12 +118,7 @@ def test_causal_skips_blocks_above_the_diagonal(s, bq, bk):
     visits = {}
     for causal in (True, False):
         plan = _Plan(s, s, bq, bk, causal)
-        padded = _pad_inputs(q, k, v, None, None, plan)
-        out, lse, fwd = jax.jit(lambda *a: _forward(*a, plan, 1.0))(*padded)
-        d_out = _pad_inputs(ct, k, v, None, None, plan)[0]
-        *_, bwd = jax.jit(lambda *a: _backward(*a, plan, 1.0))(*padded, lse, _delta(out, d_out),
-                                                               d_out)
-        visits[causal] = (int(fwd), int(bwd))
+        visits[causal] = _visits(q, k, v, None, ct, plan)
         want = _tiles_with_visible_keys(s, s, bq, bk, causal)
         assert visits[causal] == (want, want), (causal, visits[causal], want)
     nq, nk = -(-s // bq), -(-s // bk)
@@ -163,11 +164,15 @@ def _tiles_sharing_a_document(seg, t, bq, bk, causal):
 
 
 def _visits(q, k, v, seg, ct, plan):
-    padded = _pad_inputs(q, k, v, seg, seg, plan)
-    out, lse, fwd = jax.jit(lambda *a: _forward(*a, plan, 1.0))(*padded)
-    d_out = _pad_inputs(ct, k, v, None, None, plan)[0]
-    *grads, bwd = jax.jit(lambda *a: _backward(*a, plan, 1.0))(*padded, lse,
-                                                                _delta(out, d_out), d_out)
+    """Tiles the forward and the backward loop compute (padding and delta in their programs)."""
+    out, lse, fwd = jax.jit(lambda q, k, v, seg: _forward(*_pad_inputs(q, k, v, seg, seg, plan),
+                                                          plan, 1.0))(q, k, v, seg)
+
+    def backward(q, k, v, seg, ct, out, lse):
+        d_out = _pad_inputs(ct, k, v, None, None, plan)[0]
+        return _backward(*_pad_inputs(q, k, v, seg, seg, plan), lse, _delta(out, d_out), d_out,
+                         plan, 1.0)
+    *grads, bwd = jax.jit(backward)(q, k, v, seg, ct, out, lse)
     return int(fwd), int(bwd)
 
 
@@ -219,10 +224,12 @@ def test_key_range_with_no_shared_document_gives_no_output():
     -inf, zero gradients (never NaN)."""
     from ulysses_jax.attention.chunked import block_backward, block_forward, block_plan
     q, k, v, _, ct = _inputs(8, 1, 40, 40, 4, 2, 8)
-    seg_q, seg_k = jnp.ones((1, 40), jnp.int32), jnp.full((1, 40), 2, jnp.int32)
+    seg_q, seg_k = np.ones((1, 40), np.int32), np.full((1, 40), 2, np.int32)
     plan = block_plan(40, 40, False, 16, 16)
-    out, lse = block_forward(q, k, v, seg_q, seg_k, plan, 0.3)
-    assert bool(jnp.all(out == 0)) and bool(jnp.all(lse == -jnp.inf))
-    grads = block_backward(q, k, v, seg_q, seg_k, lse, jnp.zeros_like(lse), ct, plan, 0.3)
+    out, lse = jax.jit(lambda *a: block_forward(*a, plan, 0.3))(q, k, v, seg_q, seg_k)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert bool(np.all(out == 0)) and bool(np.all(lse == -np.inf))
+    grads = jax.jit(lambda *a: block_backward(*a, plan, 0.3))(q, k, v, seg_q, seg_k, lse,
+                                                              np.zeros_like(lse), ct)
     for g in grads:
-        assert bool(jnp.all(g == 0)), g
+        assert bool(np.all(np.asarray(g) == 0)), g

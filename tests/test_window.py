@@ -2,6 +2,8 @@
 reference against a loop, the chunked kernel (values, gradients, tiles visited, ring-pair
 offsets) and XLA's kernel against the reference, cuDNN's arguments through a stand-in, and
 the kernel choice."""
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,9 @@ from ulysses_jax.attention.chunked import (_backward, _delta, _forward, _pad_inp
 from ulysses_jax.attention.kernels import local_attention, resolve_impl
 
 
+@functools.partial(jax.jit, static_argnames=("b", "s", "n", "kh", "h", "segments"))
 def _inputs(seed, b, s, n, kh, h=8, segments=False):
+    # One program per shape (the same values as the ops run one by one).
     ks = jax.random.split(jax.random.key(seed), 5)
     q, ct = (jax.random.normal(x, (b, s, n, h)) for x in (ks[0], ks[4]))
     k, v = (jax.random.normal(x, (b, s, kh, h)) for x in (ks[1], ks[2]))
@@ -45,11 +49,11 @@ def test_reference_window_and_softcap_by_loop():
     |i - j| < W; logits are c * tanh(scale * q.k / c) before masking."""
     q, k, v, _, _ = _inputs(0, 1, 12, 1, 1)
     w, c, scale = 4, 1.5, 0.7
-    qn, kn, vn = (np.asarray(x[0, :, 0], np.float64) for x in (q, k, v))
+    qn, kn, vn = (np.asarray(x, np.float64)[0, :, 0] for x in (q, k, v))
+    ref = jax.jit(reference_attention, static_argnames=("causal", "scale", "window", "softcap"))
     checked = 0
     for causal in (True, False):
-        got = np.asarray(reference_attention(q, k, v, causal=causal, scale=scale, window=w,
-                                             softcap=c))[0, :, 0]
+        got = np.asarray(ref(q, k, v, causal=causal, scale=scale, window=w, softcap=c))[0, :, 0]
         for i in range(12):
             keys = [j for j in range(12) if i - w < j and (j <= i if causal else j < i + w)]
             assert len(keys) == (min(i + 1, w) if causal else min(i + w, 12) - max(i - w + 1, 0))
@@ -162,16 +166,19 @@ def test_ring_pair_offset_uses_true_positions(n, kh, bq, bk):
     0, logsumexp -inf); values and gradients equal a dense pair computed directly."""
     q, k, v, _, ct = _inputs(3, 1, 16, n, kh)
     plan = block_plan(16, 16, True, bq, bk, window=20, softcap=2.0)
-    out, lse = block_forward(q, k, v, None, None, plan, 0.4, offset=32)
-    ref = lambda q, k, v: _pair_reference(q, k, v, 32, 20, 2.0, 0.4)
-    seen = np.asarray(jnp.isfinite(lse[0, :, 0]))
+    out, lse = jax.jit(lambda q, k, v: block_forward(q, k, v, None, None, plan, 0.4,
+                                                     offset=32))(q, k, v)
+    ref = jax.jit(lambda q, k, v: _pair_reference(q, k, v, 32, 20, 2.0, 0.4))
+    seen = np.isfinite(np.asarray(lse)[0, :, 0])
     np.testing.assert_array_equal(seen, np.arange(16) < 3)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref(q, k, v)), atol=1e-6)
-    grads = block_backward(q, k, v, None, None, lse, _delta(out, ct), ct, plan, 0.4, offset=32)
+    grads = jax.jit(lambda q, k, v, lse, out, ct: block_backward(
+        q, k, v, None, None, lse, _delta(out, ct), ct, plan, 0.4, offset=32))(q, k, v, lse, out,
+                                                                             ct)
     _, vjp = jax.vjp(ref, q, k, v)
     for name, g, gr in zip("qkv", grads, vjp(ct)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(gr), atol=1e-5, err_msg=name)
-    assert float(jnp.abs(grads[1]).max()) > 0
+    assert float(np.abs(np.asarray(grads[1])).max()) > 0
 
 
 def test_xla_kernel_window_and_scale():
@@ -195,15 +202,17 @@ def test_cudnn_gets_the_window_and_scale(monkeypatch):
         return real(q, k, v, **{**kw, "implementation": "xla"})
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
     q, k, v, _, _ = _inputs(5, 1, 32, 4, 2)
-    out = local_attention(q, k, v, causal=True, impl="cudnn", window=5, scale=0.25)
+    # a fresh function: the stand-in must see this test's trace
+    local = jax.jit(lambda q, k, v, **kw: local_attention(q, k, v, **kw),
+                    static_argnames=("causal", "impl", "window", "scale"))
+    ref = jax.jit(reference_attention, static_argnames=("causal", "window", "scale"))
+    out = local(q, k, v, causal=True, impl="cudnn", window=5, scale=0.25)
     assert seen == [dict(mask=None, is_causal=True, implementation="cudnn", scale=0.25,
                          local_window_size=(4, 0))]
-    chex.assert_trees_all_close(out, reference_attention(q, k, v, window=5, scale=0.25),
-                                atol=1e-5, rtol=1e-5)
-    out = local_attention(q, k, v, causal=False, impl="cudnn")           # encoders: both ways
+    chex.assert_trees_all_close(out, ref(q, k, v, window=5, scale=0.25), atol=1e-5, rtol=1e-5)
+    out = local(q, k, v, causal=False, impl="cudnn")                     # encoders: both ways
     assert seen[1] == dict(mask=None, is_causal=False, implementation="cudnn", scale=None)
-    chex.assert_trees_all_close(out, reference_attention(q, k, v, causal=False), atol=1e-5,
-                                rtol=1e-5)
+    chex.assert_trees_all_close(out, ref(q, k, v, causal=False), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="kernel 'cudnn' cannot apply a logit softcap"):
         local_attention(q, k, v, causal=True, impl="cudnn", softcap=5.0)
 
@@ -214,14 +223,14 @@ def test_packed_cudnn_gets_the_window(monkeypatch):
     monkeypatch.setattr(cudnn, "_cudnn_packed_call",
                         lambda *a, **kw: calls.append(kw) or jnp.zeros_like(a[0]))
     q, k, v, _, _ = _inputs(6, 1, 32, 4, 2)
-    seg = jnp.asarray([[1] * 20 + [2] * 12], jnp.int32)
+    seg = np.asarray([[1] * 20 + [2] * 12], np.int32)
     out = jax.jit(lambda q, k, v: cudnn.packed_attention(q, k, v, seg, causal=True,
                                                         max_segments=4, window=6))(q, k, v)
     assert calls == [dict(causal=True, scale=8 ** -0.5, window=6)] and bool(jnp.all(out == 0))
     over = jax.jit(lambda q, k, v: cudnn.packed_attention(q, k, v, seg, causal=True,
                                                          max_segments=1, window=6))(q, k, v)
-    chex.assert_trees_all_close(over, reference_attention(q, k, v, segment_ids=seg, window=6),
-                                atol=1e-5, rtol=1e-5)
+    ref = jax.jit(lambda q, k, v: reference_attention(q, k, v, segment_ids=seg, window=6))
+    chex.assert_trees_all_close(over, ref(q, k, v), atol=1e-5, rtol=1e-5)
 
 
 H100 = (9, 0)
