@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,8 +71,12 @@ LONG = [[(7 * i) % 90 + 3 for i in range(70)]]
 
 def test_deltanet_heads_must_split_over_the_devices():
     """Qwen3-Next on 3 devices: its 8 DeltaNet value heads do not split; refused when the
-    generator is made, before anything is compiled."""
-    cfg, mesh, params = _model(3, preset="tiny-qwen3-next.yaml")
+    generator is made, before anything is compiled (nor the parameters looked at: their
+    shapes stand for them)."""
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny-qwen3-next.yaml"), SMALL).model
+    mesh = make_mesh(seq=3, data=1, devices=need_devices(3))
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
+        lambda: Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0)))))
     with pytest.raises(GenerationError, match="linear value heads 8 are not divisible by the "
                                               "seq axis size 3"):
         Generator(params, cfg, mesh)
@@ -136,7 +141,7 @@ def test_filters_are_transformers_warpers(t, k, p):
                    + ([lp.TopPLogitsWarper(p)] if p < 1 else [])):
         theirs = warper(None, theirs)
     theirs = theirs.numpy()
-    ours = np.asarray(filtered(jnp.asarray(logits), Sampling(t, k, p)))
+    ours = np.asarray(jax.jit(lambda x: filtered(x, Sampling(t, k, p)))(logits))
     np.testing.assert_array_equal(np.isinf(ours), np.isinf(theirs))
     np.testing.assert_allclose(ours[~np.isinf(ours)], theirs[~np.isinf(theirs)], rtol=1e-6)
 

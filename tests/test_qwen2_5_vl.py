@@ -149,6 +149,13 @@ def _ours(model, tokens, images, mesh, segment_ids=None):
     return [np.asarray(x) for x in run(params, batch)]
 
 
+def _call(model, *args, **images):
+    """``model(*args, **images)`` as one program: the arguments are concrete while it is
+    traced, so keyword images are prepared on the host as in an eager call."""
+    graphdef, params = nnx.split(model)
+    return np.asarray(jax.jit(lambda p: nnx.merge(graphdef, p)(*args, **images))(params))
+
+
 # ----------------------------------------------------------------- host-side inputs
 
 @pytest.mark.parametrize("grids", [[[1, 8, 12]], [[2, 4, 4], [1, 6, 10]], [[3, 10, 6]],
@@ -280,7 +287,7 @@ def test_import_matches_transformers(checkpoint, hf_model, p):
     assert _rel(logits, out.logits.numpy()) <= TOL, _rel(logits, out.logits.numpy())
     np.testing.assert_allclose(loss, float(out.loss), rtol=TOL)
     # the keyword call (transformers' inputs, prepared on the host) is the same function
-    direct = np.asarray(model(jnp.asarray(tokens), **images))
+    direct = _call(model, tokens, **images)
     np.testing.assert_allclose(direct, logits, rtol=0, atol=1e-5)
     if p == 1:  # the images matter: text-only positions and embeddings give other logits
         with torch.no_grad():
@@ -297,20 +304,27 @@ def _run_step(model, mesh, tokens, images, capacity=None):
              "loss_mask": np.ones((b, s)), "segment_ids": np.ones((b, s), np.int32),
              "positions": positions, "vision": vision}
     graphdef, params = nnx.split(model)
-    loss, grads = jax.jit(jax.value_and_grad(
-        lambda p: objective(graphdef, p, batch, mesh)[0]))(params)
-    logits = jax.jit(lambda p: nnx.merge(graphdef, p)(
-        batch["tokens"], batch["positions"], batch["segment_ids"], batch["vision"]))(params)
+
+    @jax.jit
+    def run(params, batch):
+        loss, grads = jax.value_and_grad(lambda p: objective(graphdef, p, batch, mesh)[0])(
+            params)
+        logits = nnx.merge(graphdef, params)(
+            batch["tokens"], batch["positions"], batch["segment_ids"], batch["vision"])
+        return logits, loss, grads
+
+    logits, loss, grads = run(params, batch)
     return np.asarray(logits), float(loss), nnx.to_pure_dict(grads)
 
 
 @pytest.fixture(scope="module")
 def one_device_step(checkpoint):
-    """The one-device model and its step on ``_straddling_inputs(6)``."""
+    """The one-device step on ``_straddling_inputs(6)`` and the one-device logits of the
+    text-only rows ``_text(np.random.default_rng(6))``."""
     mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
     model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32)
     tokens, images = _straddling_inputs(6)
-    return model, _run_step(model, mesh, tokens, images)
+    return _call(model, _text(np.random.default_rng(6))), _run_step(model, mesh, tokens, images)
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -319,7 +333,7 @@ def test_split_and_replicated_towers_agree(checkpoint, one_device_step, split):
     device give the one-device logits and gradients; so does a batch padded to a larger
     patch budget, and a budget with no image at all gives the text-only logits."""
     tokens, images = _straddling_inputs(6)
-    ref_model, (want, want_loss, want_grads) = one_device_step
+    want_text, (want, want_loss, want_grads) = one_device_step
     mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
     model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
     model.cfg = dataclasses.replace(model.cfg, vision=dataclasses.replace(
@@ -342,9 +356,8 @@ def test_split_and_replicated_towers_agree(checkpoint, one_device_step, split):
     positions, vision = multimodal.prepare(text, model.cfg, shards=model.visual.shards(),
                                            capacity=64)
     assert vision["pixels"].shape[0] == 64 * model.visual.shards()
-    logits = np.asarray(model(jnp.asarray(text), positions, None, vision))
-    np.testing.assert_allclose(logits, np.asarray(ref_model(jnp.asarray(text))), rtol=0,
-                               atol=1e-5)
+    logits = _call(model, text, positions, None, vision)
+    np.testing.assert_allclose(logits, want_text, rtol=0, atol=1e-5)
 
 
 def test_a_shard_without_images_runs_the_same_program(checkpoint, hf_model):
