@@ -32,6 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 EOS = "<|end_of_text|>"
+# The model's forward as one program per token shape (graphdef static): the steps share it.
+_forward = jax.jit(lambda graphdef, params, tokens: nnx.merge(graphdef, params)(tokens),
+                   static_argnums=0)
 
 
 def write_hf_checkpoint(path, rope=ROPE):
@@ -81,7 +84,7 @@ def _our_logits(run_dir, step, tokens):
     graphdef, abstract, _, _ = state_layout(cfg, mesh)
     with Checkpointer(os.path.join(run_dir, "checkpoints")) as ckpt:
         state, _ = ckpt.restore(abstract, step)
-    return np.asarray(nnx.merge(graphdef, state["params"])(tokens))
+    return np.asarray(_forward(graphdef, state["params"], tokens))
 
 
 def test_transformers_loads_the_trained_export(run):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from test_mm_data import noise, vl_tok, write_jsonl  # noqa: F401  (vl_tok is a 
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.evaluate import load
+from ulysses_jax.models import multimodal
 from ulysses_jax.data.store import TokenStore
 from ulysses_jax.training.trainer import train
 
@@ -96,9 +98,14 @@ def test_multimodal_store_trains_evaluates_and_exports(store, tmp_path, capsys):
                   mm_token_type_ids=torch.from_numpy(mm)).logits.numpy()
     mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
     loaded = load(str(tmp_path / "run4"), mesh)
+    # The image inputs prepared on the host as the model's call does, the forward in one
+    # program (Decoder.__call__'s path with positions and vision given).
     ours = nnx.merge(loaded.graphdef, loaded.params)
-    got = np.asarray(ours(jnp.asarray(tokens), pixel_values=pixels,
-                          image_grid_thw=np.asarray(grid).reshape(1, 3)))
+    positions, vision = multimodal.prepare(tokens, ours.cfg, shards=ours.visual.shards(),
+                                           pixel_values=pixels,
+                                           image_grid_thw=np.asarray(grid).reshape(1, 3))
+    got = np.asarray(jax.jit(lambda p, *a: nnx.merge(loaded.graphdef, p)(*a))(
+        loaded.params, jnp.asarray(tokens), positions, None, vision))
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) <= 1e-4
 
     # generation: the CLI on the run (mesh seq 2) with an image chat and a text prompt; the
