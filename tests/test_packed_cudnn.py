@@ -5,6 +5,8 @@ independent dense implementation that reads ONLY the offsets and lengths; a wron
 or plumbing then shows as a mismatch against ``reference_attention`` with segment ids.
 benchmarks/gpu_check.py runs the real call on a GPU.
 """
+from functools import partial
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,10 @@ from conftest import need_devices, tolerance
 from ulysses_jax import make_mesh, reference_attention, ulysses_attention
 from ulysses_jax.attention import cudnn, ulysses
 from ulysses_jax.attention.kernels import resolve_impl
+
+
+_layout = jax.jit(cudnn.packed_layout, static_argnums=1)
+_reference = jax.jit(reference_attention, static_argnames="causal")
 
 
 def _brute_force_layout(seg, m):
@@ -51,7 +57,8 @@ def test_layout_matches_brute_force_on_random_packings():
         s, m = int(rng.integers(1, 40)), int(rng.integers(1, 10))
         kind = ["packed", "singletons", "random"][trial % 3]
         seg = np.stack([_random_row(rng, s, kind) for _ in range(3)]).astype(np.int32)
-        offsets, lengths, ok = jax.jit(cudnn.packed_layout, static_argnums=1)(seg, m)
+        offsets, lengths, ok = _layout(seg, m)
+        offsets, lengths = np.asarray(offsets), np.asarray(lengths)
         want = [_brute_force_layout(list(row), m) for row in seg]
         assert bool(ok) == all(w[2] for w in want), (seg, m)
         for b, (w_off, w_len, w_ok) in enumerate(want):
@@ -72,7 +79,8 @@ def test_layout_matches_brute_force_on_random_packings():
 ])
 def test_layout_edge_cases(row, m, ok):
     seg = np.asarray([row], np.int32)
-    offsets, lengths, got_ok = cudnn.packed_layout(jnp.asarray(seg), m)
+    offsets, lengths, got_ok = _layout(seg, m)
+    offsets, lengths = np.asarray(offsets), np.asarray(lengths)
     w_off, w_len, w_ok = _brute_force_layout(row, m)
     assert bool(got_ok) == w_ok == ok
     if ok:
@@ -120,6 +128,16 @@ def _grads(fn, q, k, v, ct):
     return out, grads
 
 
+@partial(jax.jit, static_argnums=0)
+def _reference_grads(causal, q, k, v, seg, ct):
+    """_grads of reference_attention with segment ids as an argument (one compile per causal)."""
+    def loss(q, k, v):
+        out = reference_attention(q, k, v, causal=causal, segment_ids=seg)
+        return jnp.sum(out * ct), out
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
 def _packed_inputs(seed, s, docs, n=8, kh=2, h=16, pad=0):
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (2, s, n, h))
@@ -146,9 +164,8 @@ def test_ulysses_with_packed_kernel_matches_reference(packed_on_cpu, p, causal, 
     q, k, v, seg, ct = _packed_inputs(p, 64, docs=6, pad=pad)
     fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal, segment_ids=seg,
                                            max_segments=8)
-    ref = lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=seg)
     out, grads = _grads(fn, q, k, v, ct)
-    out_ref, grads_ref = _grads(ref, q, k, v, ct)
+    out_ref, grads_ref = _reference_grads(causal, q, k, v, seg, ct)
     tol = tolerance(jnp.float32)
     chex.assert_trees_all_close(out, out_ref, atol=tol, rtol=tol)
     for name, g, gr in zip("qkv", grads, grads_ref):
@@ -170,7 +187,7 @@ def test_rows_over_the_bound_run_the_exact_fallback(packed_on_cpu, docs, bound,
         assert bool(jnp.all(out == 0))
     else:
         tol = tolerance(jnp.float32)
-        chex.assert_trees_all_close(out, reference_attention(q, k, v, segment_ids=seg),
+        chex.assert_trees_all_close(out, _reference(q, k, v, segment_ids=seg),
                                     atol=tol, rtol=tol)
 
 
@@ -182,7 +199,7 @@ def test_recurring_ids_run_the_exact_fallback(packed_on_cpu):
     out = jax.jit(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=seg,
                                                     max_segments=8))(q, k, v)
     tol = tolerance(jnp.float32)
-    chex.assert_trees_all_close(out, reference_attention(q, k, v, segment_ids=seg),
+    chex.assert_trees_all_close(out, _reference(q, k, v, segment_ids=seg),
                                 atol=tol, rtol=tol)
 
 

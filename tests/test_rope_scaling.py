@@ -154,7 +154,7 @@ def test_partial_rotary_matches_qwen3_next():
     cos, sin = rotary(torch.from_numpy(q), torch.from_numpy(pos).long())
     qt = torch.from_numpy(q).transpose(1, 2)                                      # [B, N, S, H]
     want, _ = qn.apply_rotary_pos_emb(qt, qt, cos, sin)
-    got = apply_rope(jnp.asarray(q), jnp.asarray(pos), 10000.0, rotary_dim=8)
+    got = jax.jit(lambda q, pos: apply_rope(q, pos, 10000.0, rotary_dim=8))(q, pos)
     np.testing.assert_allclose(np.asarray(got), want.transpose(1, 2).numpy(), rtol=0, atol=2e-6)
     np.testing.assert_array_equal(np.asarray(got)[..., 8:], q[..., 8:])
     with pytest.raises(ValueError, match="rotary_dim must be even"):
@@ -170,12 +170,12 @@ def test_angles_exact_from_the_threshold():
     pos = np.concatenate([np.arange(2**17 - 64, 2**17 + 64),
                           np.random.default_rng(1).integers(2**17, 2**31 - 1, 4096)])
     pos = pos.astype(np.int32)[None]                                              # [1, S]
-    got = np.asarray(angles(jnp.asarray(pos), freqs, exact_from=2**17), np.float64)
+    got = np.asarray(jax.jit(lambda p: angles(p, freqs, exact_from=2**17))(pos), np.float64)
     exact = pos[..., None].astype(np.float64) * freqs.astype(np.float64)          # [1, S, R/2]
     err = np.abs(np.angle(np.exp(1j * (got - exact))))
     high = pos[0] >= 2**17
     assert np.max(err[:, high]) < 2e-6
-    fp32 = np.asarray(angles(jnp.asarray(pos), freqs, exact_from=None), np.float64)
+    fp32 = np.asarray(jax.jit(lambda p: angles(p, freqs, exact_from=None))(pos), np.float64)
     assert np.max(np.abs(np.angle(np.exp(1j * (fp32 - exact))))[:, high]) > 0.05
     want_low = torch.from_numpy(pos[0, ~high]).float()[:, None] * torch.from_numpy(freqs)
     np.testing.assert_array_equal(got[0, ~high], want_low.numpy())
@@ -251,9 +251,20 @@ def _hf_logits(path: str, tokens, positions) -> np.ndarray:
                      position_ids=torch.from_numpy(positions).long()).logits.numpy()
 
 
+_forward = nnx.jit(lambda m, t, p: m(t, p))  # one program per model config, mesh and shape
+
+
 def _our_logits(model, tokens, positions) -> np.ndarray:
-    return np.asarray(nnx.jit(lambda m, t, p: m(t, p))(model, jnp.asarray(tokens),
-                                                      jnp.asarray(positions)))
+    return np.asarray(_forward(model, tokens, positions))
+
+
+def _with_config(model, **changes):
+    """``model``'s parameters in a Decoder with changed config fields (built abstractly: every
+    parameter is replaced, so no initialisation runs)."""
+    other = nnx.eval_shape(lambda: Decoder(dataclasses.replace(model.cfg, **changes),
+                                           mesh=model.mesh, rngs=nnx.Rngs(0)))
+    nnx.update(other, nnx.state(model, nnx.Param))
+    return other
 
 
 @pytest.mark.parametrize("name,p", [(n, p) for n in MODELS for p in (1, 2, 4)])
@@ -273,9 +284,7 @@ def test_without_the_scaling_logits_differ(checkpoints, name):
     tokens, positions = _inputs(1, seed=1)
     mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
     model = from_pretrained(checkpoints[name], mesh=mesh, attn_impl="xla")
-    other = Decoder(dataclasses.replace(model.cfg, rope_scaling=RopeScalingConfig()),
-                    mesh=mesh, rngs=nnx.Rngs(0))
-    nnx.update(other, nnx.state(model, nnx.Param))
+    other = _with_config(model, rope_scaling=RopeScalingConfig())
     want = _hf_logits(checkpoints[name], tokens, positions)
     assert _rel(_our_logits(other, tokens, positions), want) > 10 * TOL
 
@@ -291,15 +300,13 @@ def test_exact_angles_from_the_threshold_in_the_model(checkpoints):
     high = low + 2**20
 
     def logits(exact_from, positions):
-        other = Decoder(dataclasses.replace(model.cfg, rope_exact_from=exact_from), mesh=mesh,
-                        rngs=nnx.Rngs(0))
-        nnx.update(other, nnx.state(model, nnx.Param))
-        return _our_logits(other, tokens, positions)
+        return _our_logits(_with_config(model, rope_exact_from=exact_from), tokens, positions)
 
     fp32, exact = 2**31 - 1, 0
+    threshold_high = logits(2**17, high)
     assert _rel(logits(2**17, low), logits(fp32, low)) <= 1e-7
-    assert _rel(logits(2**17, high), logits(exact, high)) <= 1e-7
-    assert _rel(logits(2**17, high), logits(fp32, high)) > TOL
+    assert _rel(threshold_high, logits(exact, high)) <= 1e-7
+    assert _rel(threshold_high, logits(fp32, high)) > TOL
 
 
 EXPORTS = {
