@@ -25,6 +25,7 @@ from ulysses_jax.training.objectives.grpo import GRPOLoss, grpo_loss, token_logp
 torch = pytest.importorskip("torch", reason="torch is needed for the reference")
 
 S = 32
+_jit_grpo_loss = jax.jit(grpo_loss, static_argnums=4)  # one program per loss and shapes
 
 
 def _trl(logp, old, ref, adv, mask, g: GRPOLoss):
@@ -111,7 +112,7 @@ def test_loss_and_gradients_match_trl(llama):  # noqa: F811
         assert 0 < float(metrics["clip_ratio"]) < 1
         assert float(metrics["clip_ratio"]) == pytest.approx((clipped * m).sum() / m.sum())
         for o, w in zip(others, want_other):
-            got_o, _ = grpo_loss(lp, np_old, np_adv, batch["loss_mask"], o)
+            got_o, _ = _jit_grpo_loss(np.asarray(lp), np_old, np_adv, batch["loss_mask"], o)
             assert float(got_o) == pytest.approx(w, rel=1e-5), (p, o.loss_type)
 
 
@@ -230,9 +231,9 @@ def test_dapo_normalises_by_the_global_batch_tokens():
     mask = (rng.random((4, 8)) < 0.7).astype(np.float32)
     adv = rng.normal(size=4)
     g = GRPOLoss(loss_type="dapo")
-    whole, _ = grpo_loss(lp, old, adv, mask, g)
-    parts = [grpo_loss(lp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], g,
-                       num_items=mask.sum())[0] for i in (0, 2)]
+    whole, _ = _jit_grpo_loss(lp, old, adv, mask, g)
+    parts = [_jit_grpo_loss(lp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], g,
+                            num_items=mask.sum())[0] for i in (0, 2)]
     assert float(sum(parts)) == pytest.approx(float(whole), rel=1e-6)
     with pytest.raises(ValueError, match="loss_type must be one of grpo, bnpo, dr_grpo, dapo"):
         grpo_loss(lp, old, adv, mask, GRPOLoss(loss_type="ppo"))

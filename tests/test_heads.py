@@ -1,6 +1,8 @@
 """Head counts the seq axis does not divide: the padded layout (each device gets the query
 heads and the kv copies they read), values and gradients against the dense reference on
 Ulysses and hybrid meshes, the bytes the exchange moves, and the one error left."""
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -56,8 +58,8 @@ def test_each_device_gets_its_queries_and_the_kv_they_read(n, k, p):
     the real head's kv head, n // G."""
     mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
     lay = head_layout(n, k, p)
-    code = lambda heads, base: (base + 1 + jnp.arange(heads, dtype=jnp.float32))[
-        None, None, :, None] * jnp.ones((1, 2 * p, heads, 1))
+    code = lambda heads, base: jnp.asarray((base + 1 + np.arange(heads, dtype=np.float32))[
+        None, None, :, None] * np.ones((1, 2 * p, heads, 1), np.float32))
     q, kk = code(n, 0), code(k, 100)
 
     def body(q, kk):
@@ -89,16 +91,23 @@ NUMERIC = [  # (seq U, ring R, query heads, kv heads, causal, segments)
     (2, 2, 7, 7, True, True)]      # hybrid: heads padded for the seq axis only
 
 
-@pytest.mark.parametrize("u,r,n,k,causal,segments", NUMERIC)
-def test_uneven_heads_match_reference(u, r, n, k, causal, segments):
-    mesh = make_mesh(seq=u, ring=r, data=1, devices=need_devices(u * r))
-    s, b, h = 8 * u * r, 2, 8
-    ks = jax.random.split(jax.random.key(n * 10 + u), 5)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _inputs(seed, b, s, n, k, h, segments):
+    """One program per shape (the same bits as op by op)."""
+    ks = jax.random.split(jax.random.key(seed), 5)
     q, ct = (jax.random.normal(x, (b, s, n, h)) for x in (ks[0], ks[1]))
     kk, v = (jax.random.normal(x, (b, s, k, h)) for x in (ks[2], ks[3]))
     seg = None
     if segments:
         seg = jnp.cumsum(jax.random.bernoulli(ks[4], 0.15, (b, s)), 1).astype(jnp.int32)
+    return q, kk, v, seg, ct
+
+
+@pytest.mark.parametrize("u,r,n,k,causal,segments", NUMERIC)
+def test_uneven_heads_match_reference(u, r, n, k, causal, segments):
+    mesh = make_mesh(seq=u, ring=r, data=1, devices=need_devices(u * r))
+    s, b, h = 8 * u * r, 2, 8
+    q, kk, v, seg, ct = _inputs(n * 10 + u, b, s, n, k, h, segments)
     fn = lambda q, kk, v: ulysses_attention(q, kk, v, mesh=mesh, causal=causal,
                                             segment_ids=seg)
     ref = lambda q, kk, v: reference_attention(q, kk, v, causal=causal, segment_ids=seg)
@@ -119,13 +128,19 @@ def test_padded_heads_with_head_chunks():
     """6 query / 3 kv heads on 2 devices: each kv head copied twice, no query padding; in 3
     head groups the exchange runs 3 times, same values."""
     mesh = make_mesh(seq=2, data=1, devices=need_devices(2))
-    ks = jax.random.split(jax.random.key(3), 3)
-    q = jax.random.normal(ks[0], (1, 16, 6, 8))
-    kk, v = (jax.random.normal(x, (1, 16, 3, 8)) for x in ks[1:])
+
+    @jax.jit
+    def inputs(seed):
+        ks = jax.random.split(jax.random.key(seed), 3)
+        q = jax.random.normal(ks[0], (1, 16, 6, 8))
+        kk, v = (jax.random.normal(x, (1, 16, 3, 8)) for x in ks[1:])
+        return q, kk, v
+    q, kk, v = inputs(3)
     fn = jax.jit(lambda q, kk, v: ulysses_attention(q, kk, v, mesh=mesh, head_chunks=3))
-    chex.assert_trees_all_close(fn(q, kk, v), reference_attention(q, kk, v), atol=1e-5,
-                                rtol=1e-5)
-    assert collective_counts(fn.lower(q, kk, v).compile().as_text())["all-to-all"] == 6
+    compiled = fn.lower(q, kk, v).compile()
+    chex.assert_trees_all_close(compiled(q, kk, v), jax.jit(reference_attention)(q, kk, v),
+                                atol=1e-5, rtol=1e-5)
+    assert collective_counts(compiled.as_text())["all-to-all"] == 6
 
 
 @pytest.mark.parametrize("n,k,p", [(12, 4, 8), (3, 3, 2), (16, 4, 8)])

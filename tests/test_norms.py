@@ -1,4 +1,6 @@
 """The memory-lean RMSNorm and TiledMLP against plain autodiff of the same functions."""
+import functools
+
 import chex
 import numpy as np
 import jax
@@ -23,10 +25,13 @@ def _value_and_grads(fn, args, ct):
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
 def test_rms_norm_matches_autodiff(dtype, tol):
-    k = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(k[0], (2, 7, 32), dtype)
-    scale = 1 + 0.1 * jax.random.normal(k[1], (32,))
-    ct = jax.random.normal(k[2], x.shape, dtype)
+    @functools.partial(jax.jit, static_argnums=1)
+    def normals(seed, dtype):        # one program; the arithmetic after it stays op by op
+        k = jax.random.split(jax.random.key(seed), 3)
+        x = jax.random.normal(k[0], (2, 7, 32), dtype)
+        return x, jax.random.normal(k[1], (32,)), jax.random.normal(k[2], x.shape, dtype)
+    x, scale, ct = normals(0, dtype)
+    scale = 1 + 0.1 * scale
     got = _value_and_grads(lambda x, s: rms_norm(x, s, 1e-6), (x, scale), ct)
     want = _value_and_grads(lambda x, s: _plain_rms_norm(x, s, 1e-6), (x, scale), ct)
     chex.assert_trees_all_close(got, want, atol=tol, rtol=tol)
@@ -37,15 +42,26 @@ def _mlp(x, wg, wu, wd):
     return jnp.einsum("BSF,FD->BSD", h, wd)
 
 
+@functools.cache
+def _mlp_case():
+    """test_tiled_mlp_matches_the_whole_mlp's inputs and the whole MLP's value and gradients
+    (the same for every chunk)."""
+    @jax.jit
+    def normals(seed):               # one program; the scaling after it stays op by op
+        k = jax.random.split(jax.random.key(seed), 5)
+        x = jax.random.normal(k[0], (2, 64, 16))
+        ws = tuple(jax.random.normal(kk, s) for kk, s in
+                   zip(k[1:4], ((16, 48), (16, 48), (48, 16))))
+        return x, ws, jax.random.normal(k[4], x.shape)
+    x, ws, ct = normals(1)
+    ws = tuple(0.2 * w for w in ws)
+    return x, ws, ct, _value_and_grads(_mlp, (x, *ws), ct)
+
+
 @pytest.mark.parametrize("chunk", [64, 16, 8])
 def test_tiled_mlp_matches_the_whole_mlp(chunk):
-    k = jax.random.split(jax.random.key(1), 5)
-    x = jax.random.normal(k[0], (2, 64, 16))
-    ws = tuple(0.2 * jax.random.normal(kk, s) for kk, s in
-               zip(k[1:4], ((16, 48), (16, 48), (48, 16))))
-    ct = jax.random.normal(k[4], x.shape)
+    x, ws, ct, want = _mlp_case()
     got = _value_and_grads(lambda x, *w: tiled(_mlp, x, w, chunk), (x, *ws), ct)
-    want = _value_and_grads(_mlp, (x, *ws), ct)
     chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -80,9 +96,10 @@ def test_gated_rms_norm_matches_autodiff():
         r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
         return x * r * scale * jax.nn.silu(gate)
 
-    np.testing.assert_allclose(gated_rms_norm(x, scale, gate, 1e-6), plain(x, scale, gate),
-                               atol=1e-6)
-    got = jax.vjp(lambda *a: gated_rms_norm(*a, 1e-6), x, scale, gate)[1](ct)
-    want = jax.vjp(plain, x, scale, gate)[1](ct)
+    np.testing.assert_allclose(jax.jit(lambda *a: gated_rms_norm(*a, 1e-6))(x, scale, gate),
+                               jax.jit(plain)(x, scale, gate), atol=1e-6)
+    vjp = lambda f: jax.jit(lambda ct, *a: jax.vjp(f, *a)[1](ct))  # noqa: E731
+    got = vjp(lambda *a: gated_rms_norm(*a, 1e-6))(ct, x, scale, gate)
+    want = vjp(plain)(ct, x, scale, gate)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)

@@ -1,6 +1,8 @@
 """Windows, scales and softcaps through the exchange: Ulysses and hybrid Ulysses x Ring
 against the dense reference, the ring offsets a window needs, the pairs each rank computes,
 and the K/V a window no longer sends (collective-permutes as executed)."""
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,9 @@ from ulysses_jax.attention.ring import block_counts, ring_steps
 from ulysses_jax.hlo import executed_collectives
 
 
+@functools.partial(jax.jit, static_argnames=("b", "s", "n", "kh", "h", "segments"))
 def _inputs(seed, b, s, n, kh, h=8, segments=False):
+    """One program per shape (the same bits as op by op)."""
     ks = jax.random.split(jax.random.key(seed), 5)
     q, ct = (jax.random.normal(x, (b, s, n, h)) for x in (ks[0], ks[4]))
     k, v = (jax.random.normal(x, (b, s, kh, h)) for x in (ks[1], ks[2]))
