@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import need_devices, tolerance
 from ulysses_jax import make_mesh, reference_attention, ulysses_attention
-from ulysses_jax.attention.heads import pad_heads, unpad_output
+from ulysses_jax.attention.heads import pad_heads
 from ulysses_jax.head_layout import head_layout
 from ulysses_jax.attention.ulysses import _pack_qkv, _unpack_qkv, seq_to_heads
 from ulysses_jax.hlo import collective_bytes, collective_counts
