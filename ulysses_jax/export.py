@@ -28,9 +28,10 @@ a time where TensorStore can open the stored array (``open_param``: Orbax 0.12's
 else one whole parameter at a time (an Orbax partial restore: all layers of one weight, fp32,
 7.5 GB for Llama-3-8B's MLP weights); each shard is written as soon as it is complete, so
 the host holds one layer (or parameter) plus one shard (``--max-shard-gb``), and the stored
-chunk a layer is read from: TensorStore decodes whole chunks, and Orbax writes a replicated
-parameter as one chunk of all its layers (in the stored dtype), which is kept decoded while
-its layers are read rather than decoded again for each.
+chunks a layer is read from: TensorStore decodes whole chunks, and Orbax's chunks span all
+layers (a replicated parameter is one chunk, a ZeRO-3 one a chunk per device), in the stored
+dtype; they are kept decoded while the parameter's layers are read rather than decoded again
+for each.
 
 Exit codes: 0 written; 2 a bad input (no such run, no checkpoint, step not found, bad dtype,
 output directory not empty, a token store's tokenizer or chat template changed since it was
@@ -180,14 +181,17 @@ def open_param(run_dir: str, step: int, keys: tuple) -> LayerReader | None:
             "driver": "ocdbt", "base": f"file://{_state_dir(run_dir, step)}",
             "path": ".".join(("params",) + keys)}}
         store = ts.open(spec, open=True, read=True).result()
-        # Reading a slice decodes the whole stored chunk that holds it, and Orbax stores a
-        # replicated array as one chunk of all its layers: without a cache each layer's read
-        # would decompress every layer again (SmolLM2-135M's export: 270 reads, 48 s of a
-        # 58 s export). A cache of one decoded chunk keeps it while its layers are read; the
-        # host held that chunk during each read already.
-        chunk = math.prod(store.chunk_layout.read_chunk.shape) * store.dtype.numpy_dtype.itemsize
+        # Reading a slice decodes every stored chunk that holds part of it, and Orbax's chunks
+        # span all layers (a replicated array is one chunk; a ZeRO-3 one a chunk per device,
+        # split along another axis): without a cache each layer's read would decompress every
+        # layer again (SmolLM2-135M's export: 270 reads, 48 s of a 58 s export). A cache of
+        # the chunks one layer's read touches keeps them while the layers are read; the host
+        # held them during each read already.
+        shape, chunk = tuple(store.shape), tuple(store.chunk_layout.read_chunk.shape)
+        touched = math.prod(-(-n // c) * c for n, c in zip(shape[1:], chunk[1:]))
+        size = (chunk[0] if chunk else 1) * touched * store.dtype.numpy_dtype.itemsize
         store = ts.open(spec, open=True, read=True, context=ts.Context(
-            {"cache_pool": {"total_bytes_limit": chunk + (1 << 20)}})).result()
+            {"cache_pool": {"total_bytes_limit": size + (1 << 20)}})).result()
     except Exception:  # noqa: BLE001 - any failure means "not this layout": use Orbax
         return None
     return LayerReader(store)
