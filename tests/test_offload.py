@@ -1,7 +1,6 @@
 """Memory options for long sequences: layer checkpoints and the optimizer in host memory,
 bfloat16 moments; the same numbers as without, the placement in a GPU lowering, and the
 planner's device/host accounting."""
-import functools
 import json
 import os
 import subprocess
@@ -14,11 +13,10 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import DEVICES, cli_env, need_devices
-from test_model import _batch, _cfg, _setup
-from ulysses_jax import make_mesh
+from conftest import DEVICES, cli_env
+from test_model import _batch, _built, _cfg, _layout
 from ulysses_jax.training.optimizer import scale_by_adam_stored
-from ulysses_jax.training.train_step import make_train_step, state_layout
+from ulysses_jax.training.train_step import make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,29 +51,12 @@ def test_bfloat16_moments_are_stored_in_bfloat16_and_update_alike():
     assert 0 < err < 2e-2, err  # different storage, same update up to bf16 rounding
 
 
-def _layout(over):
-    """``_setup(2, 1, **over)`` without allocating: (cfg, mesh, graphdef, abstract state,
-    state shardings, optimizer)."""
-    cfg = _cfg(2, 1, **over)
-    mesh = make_mesh(seq=2, data=1, devices=need_devices(2))
-    return cfg, mesh, *state_layout(cfg, mesh)
-
-
-@functools.cache
-def _initial_state(items):
-    """The seeded initial state and its shardings of ``_setup(2, 1, **dict(items))``, made
-    once per module: the tests and cases that start from one config share its init program."""
-    _, _, _, state, shardings, _ = _setup(2, 1, **dict(items))
-    return state, shardings
-
-
 def _train(over, steps=3, compiler_options=None, state_of=None):
     """``steps`` steps of ``over``'s config on one batch from a copy of its seeded initial
     state, or of ``state_of``'s config's (the same parameters and layout: ``over`` adds an
     option of the forward pass only)."""
-    cfg, mesh, g, _, sh, tx = _layout(over)
-    state, shardings = _initial_state(tuple(sorted((over if state_of is None
-                                                    else state_of).items())))
+    cfg, mesh, g, _, sh, tx = _layout(2, 1, **over)
+    _, _, state, shardings, _, _ = _built(_cfg(2, 1, **(over if state_of is None else state_of)))
     assert shardings == sh
     st = jax.device_put(state, may_alias=False)  # the step donates its state
     step = make_train_step(cfg, mesh, g, tx, sh)
@@ -135,8 +116,8 @@ def test_checkpoint_offload_moves_the_layer_input_to_the_host():
     (Lowered from the state's layout: nothing needs initialising.)"""
     lowered = {}
     for offload in (False, True):
-        cfg, mesh, g, abstract, sh, tx = _layout({"model.remat": "full",
-                                                  "model.offload_checkpoints": offload})
+        cfg, mesh, g, abstract, sh, tx = _layout(2, 1, **{"model.remat": "full",
+                                                         "model.offload_checkpoints": offload})
         step = make_train_step(cfg, mesh, g, tx, sh)
         lowered[offload] = step.trace(abstract, _batch(3)).lower(
             lowering_platforms=("cuda",)).as_text()
