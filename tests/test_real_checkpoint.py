@@ -487,7 +487,7 @@ def test_export_loads_in_transformers_with_our_logits_and_template(smollm2, sft)
     _renders_as_recorded(exported, smollm2.renderings)
 
 
-def test_evaluate_runs_on_the_export(sft, tmp_path):
+def test_evaluate_runs_on_the_export(sft, tmp_path, monkeypatch):
     """python -m ulysses_jax.evaluate EXPORT on 2 sequence devices: eval.json with a held-out
     loss on English documents and a passkey answer loss of a model that reads."""
     data = tmp_path / "text"
@@ -495,8 +495,12 @@ def test_evaluate_runs_on_the_export(sft, tmp_path):
     for name, text in TEXTS.items():
         (data / f"{name}.txt").write_text(text)
     out = tmp_path / "eval"
+    # The held-out documents are those whose path hashes below the fraction: given relative
+    # to the test's directory, the same ones in every run (an absolute path under pytest's
+    # numbered temp directory drew another set each run, once a single 38-token document).
+    monkeypatch.chdir(tmp_path)
     assert evaluate_main([sft.export, "--seq-len", "96", "--mesh-seq", "2", "--batches", "1",
-                          "--data", str(data), "--heldout-fraction", "0.5", "--lengths", "96",
+                          "--data", "text", "--heldout-fraction", "0.5", "--lengths", "96",
                           "--depths", "0.5", "--trials", "1", "--out", str(out),
                           "--no-progress"]) == 0
     with open(out / "eval.json") as f:
