@@ -158,10 +158,12 @@ def gpu_devices(n: int = 1):
     return GPUS[:n]
 
 
-def cli_env(**extra) -> dict:
-    """Environment for a subprocess (train.py, ...) that must use the test devices: 8 CPU
-    devices, and on a one-GPU host no GPU (JAX_PLATFORMS=cpu)."""
-    env = dict(os.environ, XLA_FLAGS=_CPU_TEST_FLAGS)
+def cli_env(devices: int = 8, **extra) -> dict:
+    """Environment for a subprocess (train.py, ...) that must use the test devices: ``devices``
+    CPU devices (8, or fewer for each process of a multi-process run) with the suite's
+    code-generation settings, and on a one-GPU host no GPU (JAX_PLATFORMS=cpu)."""
+    env = dict(os.environ, XLA_FLAGS=_CPU_TEST_FLAGS.replace(
+        "device_count=8", f"device_count={devices}"))
     if _CACHE_ENV in os.environ:
         env.update(JAX_COMPILATION_CACHE_DIR=os.environ[_CACHE_ENV],
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.3")

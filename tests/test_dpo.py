@@ -431,7 +431,7 @@ def test_two_processes_train_as_one(pair_store, seq1, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = cli_env(devices=2)
     procs = [subprocess.Popen(
         [sys.executable, "train.py", "--workdir", str(tmp_path / "two"), "--no-progress",
          "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),

@@ -253,8 +253,7 @@ def test_two_processes_train_as_one(prompts, tmp_path, monkeypatch):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                  PYTHONPATH=os.pathsep.join([str(tmp_path), root]))
+    env = cli_env(devices=2, PYTHONPATH=os.pathsep.join([str(tmp_path), root]))
     args = [a for a in TINY if not a.startswith("grpo.reward_funcs=")]
     procs = [subprocess.Popen(
         [sys.executable, "train.py", "--workdir", str(tmp_path / "two"), "--no-progress",

@@ -195,7 +195,7 @@ def test_two_processes_match_one(tmp_path):
             "checkpoint_every=2", "eval_batches=0"]
     train(_cfg(*over[len(SMALL):]), str(tmp_path / "one"), progress=False)
     port = _free_port()
-    env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = cli_env(devices=4)
     procs = [subprocess.Popen(
         [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--workdir",
          str(tmp_path / "two"), "--no-progress", "--coordinator", f"127.0.0.1:{port}",
