@@ -13,8 +13,10 @@ import os
 
 # Without a GPU the tests are CPU programs at tiny sizes, where compiling costs far more than
 # running. Two code-generation settings halve a compile: LLVM's optimisations off (a third
-# less), and XLA:CPU's older loop emitters instead of its MLIR fusion emitters (half of the
-# rest). XLA's HLO passes still run, so the programs keep their collectives and their memory:
+# less; JAX_DISABLE_MOST_OPTIMIZATIONS, which JAX applies to each compile as XLA's backend
+# optimisation level 0, so that the tests running the real 135M model can turn it back off
+# for theirs: test_real_checkpoint.py), and XLA:CPU's older loop emitters instead of its MLIR
+# fusion emitters (half of the rest). XLA's HLO passes still run, so the programs keep their collectives and their memory:
 # the tiny preset's dry run reports the same collectives and a peak 192 bytes apart in 34.6 MB
 # (34,652,780 with the fusion emitters, 34,652,972 without). A third setting keeps each
 # program's machine code in one LLVM module instead of splitting it for parallel codegen
@@ -23,8 +25,9 @@ import os
 # and its memory are untouched.
 _CPU_TEST_FLAGS = "--xla_force_host_platform_device_count=8"
 if not any(importlib.util.find_spec(name) for name in ("jax_cuda13_plugin", "jax_cuda12_plugin")):
-    _CPU_TEST_FLAGS += (" --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    _CPU_TEST_FLAGS += (" --xla_cpu_use_fusion_emitters=false"
                         " --xla_cpu_parallel_codegen_split_count=1")
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # subprocesses inherit it
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CPU_TEST_FLAGS).strip()
 # No Python call stacks in the programs' locations: JAX 0.10 writes up to 100 frames of each
 # operation's traceback into its MLIR location, which XLA carries through every pass. With

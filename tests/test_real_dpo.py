@@ -14,7 +14,7 @@ import os
 import pytest
 
 from conftest import DEVICES, need_devices
-from test_real_checkpoint import CONVERSATIONS, smollm2  # noqa: F401 (the session fixture)
+from test_real_checkpoint import CONVERSATIONS, llvm_optimised, smollm2  # noqa: F401 (fixtures)
 from ulysses_jax.evaluate import main as evaluate_main
 from ulysses_jax.export import main as export_main
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import DEVICES, need_devices
-from test_real_checkpoint import smollm2  # noqa: F401 (the session fixture)
+from test_real_checkpoint import llvm_optimised, smollm2  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
                                 reason="the run uses fake CPU devices")
