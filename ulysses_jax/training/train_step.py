@@ -10,6 +10,7 @@ parameters and optimizer state are kept in host memory and updated there (optimi
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -50,7 +51,19 @@ def model_params(cfg: Config, mesh: Mesh) -> dict:
 
 
 def state_layout(cfg: Config, mesh: Mesh):
-    """Returns (graphdef, abstract state, state shardings, optimizer) without allocating."""
+    """Returns (graphdef, abstract state, state shardings, optimizer) without allocating.
+
+    A run asks for it several times (the resume, the init, the host-memory check), and each
+    answer traces the model's construction and the optimizer's init: the last few answers
+    are kept (by config and mesh, both immutable), and each caller gets its own containers.
+    """
+    graphdef, abstract, shardings, tx = _state_layout(cfg, mesh)
+    same = lambda x: x  # noqa: E731  (new dicts and tuples, the same leaves)
+    return graphdef, jax.tree.map(same, abstract), jax.tree.map(same, shardings), tx
+
+
+@functools.lru_cache(maxsize=8)
+def _state_layout(cfg: Config, mesh: Mesh):
     tx = make_optimizer(cfg.optimizer, cfg.steps)
 
     lo = cfg.model.lora
