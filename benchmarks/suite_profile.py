@@ -5,12 +5,13 @@
 Runs pytest (default: ``-n 2 tests``) with this file loaded as a plugin in every worker. The
 plugin listens to JAX's monitoring events for each test (in the test's own process: the
 CLIs a test starts as subprocesses are not seen) and records its wall time, CPU time, the
-seconds spent tracing to jaxprs, lowering to MLIR and compiling with XLA, the counts of
-compiles and of persistent compilation-cache hits and misses, and the CPU time of the
-subprocesses it waited for (their own compiles and runs, not broken down). At the end it prints the totals,
-a table per test file, the tests that compile longest and the jitted functions (by name, over
-every test) whose programs cost most to build, and writes every test's record and the
-per-name totals to ``DIR/suite_profile.json`` (default: benchmarks/results/).
+seconds spent tracing to jaxprs, lowering to MLIR and compiling with XLA (in all, and per
+jitted function name), the counts of compiles and of persistent compilation-cache hits and
+misses, and the CPU time of the subprocesses it waited for (their own compiles and runs, not
+broken down). At the end it prints the totals, a table per test file, the tests that compile
+longest and the jitted functions (by name, over every test) whose programs cost most to
+build, and writes every test's record and the per-name totals to
+``DIR/suite_profile.json`` (default: benchmarks/results/).
 
 Compare figures of one run only: the 2-core machine is shared and noisy.
 """
@@ -37,6 +38,7 @@ _DIR_ENV = "SUITE_PROFILE_DIR"
 # ---- the plugin (loaded by pytest in each worker with -p suite_profile) --------------------
 
 _now: collections.Counter = collections.Counter()
+_now_by_name: collections.Counter = collections.Counter()  # this test's seconds per name
 _records: list[dict] = []
 _by_name: dict = {}  # the jitted function's name -> {event: seconds, "n": compiles}
 
@@ -50,7 +52,7 @@ def _on_duration(event, duration, fun_name=None, **_):
         per = _by_name.setdefault(name, dict.fromkeys((TRACE, LOWER, COMPILE, "n"), 0))
         per[event] += duration
         per["n"] += event == COMPILE
-        _now["name " + name] += duration
+        _now_by_name[name] += duration
 
 
 def _on_event(event, **_):
@@ -67,6 +69,7 @@ def pytest_configure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 (pytest's hook signature)
     _now.clear()
+    _now_by_name.clear()
     wall, cpu, children = time.perf_counter(), time.process_time(), _children_cpu()
     yield
     _records.append({"test": item.nodeid, "wall_s": time.perf_counter() - wall,
@@ -76,8 +79,8 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 (pytest's hook sign
                      "compiles": _now["n " + COMPILE], "cache_hits": _now[HITS],
                      "cache_misses": _now[MISSES],
                      # seconds building each jitted function's programs in this test
-                     "by_name": {k[5:]: round(v, 3) for k, v in _now.items()
-                                 if k.startswith("name ") and v >= 0.05}})
+                     "by_name": {k: round(v, 3) for k, v in _now_by_name.items()
+                                 if v >= 0.05}})
 
 
 def _children_cpu() -> float:
@@ -96,8 +99,8 @@ def pytest_sessionfinish(session):  # noqa: ARG001
 
 # ---- the runner --------------------------------------------------------------------------
 
-FIELDS = ("wall_s", "cpu_s", "subprocess_cpu_s", "trace_s", "lower_s", "compile_s", "compiles", "cache_hits",
-          "cache_misses")
+FIELDS = ("wall_s", "cpu_s", "subprocess_cpu_s", "trace_s", "lower_s", "compile_s", "compiles",
+          "cache_hits", "cache_misses")
 
 
 def summarize_names(by_name: dict, top: int = 25) -> str:

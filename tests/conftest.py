@@ -18,11 +18,11 @@ import os
 # for theirs: test_real_checkpoint.py), and XLA:CPU's older loop emitters instead of its MLIR
 # fusion emitters (half of the rest). XLA's HLO passes still run, so the programs keep their
 # collectives and their memory: the tiny preset's dry run reports the same collectives and a
-# peak 192 bytes apart in 34.6 MB (34,652,780 with the fusion emitters, 34,652,972 without). A third setting keeps each
-# program's machine code in one LLVM module instead of splitting it for parallel codegen
-# threads, which on two cores that the two pytest workers already keep busy only add work (the
-# five slowest files: 265 s against 292 s, then 251 s against 269 s, 2026-12-03); the HLO
-# and its memory are untouched.
+# peak 192 bytes apart in 34.6 MB (34,652,780 with the fusion emitters, 34,652,972 without).
+# A third setting keeps each program's machine code in one LLVM module instead of splitting
+# it for parallel codegen threads, which on two cores that the two pytest workers already
+# keep busy only add work (the five slowest files: 265 s against 292 s, then 251 s against
+# 269 s, 2026-12-03); the HLO and its memory are untouched.
 _CPU_TEST_FLAGS = "--xla_force_host_platform_device_count=8"
 if not any(importlib.util.find_spec(name) for name in ("jax_cuda13_plugin", "jax_cuda12_plugin")):
     _CPU_TEST_FLAGS += (" --xla_cpu_use_fusion_emitters=false"
