@@ -86,6 +86,7 @@ def after(y, x):
     """
     if not active():
         return y
+    whole = []  # _zero_from(x), built once for all the leaves of y that read it
 
     def one(a):
         k = min(a.ndim, getattr(x, "ndim", 0))
@@ -93,7 +94,9 @@ def after(y, x):
             zero = _finite(x[(Ellipsis,) + (0,) * (x.ndim - k)]) * 0.0       # a's leading dims
             zero = zero.reshape(zero.shape + (1,) * (a.ndim - k))
         else:
-            zero = _zero_from(x)
+            if not whole:
+                whole.append(_zero_from(x))
+            zero = whole[0]
         return a + jax.lax.stop_gradient(zero).astype(a.dtype)
 
     return jax.tree.map(one, y)
