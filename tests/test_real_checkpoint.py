@@ -370,9 +370,10 @@ def test_generate_cli_on_three_devices(smollm2, tmp_path):
 def _cli(*args) -> str:
     """Runs ``python *args`` in the repository on the test devices; returns its stdout."""
     # LLVM's optimisations back on (conftest turns them off for the tiny test programs): this
-    # model's train step then runs in half the time, for a compile paid once.
-    env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=8",
-                  JAX_DISABLE_MOST_OPTIMIZATIONS="0")
+    # model's train step then runs in half the time, for a compile paid once. The suite's other
+    # code-generation settings stay (the same time either way: 24.0 against 23.4 s of this
+    # SFT run alone, 2026-12-05).
+    env = cli_env(JAX_DISABLE_MOST_OPTIMIZATIONS="0")
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, f"{args[:2]} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
