@@ -10,10 +10,12 @@ loss chunks of 16 (a loop of one trip is unrolled by XLA, and its collectives wi
 ``test_compile_cache.py`` shows that these pairs are what a read-back executable runs out of
 order, and that the same programs traced without ``ulysses_jax.ordering`` have them.
 
-Not yet here: Qwen3-Next under ZeRO-3 with a layer pattern that runs once (``n_layers`` =
-``len(mixer_pattern)``, as in its tiny preset): XLA hoists the gathers of the one-trip loop's
-weights out of it (42 pairs at 2 data x 2 seq, 2026-12-04; none with two repeats). The fence
-keeps those programs out of the cache.
+A layer stack that runs once (the tiny Qwen3-Next preset's attention layer after its three
+DeltaNet layers) is a loop XLA removes; under ZeRO-3 its weights' gathers would then run
+beside the loops before and after it (42 pairs at 2 data x 2 seq before the edges,
+2026-12-04). ``test_edges_of_stacks_that_run_once_change_no_number`` shows the edges that
+order them (``param_layout.layer_after``, ``ordering.saved_after_cotangent``) leave the
+numbers as they were.
 """
 import os
 
@@ -52,6 +54,9 @@ CASES = {
     "moe_data_accum_lora": ("tiny-moe", ["mesh.data=2", "mesh.seq=4", "grad_accum_steps=2",
                                          "model.lora.rank=4"], False),
     "qwen3_next": ("tiny-qwen3-next", [], True),
+    # ZeRO-3: its attention layer's stack runs once (an untied head too)
+    "qwen3_next_zero3": ("tiny-qwen3-next", ["param_sharding=zero3", "mesh.data=2",
+                                             "mesh.seq=2"], True),
     "qwen3_next_data_accum_lora": ("tiny-qwen3-next", ["mesh.data=2", "mesh.seq=4",
                                                        "grad_accum_steps=2",
                                                        "model.lora.rank=4"], False),
@@ -92,3 +97,47 @@ def test_programs_have_no_unordered_loop_collectives(name):
     assert "while" in programs["train step"]  # loops are there to be ordered
     for program, text in programs.items():
         assert unordered_loop_collectives(text) == [], (name, program)
+
+
+def test_edges_of_stacks_that_run_once_change_no_number():
+    """Qwen3-Next under ZeRO-3 with a DeltaNet layer then an attention layer: two stacks
+    that run once, whose weights take edges from the layer's input and, in the backward
+    pass, from its cotangent. One train step with the edges and one traced without any
+    (``ordering.disabled``), from the same state and batch: the same loss, gradient norm and
+    parameters (1e-6); the program without them is the one with unordered pairs."""
+    import jax
+    import numpy as np
+
+    from ulysses_jax import ordering
+    from ulysses_jax.data import run_data, text as data_lib
+    from ulysses_jax.training.train_step import init_state, make_train_step
+    from ulysses_jax.training.trainer import build_mesh, token_order
+    need_devices(4)
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny-qwen3-next.yaml"), [
+        "seq_len=64", "batch_size=4", "model.n_layers=2", "model.mixer_pattern=DA",
+        "model.d_model=32", "model.moe_ffn_dim=16", "model.moe_shared_ffn_dim=16",
+        "model.loss_chunk=8", "param_sharding=zero3", "mesh.data=2", "mesh.seq=2"])
+    mesh = build_mesh(cfg)
+    rows, _ = run_data.load_data(cfg)
+    batch = data_lib.BatchIterator(rows, cfg.batch_size, cfg.seed).next_global(
+        mesh, token_order(cfg))
+    graphdef, state, shardings, tx = init_state(cfg, mesh)
+    again = jax.tree.map(lambda a: a.copy(), state)  # the step donates its state
+    results = []
+    for edges in (True, False):
+        with ordering.disabled() if not edges else _nothing():
+            step = make_train_step(cfg, mesh, graphdef, tx, shardings).lower(
+                state if edges else again, batch).compile()
+        assert bool(unordered_loop_collectives(step.as_text())) != edges, edges
+        new, metrics = step(state if edges else again, batch)
+        results.append((jax.device_get(new["params"]), jax.device_get(metrics)))
+    (params, metrics), (plain_params, plain_metrics) = results
+    for key in ("loss", "grad_norm"):
+        assert abs(metrics[key] - plain_metrics[key]) <= 1e-6 * abs(plain_metrics[key]), key
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(plain_params), strict=True):
+        assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
+
+
+def _nothing():
+    import contextlib
+    return contextlib.nullcontext()

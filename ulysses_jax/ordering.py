@@ -7,16 +7,19 @@ holds collectives against a collective beside it, and the devices then deadlock 
 safe to cache when every collective step reads, through its operands, what the loops beside
 it wrote, or they read it. Some of ours get there by their shape (the loss's token count
 shares one all-reduce with the loss; accumulation reduces every micro-batch's count before
-its loop); these two functions give the rest a data path where the program has none:
+its loop); these functions give the rest a data path where the program has none:
 
 - ``after(y, x)``: y, computed after x (forward). The collective that reads y waits for x.
 - ``grads_first(x, params)``: identity in the forward; in the backward the cotangent of x
   waits for the cotangents of ``params``, so a parameter-gradient reduction (inserted by the
   partitioner where a replicated weight meets sharded activations) runs before whatever the
   cotangent of x flows into, a loop of collectives above all.
+- ``saved_after_cotangent(f)``: f, whose backward pass reads what it saved after the
+  cotangent of its output: a weight the backward pass gathers again waits for the loops the
+  cotangent came through (a layer stack that runs once, whose loop XLA removes).
 
-Both add ``0 x`` a scalar read from the other values, with non-finite values replaced first:
-an exact identity, one scalar of work, and a real operand edge that XLA's simplifier keeps
+Each adds ``0 x`` a scalar read from the other values, with non-finite values replaced first:
+an exact identity, a scalar read and an add, and a real operand edge that XLA's simplifier keeps
 (a float multiply by zero is not folded) and that the CPU runtime sees as a buffer read
 (an optimization barrier would alias its operands and order nothing at run time).
 
@@ -132,3 +135,35 @@ def _grads_first_bwd(_, cotangents):
 
 
 _grads_first.defvjp(_grads_first_fwd, _grads_first_bwd)
+
+
+def saved_after_cotangent(f):
+    """``f`` (its first output an array), whose backward pass reads every float value it
+    saved after the cotangent of that output: the same values and gradients, and whatever
+    the backward pass gathers or moves of what it saved (a ZeRO-3 weight the forward pass
+    used) waits for the cotangent, so it runs after the loops the cotangent came through
+    (the loss's) instead of beside them. Each saved value gets an add; the cotangent's
+    first element is read where it lies (outside ``shard_map``: one scalar collective).
+    ``f`` itself where ``ordering`` adds no edges."""
+    if not active():
+        return f
+
+    @jax.custom_vjp
+    def g(*args):
+        return f(*args)
+
+    def fwd(*args):
+        return jax.vjp(f, *args)
+
+    def bwd(back, cotangent):
+        leaves, tree = jax.tree.flatten(back)
+        first = jax.tree.leaves(cotangent)[0]
+        floats = [i for i, v in enumerate(leaves)
+                  if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)]
+        moved = after([leaves[i] for i in floats], (first,))
+        for i, v in zip(floats, moved):
+            leaves[i] = v
+        return jax.tree.unflatten(tree, leaves)(cotangent)
+
+    g.defvjp(fwd, bwd)
+    return g

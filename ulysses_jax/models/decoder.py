@@ -47,6 +47,7 @@ from .blocks import block_class as _block_class
 from .layers import gathered as _gathered, grads_first, norm
 from .moe import STAT_KEYS, is_moe_layer
 from .multimodal import prepare
+from .param_layout import layer_after
 from .vision import VisionTower, merge_features
 
 _LAYER_INPUT = "layer_input"
@@ -282,20 +283,25 @@ class Decoder(nnx.Module):
         for (first, unit, repeats), units in zip(layer_groups(self.cfg), groups):
             graphdefs, states = zip(*(nnx.split(m) for m in units))
             static, ids = unit_kinds(self.cfg, first, unit, repeats)
+            once = (repeats == 1 and self.param_sharding == "zero3"
+                    and self.mesh is not None)
 
             def apply(graphdef, kind):
                 def fn(x, state, kind_id):
                     if stream:
                         state = jax.device_put(state, jax.memory.Space.Device)
+                    if once:  # a loop XLA removes: its weights' gathers after x
+                        state = layer_after(state, x, self.mesh)
                     if offload:  # the checkpoint the backward pass recomputes the layer from
                         x = checkpoint_name(x, _LAYER_INPUT)                         # [B, S, D]
                     return nnx.merge(graphdef, state)(x, positions, segment_ids,
                                                       kind if kind_id is None else kind_id)
 
-                if self.cfg.remat == "none":
-                    return fn
-                policy = _REMAT_POLICIES["full_offload" if offload else self.cfg.remat]
-                return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+                if self.cfg.remat != "none":
+                    policy = _REMAT_POLICIES["full_offload" if offload else self.cfg.remat]
+                    fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
+                # ... and in the backward pass, after the cotangent (the loss's loops)
+                return ordering.saved_after_cotangent(fn) if once else fn
 
             blocks = [apply(g, k) for g, k in zip(graphdefs, static)]
 

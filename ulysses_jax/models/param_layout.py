@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import ordering
@@ -67,3 +68,27 @@ def after_in_split(y, x, mesh: Mesh):
     if not ordering.active():
         return y
     return in_split(ordering.after(y, x), mesh)
+
+
+def layer_after(state, x, mesh: Mesh):
+    """``after_in_split`` for one layer's ZeRO-3 state (an ``nnx.State``) and its input x:
+    every float weight but the experts' (split over their expert axis and used inside expert
+    parallelism's ``shard_map``, where their inputs order them) computed after x, in its
+    stored split. For a layer stack that runs once: XLA removes a loop of one trip, and the
+    gathers of its weights, which the loop's body would order, then run beside the loops
+    before it (the embedding's, the previous stack's). x is read outside ``shard_map``, so
+    its first element travels to every device: one scalar collective, after x. The identity
+    where ``ordering`` adds no edges."""
+    if not ordering.active():
+        return state
+    flat, tree = jax.tree_util.tree_flatten_with_path(state)
+    chosen = [i for i, (path, w) in enumerate(flat)
+              if jnp.issubdtype(w.dtype, jnp.floating) and not is_expert_param(tuple(
+                  k for k in _names(path) if not isinstance(k, jax.tree_util.GetAttrKey)))]
+    if not chosen:
+        return state
+    moved = after_in_split([flat[i][1] for i in chosen], (x,), mesh)
+    leaves = [w for _, w in flat]
+    for i, w in zip(chosen, moved):
+        leaves[i] = w
+    return jax.tree_util.tree_unflatten(tree, leaves)
