@@ -105,6 +105,22 @@ def after(y, x):
     return jax.tree.map(one, y)
 
 
+def after_where(y, x, pick, then=None):
+    """``after`` for the leaves of pytree ``y`` that ``pick(path, leaf)`` chooses (x's zero
+    built once for all of them), each then passed through ``then`` if given; the other leaves
+    as they are."""
+    flat, tree = jax.tree_util.tree_flatten_with_path(y)
+    chosen = [i for i, (path, leaf) in enumerate(flat) if pick(path, leaf)]
+    leaves = [leaf for _, leaf in flat]
+    for i, leaf in zip(chosen, after([leaves[i] for i in chosen], x)):
+        leaves[i] = leaf if then is None else then(leaf)
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def _is_float(_, leaf) -> bool:
+    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
 def _finite(v):
     """v in float32 with non-finite values replaced by 0 (so 0 x v is exactly 0)."""
     v = v.astype(jnp.float32)
@@ -156,14 +172,7 @@ def saved_after_cotangent(f):
         return jax.vjp(f, *args)
 
     def bwd(back, cotangent):
-        leaves, tree = jax.tree.flatten(back)
-        first = jax.tree.leaves(cotangent)[0]
-        floats = [i for i, v in enumerate(leaves)
-                  if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)]
-        moved = after([leaves[i] for i in floats], (first,))
-        for i, v in zip(floats, moved):
-            leaves[i] = v
-        return jax.tree.unflatten(tree, leaves)(cotangent)
+        return after_where(back, (jax.tree.leaves(cotangent)[0],), _is_float)(cotangent)
 
     g.defvjp(fwd, bwd)
     return g

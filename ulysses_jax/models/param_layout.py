@@ -49,7 +49,9 @@ def param_shardings(params, mesh: Mesh, mode: str, memory_kind: str | None = Non
 
 
 def _names(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+    """The names along a pytree path; an ``nnx.Variable``'s ``.value`` is none of them."""
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path
+                 if not isinstance(k, jax.tree_util.GetAttrKey))
 
 
 def in_split(y, mesh: Mesh):
@@ -81,14 +83,8 @@ def layer_after(state, x, mesh: Mesh):
     where ``ordering`` adds no edges."""
     if not ordering.active():
         return state
-    flat, tree = jax.tree_util.tree_flatten_with_path(state)
-    chosen = [i for i, (path, w) in enumerate(flat)
-              if jnp.issubdtype(w.dtype, jnp.floating) and not is_expert_param(tuple(
-                  k for k in _names(path) if not isinstance(k, jax.tree_util.GetAttrKey)))]
-    if not chosen:
-        return state
-    moved = after_in_split([flat[i][1] for i in chosen], (x,), mesh)
-    leaves = [w for _, w in flat]
-    for i, w in zip(chosen, moved):
-        leaves[i] = w
-    return jax.tree_util.tree_unflatten(tree, leaves)
+    return ordering.after_where(
+        state, (x,),
+        lambda path, w: jnp.issubdtype(w.dtype, jnp.floating) and not is_expert_param(
+            _names(path)),
+        then=lambda w: in_split(w, mesh))
