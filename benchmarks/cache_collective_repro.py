@@ -68,8 +68,7 @@ def main(argv=None) -> int:
     if args.runs < 1:
         ap.error(f"--runs must be at least 1, got {args.runs}")
 
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                               " --xla_cpu_use_fusion_emitters=false").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
     request_cpu_devices(2)
     import jax
     import numpy as np

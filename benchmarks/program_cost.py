@@ -20,7 +20,6 @@ import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                            "device_count=8 --xla_backend_optimization_level=0 "
-                           "--xla_cpu_use_fusion_emitters=false "
                            "--xla_cpu_parallel_codegen_split_count=1").strip()
 os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")  # as tests/conftest.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..attention.chunked import chunked_attention
 from ..config import ModelConfig
 from ..mesh import act_spec, shard
-from .layers import RMSNorm, gathered
+from .layers import RMSNorm, gathered, gelu_exact
 from .norms import rms_norm
 from .param_layout import after_in_split
 from .rope import angles, rotate
@@ -114,7 +114,7 @@ def _merge(p: dict, x, *, cfg: ModelConfig):
     v = cfg.vision
     x = rms_norm(x, p["merge_norm"]["scale"], v.norm_eps).reshape(
         -1, v.spatial_merge_size ** 2 * v.hidden_size)
-    x = jax.nn.gelu(_linear(x, p["merge_w1"], p["merge_b1"]), approximate=False)
+    x = gelu_exact(_linear(x, p["merge_w1"], p["merge_b1"]))
     return _linear(x, p["merge_w2"], p["merge_b2"])                                  # [U, D]
 
 

@@ -27,10 +27,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..mesh import DATA, axis_size
+from .optimizer import computed_on_host
 
 SCOPE = "grad_accum"  # the accumulator's named scope (memory.py's "gradient accumulator")
 
@@ -106,8 +106,8 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
                 return jax.tree.map(lambda a, g, s: jax.lax.with_sharding_constraint(
                     a + g.astype(jnp.float32), s), acc, grads, grad_shardings)
             grads = jax.device_put(grads, grad_shardings)
-            with compute_on("device_host"):
-                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+            return computed_on_host(lambda a, g: jax.tree.map(
+                lambda x, y: x + y.astype(jnp.float32), a, g))(acc, grads)
 
     def body(acc, xs):
         micro, weight = xs

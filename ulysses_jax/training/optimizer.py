@@ -8,7 +8,7 @@ weight matrices and embeddings only. Two options trade precision or placement fo
   the optimizer state), updated in fp32 (``scale_by_adam_stored``); with fp32 storage it is
   optax's own ``scale_by_adam``.
 - offload: the fp32 parameters (master weights) and both moments live in host memory
-  (``pinned_host``) and the update is computed there (``jax.experimental.compute_on``). The
+  (``pinned_host``) and the update is computed there (``computed_on_host``). The
   device gets a copy of each layer weight in the compute dtype (cast on the host, so half
   the bytes cross the link in bf16; a weight stored narrower, LoRA's bf16 frozen base,
   crosses as stored) and returns its gradient in that dtype, which the host turns back into
@@ -24,8 +24,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental.compute_on import compute_on
 
 from ..config import OptimizerConfig
+
+
+def computed_on_host(f):
+    """``f`` computed in host memory (XLA's host offloading), its results left there."""
+    return compute_on(f, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
 
 
 def make_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import ordering
@@ -27,7 +26,7 @@ from ..data.text import FIELDS
 from . import objectives
 from .accumulate import accumulated_grads
 from .objectives.sft import objective  # noqa: F401 (re-exported: the SFT objective)
-from .optimizer import compute_copy_mask, make_optimizer, make_schedule
+from .optimizer import compute_copy_mask, make_optimizer, make_schedule, computed_on_host
 from ..models.vision import vision_shardings
 from ..mesh import act_spec, axis_size, RING
 from ..models.decoder import Decoder
@@ -221,16 +220,18 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
         with jax.named_scope("optimizer"):
             if offload:  # gradients to the host (the layers' are there already), update there
                 grads = jax.device_put(grads, on_host)
-                with compute_on("device_host"):
+
+                def update_on_host(grads, opt_state, trained):
                     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
                     # optax.tree.norm would build device zeros (imaginary parts) on the host
                     grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g))
                                              for g in jax.tree.leaves(grads)))
-                    # LoRA: the fp32 master copies of the trained leaves only; the frozen
-                    # leaves of the state are passed through (overlay) as they came in.
-                    master, opt_state = host_update(grads, state["opt_state"],
-                                                    lora.trainable_params(state["params"], lo),
-                                                    grad_norm)
+                    return (*host_update(grads, opt_state, trained, grad_norm), grad_norm)
+
+                # LoRA: the fp32 master copies of the trained leaves only; the frozen
+                # leaves of the state are passed through (overlay) as they came in.
+                master, opt_state, grad_norm = computed_on_host(update_on_host)(
+                    grads, state["opt_state"], lora.trainable_params(state["params"], lo))
                 params = lora.overlay(state["params"], master)
                 grad_norm = jax.device_put(grad_norm, replicated)
             else:
@@ -257,9 +258,10 @@ def _offloaded_params_for_compute(params, dtype, on_device):
     same values."""
     cast = compute_copy_mask(params)
     width = jnp.dtype(dtype).itemsize
-    with jax.named_scope("optimizer"), compute_on("device_host"):
-        copy = jax.tree.map(lambda p, c: p.astype(dtype) if c and p.dtype.itemsize > width
-                            else p, params, cast)
+    with jax.named_scope("optimizer"):
+        copy = computed_on_host(lambda params: jax.tree.map(
+            lambda p, c: p.astype(dtype) if c and p.dtype.itemsize > width else p,
+            params, cast))(params)
     return jax.tree.map(lambda p, c, s: p if c else jax.device_put(p, s), copy, cast, on_device)
 
 
