@@ -28,6 +28,12 @@ def parse_args(argv=None):
     p.add_argument("--workdir", help="run directory (default: runs/<preset name>)")
     p.add_argument("--dry-run", action="store_true",
                    help="compile the train step only and print memory/FLOPs/collectives as JSON")
+    p.add_argument("--target", choices=_target_names(),
+                   help="with --dry-run: compile with XLA's GPU compiler for GPUs of this kind "
+                        "(no GPU needed; jax's CUDA plugin must be installed)")
+    p.add_argument("--devices", type=int,
+                   help="with --target: GPUs in the compiled topology (default: the mesh's "
+                        "data x ring x seq)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--coordinator", help="host:port of process 0 (multi-process runs)")
     p.add_argument("--num-processes", type=int, help="number of processes (multi-process runs)")
@@ -35,6 +41,22 @@ def parse_args(argv=None):
     p.add_argument("overrides", nargs="*",
                    help="key=value config overrides, e.g. mesh.seq=4 (before or after options)")
     return p.parse_intermixed_args(argv)
+
+
+def _target_names() -> list[str]:
+    from ulysses_jax.gpu_target import names
+    return names()
+
+
+def _target_args_error(args) -> str | None:
+    """What is wrong with --target/--devices, or None."""
+    if args.target and not args.dry_run:
+        return "--target compiles without running: it needs --dry-run"
+    if args.devices is not None and not args.target:
+        return "--devices sizes a --target topology: it needs --target"
+    if args.devices is not None and args.devices < 1:
+        return f"--devices must be positive, got {args.devices}"
+    return None
 
 
 def _process_args_error(args) -> str | None:
@@ -85,18 +107,6 @@ def _quiet_library_logs() -> dict:
 GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
 
 
-def _has_cuda_plugin() -> bool:
-    import importlib.util
-    for name in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
-                 "jax_plugins.xla_cuda12"):
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return True
-        except ModuleNotFoundError:  # the parent package is absent
-            continue
-    return False
-
-
 def _launched_by_scheduler() -> bool:
     return any(int(os.environ.get(k, "1")) > 1
                for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
@@ -104,7 +114,7 @@ def _launched_by_scheduler() -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    problem = _process_args_error(args)
+    problem = _process_args_error(args) or _target_args_error(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -117,6 +127,7 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
+    from ulysses_jax import gpu_target
     from ulysses_jax.config import ConfigError, load_config
     from ulysses_jax.mesh import request_cpu_devices
     try:
@@ -128,7 +139,8 @@ def _main(args) -> int:
                                                      os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
     # Both must be set before JAX initialises its backends.
     request_cpu_devices(max(1, -(-cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq // nproc)))
-    if cfg.gpu_overlap and _has_cuda_plugin():
+    gpu_target.prepare_plugin()  # a CUDA plugin installed on a machine without a GPU
+    if cfg.gpu_overlap and gpu_target.cuda_plugin_installed():
         flags = os.environ.get("XLA_FLAGS", "")
         flags += "".join(f" {f}" for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags)
         os.environ["XLA_FLAGS"] = flags.strip()
@@ -157,7 +169,10 @@ def _main(args) -> int:
     try:
         if args.dry_run:
             try:
-                print(json.dumps(dry_run(cfg)))
+                print(json.dumps(dry_run(cfg, target=args.target, devices=args.devices)))
+            except gpu_target.TargetUnavailable as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             finally:
                 shutil.rmtree(dump, ignore_errors=True)
                 jax.config.update("jax_enable_compilation_cache", cache_before)

@@ -26,6 +26,25 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
     return dict(counts)
 
 
+_FUSED_ATTENTION = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+_CHUNKED_LOOP = re.compile(r'\swhile\(.*op_name="[^"]*chunked_attention/while"')
+
+
+def attention_kernels(hlo_text: str) -> dict[str, int]:
+    """The attention calls in a compiled program by kind: ``cudnn`` and ``cudnn_backward``
+    (cuDNN's fused attention custom calls, forward and backward) and ``chunked`` (the loops
+    over blocks of the plain-JAX chunked kernel, forward and backward; XLA removes a loop of
+    one trip, so tiny sequences show none). A call inside a loop body counts once."""
+    counts = Counter({"cudnn": 0, "cudnn_backward": 0, "chunked": 0})
+    for line in hlo_text.splitlines():
+        m = _FUSED_ATTENTION.search(line)
+        if m:
+            counts["cudnn_backward" if "Backward" in m.group(1) else "cudnn"] += 1
+        elif _CHUNKED_LOOP.search(line):
+            counts["chunked"] += 1
+    return dict(counts)
+
+
 _ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}

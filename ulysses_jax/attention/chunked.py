@@ -360,22 +360,30 @@ def _pad_inputs(q, k, v, seg_q, seg_k, plan: _Plan):
     return q, k, v, seg_q, seg_k
 
 
+# The kernel's loops carry this name scope, so a compiled program shows them
+# (hlo.attention_kernels).
+SCOPE = "chunked_attention"
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _attention(q, k, v, seg, plan, scale):
-    out, _, _ = _forward(*_pad_inputs(q, k, v, seg, seg, plan), plan, scale)
+    with jax.named_scope(SCOPE):
+        out, _, _ = _forward(*_pad_inputs(q, k, v, seg, seg, plan), plan, scale)
     return out[:, :plan.t]
 
 
 def _attention_fwd(q, k, v, seg, plan, scale):
     padded = _pad_inputs(q, k, v, seg, seg, plan)
-    out, lse, _ = _forward(*padded, plan, scale)
+    with jax.named_scope(SCOPE):
+        out, lse, _ = _forward(*padded, plan, scale)
     return out[:, :plan.t], (padded, out, lse)
 
 
 def _attention_bwd(plan, scale, res, d_out):
     padded, out, lse = res
     d_out = _pad_to(d_out, 1, out.shape[1])
-    dq, dk, dv, _ = _backward(*padded, lse, None, d_out, plan, scale, out=out)
+    with jax.named_scope(SCOPE):
+        dq, dk, dv, _ = _backward(*padded, lse, None, d_out, plan, scale, out=out)
     return dq[:, :plan.t], dk[:, :plan.s], dv[:, :plan.s], None
 
 

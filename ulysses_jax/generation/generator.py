@@ -37,6 +37,14 @@ class Completion:
     logits: list[np.ndarray] | None = None    # [V] fp32 per new token, when asked for
 
 
+def generation_config(cfg: ModelConfig) -> ModelConfig:
+    """The model config the generation programs are built with. They keep nothing for a
+    backward pass and split no tokens into chunks: remat, tiled MLP and checkpoint offload do
+    not apply; experts drop no assignment (transformers' never do)."""
+    return dataclasses.replace(cfg, remat="none", mlp_chunk=0, offload_checkpoints=False,
+                               moe_capacity_factor=0.0)
+
+
 def few_sizes(n: int, unit: int) -> int:
     """``n`` rounded up to a multiple of ``unit``, then to one of 8 steps per power of two of
     units (at most 1/8 more): nearby sizes share one compiled program."""
@@ -105,11 +113,7 @@ class Generator:
 
     def __init__(self, params, cfg: ModelConfig, mesh: Mesh):
         """params: the Decoder's pure dict (``nnx.to_pure_dict``) on ``mesh``."""
-        # The programs of generation keep nothing for a backward pass and split no tokens
-        # into chunks: remat, tiled MLP and checkpoint offload do not apply; experts drop
-        # no assignment (transformers' never do).
-        self.cfg = dataclasses.replace(cfg, remat="none", mlp_chunk=0,
-                                       offload_checkpoints=False, moe_capacity_factor=0.0)
+        self.cfg = generation_config(cfg)
         block_functions(self.cfg)  # GenerationError now, not after a compile
         if axis_size(mesh, RING) > 1:
             # A ring mesh (ring x seq devices per sequence, hybrid or pure ring) generates

@@ -15,18 +15,24 @@ both, saying so in its result:
   column: the state arguments kept in host memory, the optimizer update computed there, the
   layer checkpoints. That needs the process to dump its compiles (``memory.dump_flags``).
   On a GPU, XLA's own analysis separates host and device.
+
+With a ``target`` (``gpu_target``: h100, h200, a100) the step is compiled by XLA's GPU
+compiler for that many compile-only GPUs, on any machine with jax's CUDA plugin: no stand-in,
+no live-range model, XLA's device and host bytes as it would allocate them, and the
+attention kernels it chose (``hlo.attention_kernels``).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 
-from .. import memory
-from ..config import Config
-from ..hlo import collective_counts
+from .. import gpu_target, memory
+from ..config import Config, ConfigError, validate
+from ..hlo import attention_kernels, collective_counts
+from ..mesh import make_mesh
 from .train_step import make_train_step, param_count, state_layout, trainable_count
 from .resume import initial_adapters, resolve_init_from
-from .trainer import (_abstract_batch, _xla_flops, build_mesh, chunk_notes,
+from .trainer import (_abstract_batch, _xla_flops, build_mesh, check_kernel, chunk_notes,
                       model_flops_per_device)
 
 
@@ -40,6 +46,32 @@ def compile_step(cfg: Config, mesh=None):
     graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
     step = make_train_step(cfg, mesh, graphdef, tx, shardings)
     return step.lower(abstract, _abstract_batch(cfg, mesh)).compile(), abstract
+
+
+def target_mesh(cfg: Config, target: gpu_target.Target, devices: int | None = None):
+    """The config's mesh on ``devices`` (default: as many as the mesh needs) compile-only
+    GPUs of ``target``; ConfigError when the mesh needs more."""
+    need = cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq
+    n = need if devices is None else devices
+    if n < need:
+        raise ConfigError(f"--devices {n} is fewer than the mesh needs: mesh.data "
+                          f"{cfg.mesh.data} x mesh.ring {cfg.mesh.ring} x mesh.seq "
+                          f"{cfg.mesh.seq} = {need}")
+    validate(cfg, num_devices=n)
+    check_kernel(cfg, "gpu")
+    return make_mesh(seq=cfg.mesh.seq, data=cfg.mesh.data, ring=cfg.mesh.ring,
+                     devices=gpu_target.devices(target, n))
+
+
+def device_and_host_bytes(compiled) -> tuple[int, int]:
+    """(device, host) bytes per device of a GPU compile: XLA's arguments + outputs +
+    temporaries - aliased, each memory apart (its single peak figure adds the two)."""
+    mem = compiled.memory_analysis()
+    device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+              - mem.alias_size_in_bytes)
+    host = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes
+            + mem.host_temp_size_in_bytes - mem.host_alias_size_in_bytes)
+    return int(device), int(host)
 
 
 def peak_bytes_per_device(compiled) -> int:
@@ -63,13 +95,18 @@ def host_categories(cfg: Config) -> set[str]:
     return out
 
 
-def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
+def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = None,
+            devices: int | None = None) -> dict:
     """Compiles the train step for the configured mesh without allocating or training.
 
     Args:
       cfg: the run's config.
       standin: compile a bfloat16 model as float16 on a CPU (module docstring); default yes
         there, no elsewhere.
+      target: compile with XLA's GPU compiler for GPUs of this kind (``gpu_target.names()``)
+        instead of this process's devices; ``gpu_target.TargetUnavailable`` without jax's
+        CUDA plugin.
+      devices: with a target, how many GPUs the topology has (default: the mesh's count).
 
     Returns:
       A dict with ``peak_bytes_per_device`` (device memory: XLA's analysis, or on a CPU
@@ -78,12 +115,15 @@ def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
       device peak, when the compile was dumped), ``compiled_dtype``, ``flops_per_device``
       (model FLOPs per step and device, ``flops.py``), ``xla_flops_per_device`` (XLA's cost
       analysis: loop bodies counted once, custom calls not at all, so not a FLOP count),
-      ``collectives`` (op -> count in the compiled HLO) and the parts of XLA's estimate.
+      ``collectives`` (op -> count in the compiled HLO), ``attention_kernels`` (fused
+      attention calls by kind in the HLO), ``compiler`` (the target's device, or the
+      platform compiled for) and the parts of XLA's estimate.
     """
     init_notes = []  # a checkpoint not downloaded yet is planned from the config's model
     cfg = resolve_init_from(cfg, init_notes, missing_ok=True)
     t0 = time.time()
-    mesh = build_mesh(cfg)
+    gpu = gpu_target.load(target) if target else None
+    mesh = target_mesh(cfg, gpu, devices) if gpu else build_mesh(cfg)
     platform = mesh.devices.flat[0].platform
     if standin is None:
         standin = platform == "cpu"
@@ -98,17 +138,26 @@ def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
         # not fit model.lora), before the compile
         _, layout, _, _ = state_layout(cfg, mesh)
         init_notes += initial_adapters(cfg, layout["params"])[1]
-    compiled, abstract = compile_step(compiled_cfg, mesh)
+    if gpu:
+        with gpu_target.compiling_for(gpu):
+            compiled, abstract = compile_step(compiled_cfg, mesh)
+        peak, host = device_and_host_bytes(compiled)
+    else:
+        compiled, abstract = compile_step(compiled_cfg, mesh)
+        mem = compiled.memory_analysis()
+        peak = peak_bytes_per_device(compiled)
+        host = int(sum(getattr(mem, f"host_{k}_size_in_bytes", 0) for k in
+                       ("argument", "temp", "output"))
+                   - getattr(mem, "host_alias_size_in_bytes", 0))
     mem = compiled.memory_analysis()
-    peak = peak_bytes_per_device(compiled)
-    host = int(sum(getattr(mem, f"host_{k}_size_in_bytes", 0) for k in
-                   ("argument", "temp", "output")) - getattr(mem, "host_alias_size_in_bytes", 0))
     result = {"peak_bytes_per_device": peak, "host_bytes_per_device": host,
               "memory_model": "xla"}
+    if gpu:
+        result["device_memory_bytes"] = gpu.memory_bytes
     offloaded = host_categories(cfg)
     dump = memory.dump_dir()
-    try:
-        texts = memory.latest_dump(dump) if dump else None
+    try:  # (the live-range reading is checked against XLA:CPU's programs only)
+        texts = memory.latest_dump(dump) if dump and not gpu else None
     except FileNotFoundError:  # flags set after JAX started (dry_run called in-process)
         texts = None
     if texts is None and offloaded and platform == "cpu":
@@ -129,16 +178,20 @@ def dry_run(cfg: Config, *, standin: bool | None = None) -> dict:
                     buffers, only=lambda b: b.category in offloaded)[0],
                 memory_model=f"CPU compile's live ranges, {', '.join(sorted(offloaded))} "
                              f"in host memory (XLA's own device peak: {xla_peak})")
+    if dump:
         memory.clear_dump(dump)
     notes = init_notes + chunk_notes(cfg)
     if compiled_cfg is not cfg:
         notes.append("compiled with float16 as a stand-in for bfloat16 (same bytes; the CPU "
                      "compiler would keep bf16 intermediates as f32)")
+    hlo_text = compiled.as_text()
     result.update({
+        "compiler": gpu.device_kind if gpu else platform,
         "compiled_dtype": compiled_cfg.model.dtype,
         "flops_per_device": model_flops_per_device(cfg),
         "xla_flops_per_device": _xla_flops(compiled) or 0.0,
-        "collectives": collective_counts(compiled.as_text()),
+        "collectives": collective_counts(hlo_text),
+        "attention_kernels": attention_kernels(hlo_text),
         "argument_bytes": int(mem.argument_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
         "params": param_count(abstract["params"]),

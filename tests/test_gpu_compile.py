@@ -1,0 +1,144 @@
+"""The programs a GPU runs, compiled by XLA's GPU compiler for 8 H100s (and A100s) with no GPU
+here (ulysses_jax/gpu_target.py): the tiny preset's train step, its DPO and GRPO presets' train
+steps, and a prefill and decode step. What the compiled GPU program must hold: the Ulysses
+exchange (two all-to-alls forward and two backward per attention layer body), no all-gather
+of activations except the vocabulary-parallel loss and embedding's own (they gather a chunk
+of hidden states at a time, by design), cuDNN's fused attention wherever ``attn_impl=auto``
+must pick it (bf16 packed rows on Hopper) and none on an A100, and the peak bytes per device
+within 10% of the figure stated here (XLA:GPU's memory analysis with this suite's settings,
+jax 0.12.0.1). Skips, saying why, only where jax's CUDA plugin is not installed."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import cli_env
+from ulysses_jax import gpu_target, make_mesh
+from ulysses_jax.config import load_config
+from ulysses_jax.hlo import attention_kernels, collective_counts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.skipif(
+    not gpu_target.cuda_plugin_installed(),
+    reason="jax's CUDA plugin is not installed (README's test command installs it: "
+           "pip install \"jax[cuda13]==<jax's version>\")")
+
+# (device bytes per device, XLA:GPU's memory analysis) measured with these settings.
+PEAKS = {("tiny", "h100"): 27_560_124, ("tiny", "a100"): 25_700_436,
+         ("tiny-dpo", "h100"): 18_065_732, ("tiny-grpo", "h100"): 42_854_368,
+         ("decode", "h100"): 2_305_284}
+_GATHER = re.compile(r"=\s*(.*?)\sall-gather(?:-start)?\(.*?op_name=\"([^\"]*)\"")
+_ARRAY = re.compile(r"[a-z0-9]+\[([\d,]*)\]")
+_VOCAB_SCOPE = re.compile(r"(^|[/(])(loss|embed)([)/]|$)")
+
+
+def _cfg(preset, *over):
+    return load_config(os.path.join(ROOT, "configs", f"{preset}.yaml"),
+                       ["model.dtype=bfloat16", *over])
+
+
+def _compiled_step(preset, target, *over):
+    from ulysses_jax.training.dry_run import compile_step, device_and_host_bytes, target_mesh
+    cfg = _cfg(preset, *over)
+    t = gpu_target.load(target)
+    with gpu_target.compiling_for(t):
+        compiled, _ = compile_step(cfg, target_mesh(cfg, t))
+    return cfg, compiled.as_text(), device_and_host_bytes(compiled)
+
+
+def _activation_gathers(text, rows, seq_len):
+    """All-gathers outside the vocabulary-parallel loss and embedding that assemble a whole
+    sequence of activations (a gathered array of shape [rows, seq_len, ...] or
+    [rows * seq_len, ...]), as (result shape, op_name). Parameters a ZeRO-1 update gathers
+    back after its sharded step are not activations and are not counted."""
+    out, by_design = [], 0
+    for line in text.splitlines():
+        m = _GATHER.search(line)
+        if not m:
+            continue
+        shape_text, op_name = m.groups()
+        for dims in _ARRAY.findall(shape_text):
+            d = [int(x) for x in filter(None, dims.split(","))]
+            if d[:2] == [rows, seq_len] or (d and d[0] == rows * seq_len):
+                if _VOCAB_SCOPE.search(op_name):
+                    by_design += 1
+                else:
+                    out.append((dims, op_name))
+    # the loss's own chunk gathers are the same kind: seeing them shows the rule still reads
+    # XLA's HLO text
+    assert by_design, "the vocabulary-parallel loss's gathers not found in the HLO text"
+    return out
+
+
+def _assert_ulysses_program(cfg, text):
+    from ulysses_jax.training.trainer import rows_per_batch
+    # every layer of the tiny presets is one scan body: 2 exchanges forward, 2 backward
+    assert collective_counts(text)["all-to-all"] == 4, collective_counts(text)
+    assert _activation_gathers(text, rows_per_batch(cfg) // cfg.mesh.data, cfg.seq_len) == []
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-dpo", "tiny-grpo"])
+def test_train_steps_for_h100s_exchange_by_all_to_all_and_run_cudnn(preset):
+    cfg, text, (device, host) = _compiled_step(preset, "h100")
+    _assert_ulysses_program(cfg, text)
+    kernels = attention_kernels(text)
+    assert kernels["cudnn"] >= 1 and kernels["cudnn_backward"] >= 1, kernels
+    assert host == 0
+    assert device == pytest.approx(PEAKS[preset, "h100"], rel=0.1)
+
+
+def test_an_a100_gets_no_cudnn_packed_attention():
+    """cuDNN's packed layout needs Hopper: on an A100 ``auto`` falls back to the chunked
+    kernel, and the program holds no fused attention call."""
+    _, text, (device, _) = _compiled_step("tiny", "a100")
+    assert attention_kernels(text) == {"cudnn": 0, "cudnn_backward": 0, "chunked": 0}
+    assert device == pytest.approx(PEAKS["tiny", "a100"], rel=0.1)
+
+
+def test_generation_for_h100s_moves_no_cache():
+    """The prefill attends with cuDNN over the sequence split; the decode step reads each
+    device's block of the head-split cache and moves no K or V (no all-to-all)."""
+    from ulysses_jax.generation.abstract import compiled_programs
+    t = gpu_target.load("h100")
+    mesh = make_mesh(seq=8, data=1, devices=gpu_target.devices(t, 8))
+    with gpu_target.compiling_for(t):
+        progs = compiled_programs(_cfg("tiny").model, mesh, batch=4, prompt_len=256,
+                                  new_tokens=64)
+    prefill, decode = progs["prefill"].as_text(), progs["decode"].as_text()
+    assert attention_kernels(prefill)["cudnn"] >= 1
+    assert collective_counts(prefill)["all-to-all"] >= 2
+    assert collective_counts(decode)["all-to-all"] == 0
+    m = progs["decode"].memory_analysis()
+    device = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes \
+        - m.alias_size_in_bytes
+    assert device == pytest.approx(PEAKS["decode", "h100"], rel=0.1)
+
+
+def test_train_py_dry_run_for_a_target():
+    """``train.py --dry-run --target h100`` prints XLA:GPU's figures as JSON."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
+                          os.path.join(ROOT, "configs", "tiny.yaml"), "--dry-run", "--target",
+                          "a100", "--devices", "8", "model.dtype=bfloat16", "model.n_layers=1"],
+                         capture_output=True, text=True, env=cli_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout.strip().splitlines()[-1])
+    assert plan["compiler"] == "NVIDIA A100-SXM4-80GB"
+    assert plan["device_memory_bytes"] == 85_100_068_864
+    assert plan["collectives"]["all-to-all"] == 4
+    assert plan["attention_kernels"]["cudnn"] == 0
+    assert 0 < plan["peak_bytes_per_device"] < PEAKS["tiny", "a100"]
+
+
+def test_a_target_without_the_plugin_says_what_to_install(monkeypatch, capsys):
+    import train
+    from ulysses_jax.training import dry_run
+    monkeypatch.setattr(gpu_target, "cuda_plugin_installed", lambda: False)
+    assert dry_run.gpu_target is gpu_target
+    code = train.main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--dry-run",
+                       "--target", "h100"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "needs jax's CUDA plugin, which is not installed: pip install \"jax[cuda13]==" in err
