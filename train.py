@@ -138,14 +138,17 @@ def _main(args) -> int:
     nproc = args.num_processes or int(os.environ.get("SLURM_NTASKS",
                                                      os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
     # Both must be set before JAX initialises its backends.
-    request_cpu_devices(max(1, -(-cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq // nproc)))
+    # (a --target compile lowers on as many CPU devices as it compiles for: gpu_target.compile)
+    request_cpu_devices(max(1, -(-cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq // nproc),
+                            args.devices or 0))
     gpu_target.prepare_plugin()  # a CUDA plugin installed on a machine without a GPU
     if cfg.gpu_overlap and gpu_target.cuda_plugin_installed():
         flags = os.environ.get("XLA_FLAGS", "")
         flags += "".join(f" {f}" for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags)
         os.environ["XLA_FLAGS"] = flags.strip()
     dump, flags_before = None, os.environ.get("XLA_FLAGS")
-    if args.dry_run:  # XLA's buffer live ranges: memory by category, the offload options' host
+    if args.dry_run and not args.target:  # XLA's buffer live ranges: memory by category, the
+        # offload options' host column (a GPU compile reports host bytes itself)
         from ulysses_jax.memory import dump_flags  # (read by XLA only if JAX starts below)
         dump = tempfile.mkdtemp(prefix="ulysses_dry_run_")
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump_flags(dump)}"

@@ -9,6 +9,7 @@ there too. Only the GPU tests (``gpu_devices``) use the GPU. Subprocesses that m
 same devices get ``cli_env()``.
 """
 import glob
+import importlib.metadata
 import os
 
 # Without a GPU the tests are CPU programs at tiny sizes, where compiling costs far more than
@@ -18,15 +19,24 @@ import os
 # so the programs keep their collectives and their memory. Each program's machine code stays
 # in one LLVM module instead of being split for parallel codegen threads, which on two cores
 # that the two pytest workers already keep busy only add work; the HLO is untouched.
+# On jaxlib 0.10 a second setting halves what is left: XLA:CPU's older loop emitters in place
+# of its MLIR fusion emitters (the tiny preset's dry run: the same collectives, a peak 192
+# bytes apart in 34.6 MB). jaxlib 0.11 removed that choice and compiles the tiny train step in
+# 3.0-4.7 CPU s where 0.10.2 took 0.8-0.95 (benchmarks/program_cost.py), which is why the
+# CPU suite runs on Python 3.11 and jax 0.10.2 (README) and the GPU-compile tests on 0.12.
 # A GPU is there when its device files are (ulysses_jax.gpu_target.nvidia_gpu_present; that
 # package imports JAX, which must come after these settings). Without one, jax's CUDA plugin,
 # installed for the GPU-compile tests, must be told not to look for a driver
 # (gpu_target.prepare_plugin).
 _GPU_HERE = bool(glob.glob("/dev/nvidia[0-9]*"))
+LOOP_EMITTERS = (not _GPU_HERE and tuple(
+    int(v) for v in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11))
 _CPU_TEST_FLAGS = "--xla_force_host_platform_device_count=8"
 if not _GPU_HERE:
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     _CPU_TEST_FLAGS += " --xla_cpu_parallel_codegen_split_count=1"
+    if LOOP_EMITTERS:
+        _CPU_TEST_FLAGS += " --xla_cpu_use_fusion_emitters=false"
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # subprocesses inherit it
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CPU_TEST_FLAGS).strip()
 # No Python call stacks in the programs' locations: JAX 0.10 writes up to 100 frames of each

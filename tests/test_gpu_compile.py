@@ -44,8 +44,7 @@ def _compiled_step(preset, target, *over):
     from ulysses_jax.training.dry_run import compile_step, device_and_host_bytes, target_mesh
     cfg = _cfg(preset, *over)
     t = gpu_target.load(target)
-    with gpu_target.compiling_for(t):
-        compiled, _ = compile_step(cfg, target_mesh(cfg, t))
+    compiled, _ = compile_step(cfg, target_mesh(cfg, t), t)
     return cfg, compiled.as_text(), device_and_host_bytes(compiled)
 
 

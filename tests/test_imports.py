@@ -50,9 +50,9 @@ def _edges(mods: dict[str, str]) -> dict[str, set[str]]:
 LAYERS = (
     ("bottom", ("ulysses_jax.mesh", "ulysses_jax.hlo", "ulysses_jax.memory", "ulysses_jax.config",
                 "ulysses_jax.model_config", "ulysses_jax.families", "ulysses_jax.head_layout",
-                "ulysses_jax.compile_cache", "ulysses_jax.ordering", "ulysses_jax.gpu_target")),
+                "ulysses_jax.compile_cache", "ulysses_jax.ordering")),
     ("attention", ("ulysses_jax.attention",)),
-    ("models", ("ulysses_jax.models",)),
+    ("models", ("ulysses_jax.models", "ulysses_jax.gpu_target")),
     ("generation", ("ulysses_jax.generation",)),
     ("interop", ("ulysses_jax.interop",)),
     ("data", ("ulysses_jax.data",)),

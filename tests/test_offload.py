@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import DEVICES, cli_env
+from conftest import DEVICES, LOOP_EMITTERS, cli_env
 from test_model import _batch, _built, _cfg, _layout
 from ulysses_jax.training.optimizer import scale_by_adam_stored
 from ulysses_jax.training.train_step import make_train_step
@@ -51,7 +51,7 @@ def test_bfloat16_moments_are_stored_in_bfloat16_and_update_alike():
     assert 0 < err < 2e-2, err  # different storage, same update up to bf16 rounding
 
 
-def _train(over, steps=3, state_of=None):
+def _train(over, steps=3, compiler_options=None, state_of=None):
     """``steps`` steps of ``over``'s config on one batch from a copy of its seeded initial
     state, or of ``state_of``'s config's (the same parameters and layout: ``over`` adds an
     option of the forward pass only)."""
@@ -61,6 +61,8 @@ def _train(over, steps=3, state_of=None):
     st = jax.device_put(state, may_alias=False)  # the step donates its state
     step = make_train_step(cfg, mesh, g, tx, sh)
     batch = _batch(3)
+    if compiler_options:
+        step = step.lower(st, batch).compile(compiler_options=compiler_options)
     losses, norms = [], []
     for _ in range(steps):
         st, m = step(st, batch)
@@ -73,10 +75,19 @@ def _train(over, steps=3, state_of=None):
                                     {"model.remat": "full", "model.offload_checkpoints": True}])
 def test_offload_options_keep_the_numbers(option):
     """fp32: the offloaded program is the same arithmetic, so the same losses, gradient
-    norms and parameters after three AdamW steps."""
+    norms and parameters after three AdamW steps.
+
+    On jaxlib 0.10 both programs are compiled with XLA:CPU's default code generation, which
+    the suite otherwise turns off for speed (conftest.LOOP_EMITTERS): with the older loop
+    emitters the two programs round the embedding gradient differently (by 2e-7 of its
+    largest value), and AdamW, which divides each moment by its own root, turns that rounding
+    on elements whose gradient is nearly zero into parameter differences of up to 1.2e-5
+    (0.2% of the value) in three steps. jaxlib 0.11 and later have only the default."""
+    default = {"xla_cpu_use_fusion_emitters": True} if LOOP_EMITTERS else None
     base = {"model.remat": "full"} if "model.remat" in option else {}
-    l0, n0, s0, _, _ = _train(base)
-    l1, n1, s1, step, batch = _train(option, state_of=base if "model.remat" in option else None)
+    l0, n0, s0, _, _ = _train(base, compiler_options=default)
+    l1, n1, s1, step, batch = _train(option, compiler_options=default,
+                                     state_of=base if "model.remat" in option else None)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     np.testing.assert_allclose(n1, n0, rtol=1e-6)
     chex.assert_trees_all_close(s1["params"], s0["params"], rtol=1e-6, atol=1e-7)

@@ -11,9 +11,19 @@ apart), the HLO shows the kernels and collectives a GPU would run.
 What the deviceless compile needs, kept in this one place:
   - the plugin must start without a GPU: it checks the CUDA driver's version at start-up
     unless ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` is set (``prepare_plugin``, before JAX starts);
+  - compile-only devices have no memory spaces (jaxlib lists none), so a program traced on
+    them cannot place buffers in host memory (jax 0.12 refuses the optimizer-offload step's
+    trace; jax 0.10 dropped the placement). ``compile`` therefore traces and lowers on this
+    process's CPU devices for the "cuda" platform, whose memory kinds the program keeps, and
+    hands that module to the topology's compiler for the target's devices. Generation has
+    no host buffers and is compiled on the topology's devices directly;
   - jax's cuDNN attention asks the local GPU's compute capability while tracing
     (``jax._src.cudnn.fused_attention_stablehlo``), and jax offers no way to name another:
-    ``compiling_for`` answers with the target's for the duration of the compile;
+    ``compiling_for`` answers with the target's for the duration of the compile, and makes
+    the kernel choice (``attention.kernels.device_facts``) see the target GPU;
+  - XLA:GPU's ``hlo_host_device_type_call_wrapper`` pass aborts on the host computations of
+    the optimizer-offload step ("Parameter instructions cannot be added to a computation after
+    it has been built", jax 0.12.0.1; ``DISABLED_PASSES``);
   - the programs get no compilation-cache ordering edges (``ordering``): those are for
     XLA:CPU programs, and the process's own backend is the CPU here.
 """
@@ -31,6 +41,8 @@ from . import ordering
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
            "jax_plugins.xla_cuda12")
+# XLA:GPU passes the deviceless compile turns off (module docstring).
+DISABLED_PASSES = ("hlo_host_device_type_call_wrapper",)
 _DEVICES_PER_HOST = 8  # the topology's hosts hold 8 GPUs each, as HGX/DGX machines do
 
 
@@ -102,8 +114,21 @@ def prepare_plugin() -> None:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
-def install_hint() -> str:
+TESTED_JAX = "0.12.0.1"  # the jax these compiles are built and tested with (README)
+
+
+def _jax_too_old() -> bool:
     import jax
+    return tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11)
+
+
+def install_hint() -> str:
+    """The command that makes GPU targets compile in this environment."""
+    import jax
+    if _jax_too_old():
+        return (f'python3.12 -m venv .venv && .venv/bin/pip install -r requirements.txt '
+                f'"jax[cuda13]=={TESTED_JAX}" (jax 0.11 or newer, which needs Python 3.12; '
+                f'this process has jax {jax.__version__})')
     return f'pip install "jax[cuda13]=={jax.__version__}"'
 
 
@@ -117,6 +142,11 @@ def devices(target: Target, n: int) -> list:
         raise TargetUnavailable(
             f"compiling for --target {target.name} needs jax's CUDA plugin, which is not "
             f"installed: {install_hint()} (no GPU needed)")
+    if _jax_too_old():
+        raise TargetUnavailable(
+            f"compiling for --target {target.name} is built for jax 0.11 and newer (cuDNN's "
+            f"packed attention with GQA, host memory kinds in the lowering): "
+            f"{install_hint()}")
     hosts, per_host = ((n // _DEVICES_PER_HOST, _DEVICES_PER_HOST)
                        if n > _DEVICES_PER_HOST and n % _DEVICES_PER_HOST == 0 else (1, n))
     try:
@@ -144,8 +174,10 @@ def capability_of(device) -> tuple[int, int] | None:
 @contextlib.contextmanager
 def compiling_for(target: Target):
     """Traces and compiles inside see ``target``: jax's cuDNN checks answer with its compute
-    capability, and no compilation-cache ordering edges are added (module docstring)."""
+    capability, the attention kernels are chosen for it, and no compilation-cache ordering
+    edges are added (module docstring)."""
     from jax._src.cudnn import fused_attention_stablehlo as fused
+    from .attention import kernels
 
     def at_least(capability: str) -> bool:
         return target.capability >= tuple(int(x) for x in capability.split("."))
@@ -153,10 +185,58 @@ def compiling_for(target: Target):
     def equal(capability: str) -> bool:
         return target.capability == tuple(int(x) for x in capability.split("."))
 
-    saved = fused.check_compute_capability, fused.is_cuda_compute_capability_equal
+    saved = (fused.check_compute_capability, fused.is_cuda_compute_capability_equal,
+             kernels.COMPILING_FOR)
     fused.check_compute_capability, fused.is_cuda_compute_capability_equal = at_least, equal
+    kernels.COMPILING_FOR = ("gpu", target.capability)
     try:
         with ordering.disabled():
             yield target
     finally:
-        fused.check_compute_capability, fused.is_cuda_compute_capability_equal = saved
+        (fused.check_compute_capability, fused.is_cuda_compute_capability_equal,
+         kernels.COMPILING_FOR) = saved
+
+
+class Compiled:
+    """A program XLA's GPU compiler built for a target, with the readings the dry run and the
+    tests take from jax's own compiled objects: ``memory_analysis()`` (device and host
+    apart), ``as_text()`` (the optimized HLO) and ``cost_analysis()`` (None: XLA gives no
+    cost analysis without a device)."""
+
+    def __init__(self, executable, target: Target, n: int):
+        self._executable, self.target, self.num_devices = executable, target, n
+
+    def memory_analysis(self):
+        return self._executable.get_compiled_memory_stats()
+
+    def as_text(self) -> str:
+        return "\n\n".join(m.to_string() for m in self._executable.hlo_modules())
+
+    def cost_analysis(self):
+        return None
+
+
+def compile(jitted, args: tuple, target: Target) -> Compiled:
+    """``jitted(*args)`` (a ``jax.jit`` function and abstract arguments laid out on a mesh of
+    this process's CPU devices) compiled by XLA's GPU compiler for as many ``target`` GPUs
+    as the mesh has; memory kinds (host offload) kept (module docstring)."""
+    import numpy as np
+    from jax._src import compiler
+    from jax._src.interpreters import pxla
+    from jax._src.lib import xla_client as xc
+    with compiling_for(target):
+        lowering = jitted.trace(*args).lower(lowering_platforms=("cuda",))._lowering
+        ca = lowering.compile_args
+        gpus = devices(target, ca["num_devices"])
+        client = gpus[0].client
+        allow_in, allow_out = pxla.get_prop_to_input_output(
+            ca["in_shardings"], ca["out_shardings"], len(ca["ordered_effects"]))
+        kvs = dict(lowering._compiler_options_kvs)
+        kvs["xla_disable_hlo_passes"] = ",".join(
+            filter(None, [kvs.get("xla_disable_hlo_passes", ""), *DISABLED_PASSES]))
+        options = pxla.create_compile_options(
+            lowering.stablehlo(), ca["tuple_args"], allow_in, allow_out, client,
+            np.array(gpus, dtype=object), kvs)
+        executable = compiler.backend_compile_and_load(
+            client, lowering.stablehlo(), xc.DeviceList(tuple(gpus)), options, [])
+    return Compiled(executable, target, len(gpus))

@@ -1,7 +1,7 @@
 """Longest sequence that fits a per-device memory budget, for each Ulysses degree P.
 
     python -m ulysses_jax.plan --config configs/llama-1b-32k.yaml --memory-gb 80 --p 1,2,4,8 \
-        [--granularity 1024] [--max-seq-len 1048576] [key=value ...]
+        [--granularity 1024] [--max-seq-len 1048576] [--target h100] [key=value ...]
 
 For each P the planner compiles the full train step abstractly (``trainer.dry_run``: nothing is
 allocated, no step runs) and reads XLA's per-device peak. It doubles the length from one
@@ -15,6 +15,12 @@ activation is [B, S/P, ...] or [B, S, N/P, ...]). The answer is XLA's estimate o
 own buffers; the runtime needs some room on top (allocator fragmentation, cuDNN workspaces, and
 on GPU JAX preallocates only 75% of memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
 otherwise), so plan with a budget below the physical size.
+
+With ``--target h100`` (or h200, a100) every probe is compiled by XLA's GPU compiler for P
+compile-only GPUs of that kind (``gpu_target``; no GPU needed, jax's CUDA plugin must be
+installed), and the bytes are its memory analysis, device and host apart. Without it the
+probes are XLA:CPU compiles on fake CPU devices, whose buffers differ from a GPU's
+(docs/PERF.md compares the two per preset).
 
 GB here means GiB (2**30 bytes), as ``nvidia-smi`` and JAX's ``memory_stats`` count.
 """
@@ -30,7 +36,7 @@ import tempfile
 import time
 from typing import Callable
 
-from . import memory
+from . import gpu_target, memory
 from .config import Config, ConfigError, load_config, validate
 from .mesh import request_cpu_devices
 from .families import traits
@@ -40,10 +46,11 @@ DEFAULT_P = (1, 2, 4, 8)
 DEFAULT_MAX_SEQ_LEN = 1 << 20  # 1M tokens: past this the search stops and says so
 
 
-def peak_bytes(cfg: Config) -> tuple[int, int]:
-    """(device, host) peak bytes per device of one compiled train step (``dry_run``)."""
+def peak_bytes(cfg: Config, target: str | None = None) -> tuple[int, int]:
+    """(device, host) peak bytes per device of one compiled train step (``dry_run``), for
+    GPUs of ``target`` when one is named (XLA's GPU compiler)."""
     from .training.dry_run import dry_run  # imported here: the CLI sets XLA_FLAGS before JAX starts
-    result = dry_run(cfg)
+    result = dry_run(cfg, target=target)
     return result["peak_bytes_per_device"], result["host_bytes_per_device"]
 
 
@@ -156,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lengths are multiples of lcm(granularity, P) (default 1024)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
                    help=f"stop searching here (default {DEFAULT_MAX_SEQ_LEN})")
+    p.add_argument("--target", choices=gpu_target.names(),
+                   help="compile each probe with XLA's GPU compiler for P GPUs of this kind "
+                        "(no GPU needed; jax's CUDA plugin must be installed)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. batch_size=1")
     return p
 
@@ -236,8 +246,14 @@ def main(argv=None) -> int:
     # only if JAX has not started yet (true when run as a module).
     need = max(c.mesh.data * c.mesh.ring * c.mesh.seq for c in per_p.values())
     request_cpu_devices(max(8, need))
+    if args.target:
+        if not gpu_target.cuda_plugin_installed():
+            print(f"error: --target {args.target} needs jax's CUDA plugin, which is not "
+                  f"installed: {gpu_target.install_hint()} (no GPU needed)", file=sys.stderr)
+            return 2
+        gpu_target.prepare_plugin()
     dump, flags_before = None, os.environ.get("XLA_FLAGS")
-    if cfg.model.offload_checkpoints or cfg.optimizer.offload:  # the host column needs them
+    if (cfg.model.offload_checkpoints or cfg.optimizer.offload) and not args.target:  # the host column needs them
         dump = tempfile.mkdtemp(prefix="ulysses_plan_")  # (read by XLA if JAX starts below)
         os.environ["XLA_FLAGS"] = f"{flags_before or ''} {memory.dump_flags(dump)}".strip()
     import jax
@@ -254,11 +270,13 @@ def main(argv=None) -> int:
           f"{m.offload_checkpoints} optimizer={cfg.optimizer.offload}; budget "
           f"{args.memory_gb:g} GiB per device"
           f"{'' if host_budget is None else f', {args.host_memory_gb:g} GiB host per device'}; "
-          f"{jax.device_count()} {jax.devices()[0].platform} devices", flush=True)
+          + (f"XLA's GPU compiler for P x {gpu_target.load(args.target).device_kind} "
+             f"(compile-only)" if args.target else
+             f"{jax.device_count()} {jax.devices()[0].platform} devices"), flush=True)
     results, peaks = {}, {}
 
     def measure(c):
-        peaks[c.mesh.seq, c.seq_len] = peak_bytes(c)
+        peaks[c.mesh.seq, c.seq_len] = peak_bytes(c, args.target)
         return peaks[c.mesh.seq, c.seq_len]
 
     try:
@@ -269,8 +287,8 @@ def main(argv=None) -> int:
                     c, budget, granularity=args.granularity, max_seq_len=args.max_seq_len,
                     progress=lambda line: print(line, flush=True), measure=measure,
                     host_bytes=host_budget)
-            except ValueError as e:  # e.g. more devices than this machine has
-                print(f"error: P={p}: {e}", file=sys.stderr)
+            except (ValueError, gpu_target.TargetUnavailable) as e:  # e.g. more devices
+                print(f"error: P={p}: {e}", file=sys.stderr)              # than this machine has
                 return 2
     finally:
         if dump:

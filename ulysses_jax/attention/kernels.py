@@ -19,6 +19,18 @@ from .chunked import chunked_attention
 
 IMPLS = ("auto", "xla", "cudnn", "chunked")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+# The GPU a program is being compiled for in place of the mesh's own devices, as (platform,
+# compute capability): set by ``gpu_target.compiling_for``, which lowers from this process's
+# CPU devices for XLA's GPU compiler. None: kernels are chosen for the mesh's devices.
+COMPILING_FOR: tuple[str, tuple[int, int]] | None = None
+
+
+def device_facts(device) -> tuple[str, tuple[int, int] | None]:
+    """(platform, CUDA compute capability or None) that kernels are chosen for on ``device``:
+    its own, or the GPU target's while one is compiled for (``COMPILING_FOR``)."""
+    if COMPILING_FOR is not None:
+        return COMPILING_FOR
+    return device.platform, cudnn.compute_capability(device)
 
 
 def reference_attention(q, k, v, causal: bool = True, segment_ids=None, scale: float | None = None,

@@ -446,7 +446,8 @@ def _hybrid(q, k, v, mesh, causal, segment_ids, impl, layout, blocks, counts: bo
         raise ValueError(f"mesh has no {RING!r} axis (axes: {mesh.axis_names}); build it with "
                          f"make_mesh(seq=U, ring=R)")
     lay = validate(q, k, v, segment_ids, mesh, chunks=2 if layout == "zigzag" else 1)
-    kernels.resolve_impl(impl, q.dtype, q.shape[3], backend=mesh.devices.flat[0].platform)
+    kernels.resolve_impl(impl, q.dtype, q.shape[3],
+                         backend=kernels.device_facts(mesh.devices.flat[0])[0])
     b, s, n, h = q.shape
     u, r = axis_size(mesh, SEQ), axis_size(mesh, RING)
     window = var["window"]

@@ -104,11 +104,9 @@ def mesh_kernel(impl: str, q, mesh: Mesh, segments: bool, heads: tuple[int, int]
     """``kernels.resolve_impl`` for the devices of ``mesh`` (not JAX's default backend: on a
     GPU host a mesh of CPU devices must not get cuDNN). ``heads`` = (query, kv) heads each
     device attends with; ``variant``: causal, window, softcap."""
-    device = mesh.devices.flat[0]
-    return kernels.resolve_impl(impl, q.dtype, q.shape[3], backend=device.platform,
-                                segments=segments,
-                                capability=kernels.cudnn.compute_capability(device), heads=heads,
-                                **variant)
+    platform, capability = kernels.device_facts(mesh.devices.flat[0])
+    return kernels.resolve_impl(impl, q.dtype, q.shape[3], backend=platform, segments=segments,
+                                capability=capability, heads=heads, **variant)
 
 
 # ----------------------------------------------------------------------------- packing

@@ -36,8 +36,10 @@ from .trainer import (_abstract_batch, _xla_flops, build_mesh, check_kernel, chu
                       model_flops_per_device)
 
 
-def compile_step(cfg: Config, mesh=None):
-    """The train step compiled for ``cfg``'s mesh from abstract shapes (nothing allocated).
+def compile_step(cfg: Config, mesh=None, target: gpu_target.Target | None = None):
+    """The train step compiled for ``cfg``'s mesh from abstract shapes (nothing allocated);
+    with a ``target``, by XLA's GPU compiler for that many of its GPUs (``mesh`` then holds
+    this process's CPU devices: ``target_mesh``).
 
     Returns:
       (the compiled step, the abstract train state it takes).
@@ -45,12 +47,17 @@ def compile_step(cfg: Config, mesh=None):
     mesh = mesh or build_mesh(cfg)
     graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
     step = make_train_step(cfg, mesh, graphdef, tx, shardings)
-    return step.lower(abstract, _abstract_batch(cfg, mesh)).compile(), abstract
+    batch = _abstract_batch(cfg, mesh)
+    if target is not None:
+        return gpu_target.compile(step, (abstract, batch), target), abstract
+    return step.lower(abstract, batch).compile(), abstract
 
 
 def target_mesh(cfg: Config, target: gpu_target.Target, devices: int | None = None):
-    """The config's mesh on ``devices`` (default: as many as the mesh needs) compile-only
-    GPUs of ``target``; ConfigError when the mesh needs more."""
+    """The config's mesh for a compile for ``devices`` (default: as many as the mesh needs)
+    GPUs of ``target``, on as many of this process's CPU devices (``gpu_target.compile``
+    lowers there); ConfigError when the mesh needs more, or the process has too few."""
+    import jax
     need = cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq
     n = need if devices is None else devices
     if n < need:
@@ -59,8 +66,13 @@ def target_mesh(cfg: Config, target: gpu_target.Target, devices: int | None = No
                           f"{cfg.mesh.seq} = {need}")
     validate(cfg, num_devices=n)
     check_kernel(cfg, "gpu")
+    cpus = jax.devices("cpu")
+    if len(cpus) < n:
+        raise ConfigError(f"compiling for {n} x {target.device_kind} lowers on as many CPU "
+                          f"devices, and this process has {len(cpus)} (XLA_FLAGS="
+                          f"--xla_force_host_platform_device_count={n} before JAX starts)")
     return make_mesh(seq=cfg.mesh.seq, data=cfg.mesh.data, ring=cfg.mesh.ring,
-                     devices=gpu_target.devices(target, n))
+                     devices=cpus[:n])
 
 
 def device_and_host_bytes(compiled) -> tuple[int, int]:
@@ -124,7 +136,7 @@ def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = No
     t0 = time.time()
     gpu = gpu_target.load(target) if target else None
     mesh = target_mesh(cfg, gpu, devices) if gpu else build_mesh(cfg)
-    platform = mesh.devices.flat[0].platform
+    platform = "gpu" if gpu else mesh.devices.flat[0].platform
     if standin is None:
         standin = platform == "cpu"
     compiled_cfg = cfg
@@ -139,8 +151,7 @@ def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = No
         _, layout, _, _ = state_layout(cfg, mesh)
         init_notes += initial_adapters(cfg, layout["params"])[1]
     if gpu:
-        with gpu_target.compiling_for(gpu):
-            compiled, abstract = compile_step(compiled_cfg, mesh)
+        compiled, abstract = compile_step(compiled_cfg, mesh, gpu)
         peak, host = device_and_host_bytes(compiled)
     else:
         compiled, abstract = compile_step(compiled_cfg, mesh)
@@ -189,7 +200,7 @@ def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = No
         "compiler": gpu.device_kind if gpu else platform,
         "compiled_dtype": compiled_cfg.model.dtype,
         "flops_per_device": model_flops_per_device(cfg),
-        "xla_flops_per_device": _xla_flops(compiled) or 0.0,
+        "xla_flops_per_device": _xla_flops(compiled),
         "collectives": collective_counts(hlo_text),
         "attention_kernels": attention_kernels(hlo_text),
         "argument_bytes": int(mem.argument_size_in_bytes),

@@ -30,8 +30,18 @@ from ..config import OptimizerConfig
 
 
 def computed_on_host(f):
-    """``f`` computed in host memory (XLA's host offloading), its results left there."""
-    return compute_on(f, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    """``f`` computed in host memory (XLA's host offloading), its results left there.
+    jax 0.11 made ``compute_on`` a function wrapper that places the results; before it was a
+    context manager, and the callers' out shardings placed them (the CPU test suite runs jax
+    0.10.2: README)."""
+    if tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11):
+        return compute_on(f, compute_type="device_host",
+                          out_memory_spaces=jax.memory.Space.Host)
+
+    def on_host(*args, **kwargs):
+        with compute_on("device_host"):
+            return f(*args, **kwargs)
+    return on_host
 
 
 def make_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
