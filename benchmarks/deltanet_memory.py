@@ -3,27 +3,29 @@ analysis (nothing allocated): the whole train step of a one-layer Qwen3-Next mod
 layer is one or the other, at the same sequence length S and Ulysses degree P.
 
     python benchmarks/deltanet_memory.py [--seq-lens 8192,16384,32768] [--ps 1,4]
-        [--set KEY=VALUE ...] [--out-dir benchmarks/results]
+        [--set KEY=VALUE ...] [--target h100] [--out-dir benchmarks/results]
 
 The layer has Qwen3-Next-80B-A3B's shapes (d_model 2048; attention 16 query / 2 kv heads of
 256, partial RoPE 0.25; DeltaNet 16 key / 32 value heads of 128, convolution width 4), bf16
 compute (compiled with float16 as the stand-in, as --dry-run does on a CPU), remat full,
 batch 1, and, to isolate the token mixer, a small dense MLP (ffn 512) and vocabulary (4096)
 shared by both. Each step is ``train.py --dry-run``'s compile (forward, backward, AdamW) on
-fake CPU devices; the peak per device is XLA's. Results: the peak of each, the DeltaNet /
+fake CPU devices (with ``--target h100``, h200 or a100: XLA's GPU compiler for P GPUs of that
+kind, no GPU needed: jax's CUDA plugin, jax >= 0.11); the peak per device is XLA's. Results: the peak of each, the DeltaNet /
 attention ratio per (S, P), the compiled all-to-alls, and how far the DeltaNet peaks are
 from a straight line in S (memory linear in S). Written to
-benchmarks/results/deltanet_memory.json with the command and the date.
+benchmarks/results/deltanet_memory.json (deltanet_memory_<target>.json with a target) with
+the command and the date.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 import time
 
-from _common import ROOT, command_line, ints, write_results  # noqa: E402  (first: sets up)
+from _common import (ROOT, add_target, command_line, compiled_on, ints,  # noqa: E402
+                     require_target, target_name, write_results)  # (first: sets up)
 
 GIB = 2 ** 30
 LAYER = ["model.family=qwen3_next", "model.n_layers=1", "model.d_model=2048",
@@ -42,6 +44,7 @@ def _args(argv):
     ap.add_argument("--ps", default="1,4", help="Ulysses degrees P (mesh.seq)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override (repeatable)")
+    add_target(ap)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     return ap.parse_args(argv)
 
@@ -58,6 +61,7 @@ def _line_deviation(xs: list[int], ys: list[int]) -> float:
 
 def main(argv=None) -> int:
     args = _args(argv)
+    require_target(args.target)
     import jax
     from ulysses_jax.config import load_config
     from ulysses_jax.training.dry_run import dry_run
@@ -72,10 +76,10 @@ def main(argv=None) -> int:
             for mixer, name in (("A", "attention"), ("D", "deltanet")):
                 cfg = load_config(preset, LAYER + args.set + [
                     f"model.mixer_pattern={mixer}", f"seq_len={s}", f"mesh.seq={p}"])
-                r = dry_run(cfg)
+                r = dry_run(cfg, target=args.target)
                 row[name] = {k: r[k] for k in ("peak_bytes_per_device", "temp_bytes",
                                                "argument_bytes", "params",
-                                               "compile_seconds")}
+                                               "compile_seconds", "compiler")}
                 row[name]["all_to_all"] = r["collectives"].get("all-to-all", 0)
             row["ratio"] = round(row["deltanet"]["peak_bytes_per_device"]
                                  / row["attention"]["peak_bytes_per_device"], 4)
@@ -95,10 +99,10 @@ def main(argv=None) -> int:
            "rows": rows, "max_ratio": max(r["ratio"] for r in rows),
            "deltanet_line_deviation_by_p": linear,
            "jax": jax.__version__, "python": platform.python_version(),
-           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (fake devices)",
+           "machine": compiled_on(args.target),
            "wall_seconds": round(time.time() - t_all, 1),
            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    write_results(args.out_dir, "deltanet_memory.json", out)
+    write_results(args.out_dir, target_name("deltanet_memory.json", args.target), out)
     return 0
 
 

@@ -2,7 +2,7 @@
 budget with LoRA against full fine-tuning, on 1 device and on 8.
 
     python benchmarks/lora_memory.py [--memory-gb 80] [--rows full_offload,full,lora]
-        [--p 1,8] [--search-preset]
+        [--p 1,8] [--search-preset] [--target h100]
 
 Rows (each with the preset's other memory options kept: remat full, model.offload_checkpoints,
 model.mlp_chunk=2048, model.loss_chunk=2048, ZeRO-3 at P=8):
@@ -25,8 +25,11 @@ from one unit, then bisection; one abstract compile per probe, every probe recor
 temporaries / peak split, the bytes live at the peak by category, and the trainable
 parameters. Presets: configs/llama3-8b-1gpu.yaml (P=1), configs/llama3-8b-4m.yaml (P=8).
 Nothing is allocated; bf16 compiles as float16 on a CPU (training/dry_run.py says why).
-Results: benchmarks/results/lora_memory.json, rewritten after every row; runs of other
-(row, P) pairs already in it are kept, so rows can be added by later invocations.
+``--target h100`` (h200, a100) compiles every probe with XLA's GPU compiler for P GPUs of
+that kind instead (no GPU needed: jax's CUDA plugin, jax >= 0.11; bf16 stays bf16).
+Results: benchmarks/results/lora_memory.json (lora_memory_<target>.json with a target),
+rewritten after every row; runs of other (row, P) pairs already in it are kept, so rows can
+be added by later invocations.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ import shutil
 import tempfile
 import time
 
-from _common import ROOT, command_line, ints, write_results
+from _common import (ROOT, add_target, command_line, ints, require_target, target_name,
+                     write_results)
 
 GIB = 2 ** 30
 PRESETS = {1: ("configs/llama3-8b-1gpu.yaml", 65536, 2097152, 131072),
@@ -57,7 +61,7 @@ ROWS = {
                       "model.lora.base_dtype=bfloat16"]),
 }
 KEEP = ("peak_bytes_per_device", "host_bytes_per_device", "argument_bytes", "temp_bytes",
-        "memory_by_category", "params", "trainable_params", "compile_seconds", "memory_model")
+        "memory_by_category", "params", "trainable_params", "compile_seconds", "memory_model", "compiler")
 
 
 def main(argv=None) -> int:
@@ -67,15 +71,20 @@ def main(argv=None) -> int:
     ap.add_argument("--p", default="1,8")
     ap.add_argument("--search-preset", action="store_true",
                     help="also search the full_offload row (docs/PERF.md section 6 has it)")
+    add_target(ap)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
+    require_target(args.target)
+    name = target_name("lora_memory.json", args.target)
     rows = [r for r in args.rows.split(",") if r]
     ps = ints(args.p)
 
-    # XLA dumps every compile so dry_run can split host from device memory (offload options).
-    dump = tempfile.mkdtemp(prefix="lora_memory_")
+    # XLA dumps every CPU compile so dry_run can split host from device memory (offload
+    # options); XLA's GPU compiler reports host bytes itself.
+    dump = None if args.target else tempfile.mkdtemp(prefix="lora_memory_")
     from ulysses_jax import memory  # (JAX imported, its backends not started yet)
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {memory.dump_flags(dump)}"
+    if dump:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {memory.dump_flags(dump)}"
     import jax
     jax.config.update("jax_enable_compilation_cache", False)  # a cached program dumps nothing
     from ulysses_jax.config import load_config
@@ -83,7 +92,7 @@ def main(argv=None) -> int:
     from ulysses_jax.training.dry_run import dry_run
 
     budget = int(args.memory_gb * GIB)
-    path = os.path.join(args.out, "lora_memory.json")
+    path = os.path.join(args.out, name)
     earlier = []
     if os.path.exists(path):  # keep the other (row, P) pairs measured before
         with open(path) as f:
@@ -107,7 +116,7 @@ def main(argv=None) -> int:
                 run = {"row": row, "label": label, "p": p, "config": config, "overrides": sets,
                        "granularity": gran, "max_seq_len": max_len}
                 t0 = time.time()
-                d = dry_run(dataclasses.replace(cfg, seq_len=common))
+                d = dry_run(dataclasses.replace(cfg, seq_len=common), target=args.target)
                 run["dry_run"] = {"seq_len": common, **{k: d.get(k) for k in KEEP}}
                 print(f"P={p} {row}: dry-run at {common}: peak "
                       f"{d['peak_bytes_per_device'] / GIB:.2f} GiB, host "
@@ -119,7 +128,7 @@ def main(argv=None) -> int:
                     probes = []
 
                     def measure(c):
-                        r = dry_run(c)
+                        r = dry_run(c, target=args.target)
                         probes.append({"seq_len": c.seq_len, **{k: r.get(k) for k in KEEP}})
                         return r["peak_bytes_per_device"], r["host_bytes_per_device"]
 
@@ -137,9 +146,10 @@ def main(argv=None) -> int:
                           f"{time.time() - t0:.0f} s)", flush=True)
                 result["runs"].append(run)
                 result["wall_seconds"] = round(time.time() - t_all, 1)
-                write_results(args.out, "lora_memory.json", result)
+                write_results(args.out, name, result)
     finally:
-        shutil.rmtree(dump, ignore_errors=True)
+        if dump:
+            shutil.rmtree(dump, ignore_errors=True)
 
     print(f"\n{'P':>2}  {'row':<13}{'longest':>10}{'device GiB':>11}{'host GiB':>9}"
           f"{'next over':>11}{'peak@common':>12}{'args':>7}{'temps':>7}{'trainable':>16}")

@@ -1,18 +1,22 @@
 """Per-device peak memory of a full training step against sequence length and Ulysses degree P.
 
     python benchmarks/memory_scaling.py [--presets tiny,llama-1b] [--ps 1,2,4,8]
-        [--budget-gb tiny=0.25,llama-1b=24] [--set KEY=VALUE ...] [--out-dir benchmarks/results]
+        [--budget-gb tiny=0.25,llama-1b=24] [--set KEY=VALUE ...] [--target h100]
+        [--out-dir benchmarks/results]
 
 Every point is an abstract compile of the whole train step (forward, backward, AdamW update)
 through ``trainer.dry_run``: XLA's memory analysis of the partitioned program, per device,
 nothing allocated. mesh.data=1 and batch_size=1 throughout, so P is the only thing that splits
 the work. On the 8 fake CPU devices this is the CPU compiler's buffer assignment; a GPU compile
 of the same program assigns buffers differently (fusion, cuDNN attention), so the absolute
-numbers are indicative and the ratios are the point.
+numbers are indicative and the ratios are the point. ``--target h100`` (h200, a100) compiles
+the same points with XLA's GPU compiler for P GPUs of that kind instead (no GPU needed: jax's
+CUDA plugin, jax >= 0.11); the peak is then device memory, host memory recorded beside it.
 
 It prints a table per preset, fits peak = static + per_token * seq_len per P (what does not
 scale with length vs what does), checks two targets and, for a budget, the longest measured
-length that fits per P. Results: benchmarks/results/memory_scaling.{json,csv,png}.
+length that fits per P. Results: benchmarks/results/memory_scaling.{json,csv,png}
+(memory_scaling_<target>.* with a target).
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, command_line, ints  # noqa: E402  (first: repo path, fake devices)
+from _common import (ROOT, add_target, command_line, ints, require_target,  # noqa: E402
+                     target_name)  # (first: repo path, fake devices)
 
 GIB, MIB = 2 ** 30, 2 ** 20
 # name -> (preset file, default lengths, overrides on top of the preset).
@@ -60,7 +65,7 @@ def _budgets(text: str) -> dict[str, float]:
     return out
 
 
-def measure(preset: str, lengths, ps, extra_overrides=()) -> list[dict]:
+def measure(preset: str, lengths, ps, extra_overrides=(), target=None) -> list[dict]:
     """dry_run of every (P, seq_len) of one preset.
 
     Returns:
@@ -77,13 +82,14 @@ def measure(preset: str, lengths, ps, extra_overrides=()) -> list[dict]:
             cfg = load_config(str(ROOT / path), [*preset_overrides, *extra_overrides,
                                                  "batch_size=1", "mesh.data=1",
                                                  f"mesh.seq={p}", f"seq_len={s}"])
-            r = dry_run(cfg)
+            r = dry_run(cfg, target=target)
             records.append({
                 "preset": preset, "p": p, "seq_len": s, "n_layers": cfg.model.n_layers,
                 "remat": cfg.model.remat, "dtype": cfg.model.dtype,
                 "vocab_parallel": cfg.model.vocab_parallel,
                 "param_sharding": cfg.param_sharding, "params": r["params"],
-                "peak_bytes": r["peak_bytes_per_device"], "argument_bytes": r["argument_bytes"],
+                "compiler": r["compiler"], "peak_bytes": r["peak_bytes_per_device"],
+                "host_bytes": r["host_bytes_per_device"], "argument_bytes": r["argument_bytes"],
                 "temp_bytes": r["temp_bytes"], "flops": r["flops_per_device"],
                 "compile_seconds": r["compile_seconds"]})
             print(f"  {preset} P={p} seq_len={s}: {r['peak_bytes_per_device'] / GIB:.3f} GiB "
@@ -155,7 +161,7 @@ def print_report(preset: str, records: list[dict], a: dict) -> None:
     r0 = records[0]
     print(f"\n== {preset}: {r0['params'] / 1e6:.1f}M params, n_layers={r0['n_layers']}, "
           f"{r0['dtype']}, remat={r0['remat']}, param_sharding={r0['param_sharding']}, "
-          f"batch_size=1, mesh.data=1")
+          f"batch_size=1, mesh.data=1, compiler: {r0['compiler']}")
     print(f"peak bytes per device ({unit}), full train step")
     print(f"{'seq_len':>8}" + "".join(f"{'P=' + str(p):>11}" for p in ps))
     for s in lengths:
@@ -187,16 +193,19 @@ def print_report(preset: str, records: list[dict], a: dict) -> None:
         print(f"  P={p}: {a['longest_fitting'][p] or 'none of the measured lengths'}")
 
 
-def write_outputs(out_dir: Path, records, analysis, meta) -> None:
+def write_outputs(out_dir: Path, records, analysis, meta, target=None) -> str:
+    """The three results files; their common path without the suffix."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "memory_scaling.json", "w") as f:
+    stem = target_name("memory_scaling", target)
+    with open(out_dir / f"{stem}.json", "w") as f:
         json.dump({"meta": meta, "records": records, "analysis": analysis}, f, indent=1,
                   default=str)
-    with open(out_dir / "memory_scaling.csv", "w", newline="") as f:
+    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(records[0]))
         w.writeheader()
         w.writerows(records)
-    plot(out_dir / "memory_scaling.png", records, analysis)
+    plot(out_dir / f"{stem}.png", records, analysis)
+    return str(out_dir / stem)
 
 
 def plot(path: Path, records, analysis) -> None:
@@ -218,7 +227,7 @@ def plot(path: Path, records, analysis) -> None:
         ax.set_yscale("log", base=2)
         ax.yaxis.set_major_formatter(ScalarFormatter())  # 8, 16 rather than 2^3, 2^4
         ax.set_xlabel("sequence length (tokens)")
-        ax.set_ylabel("peak GiB per device (XLA memory analysis)")
+        ax.set_ylabel(f"peak GiB per device ({rows[0]['compiler']}, XLA memory analysis)")
         ax.set_title(f"{preset}: full train step, batch 1, n_layers={rows[0]['n_layers']}")
         ax.grid(alpha=0.3, which="both")
         ax.legend()
@@ -244,8 +253,10 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every point (repeatable), e.g. "
                          "--set model.vocab_parallel=false")
+    add_target(ap)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
+    require_target(args.target)
     try:
         presets = [p for p in args.presets.split(",") if p]
         unknown = [p for p in presets if p not in PRESETS]
@@ -271,7 +282,7 @@ def main(argv=None) -> int:
             extra.append(f"model.n_layers={args.llama_1b_layers}")
             print(f"note: llama-1b n_layers reduced to {args.llama_1b_layers} (preset: 16) "
                   f"to save compile time")
-        rows = measure(preset, lengths[preset], ps, extra)
+        rows = measure(preset, lengths[preset], ps, extra, args.target)
         analysis[preset] = analyse(rows, budgets[preset] * GIB)
         records += rows
     for preset in presets:
@@ -279,10 +290,12 @@ def main(argv=None) -> int:
     meta = {"command": command_line(__file__, argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "jax": jax.__version__,
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
+            "devices": (f"P x {records[0]['compiler']} (XLA's GPU compiler, no GPU)"
+                        if args.target else
+                        f"{jax.device_count()} x {jax.devices()[0].platform}"),
             "seconds": round(time.time() - t0, 1)}
-    write_outputs(Path(args.out_dir), records, analysis, meta)
-    print(f"\nwrote {args.out_dir}/memory_scaling.{{json,csv,png}} in {meta['seconds']} s")
+    stem = write_outputs(Path(args.out_dir), records, analysis, meta, args.target)
+    print(f"\nwrote {stem}.{{json,csv,png}} in {meta['seconds']} s")
     return 0
 
 

@@ -2,12 +2,15 @@
 
     python benchmarks/moe_memory.py [--config configs/qwen3-235b-a22b-128k.yaml]
         [--ps 1,16,32,64] [--activation-seq-lens 2048,131072] [--set KEY=VALUE ...]
-        [--out-dir benchmarks/results]
+        [--target h100] [--out-dir benchmarks/results]
 
 Two measurements, both abstract compiles on fake CPU devices (``--xla_force_host_platform_
-device_count`` = the largest P), XLA's per-device memory analysis:
+device_count`` = the largest P), XLA's per-device memory analysis; with ``--target h100``
+(h200, a100) both are compiled by XLA's GPU compiler for P GPUs of that kind instead (no GPU
+needed: jax's CUDA plugin, jax >= 0.11; lowered on the fake CPU devices), device and host
+bytes apart:
 
-1. The whole train step (forward, backward, AdamW update: ``trainer.compile_step``, as
+1. The whole train step (forward, backward, AdamW update: ``dry_run.compile_step``, as
    ``--dry-run``) at the preset's ``seq_len`` with ``batch_size=1 mesh.data=1 mesh.seq=P``:
    experts split over the P devices (expert parallelism), everything else ZeRO-3 over the same
    P devices, Ulysses over them too. Its peak is what must fit a device. The all-to-alls of
@@ -20,7 +23,8 @@ device_count`` = the largest P), XLA's per-device memory analysis:
    difference between two lengths is the part that grows with the tokens, i.e. the
    activations, free of the per-layer weight casts that every length has.
 
-Results: benchmarks/results/moe_memory.json (with the command and the times).
+Results: benchmarks/results/moe_memory.json (moe_memory_<target>.json with a target; with
+the command and the times).
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, command_line, ints, write_results  # noqa: E402  (first: sets up)
+from _common import (ROOT, add_target, command_line, ints, require_target,  # noqa: E402
+                     target_name, write_results)  # (first: sets up)
 
 GIB = 2 ** 30
 
@@ -44,6 +49,7 @@ def _args(argv):
                     help="lengths of the P=1 activation measurement ('' to skip)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override (repeatable)")
+    add_target(ap)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     return ap.parse_args(argv)
 
@@ -54,13 +60,23 @@ def main(argv=None) -> int:
     flags = os.environ.get("XLA_FLAGS", "")  # _common asked for 8; the step needs max(P)
     os.environ["XLA_FLAGS"] = flags.replace("device_count=8", f"device_count={max(ps + [8])}")
 
+    require_target(args.target)
     import jax
+    from ulysses_jax import gpu_target
     from ulysses_jax.config import load_config
     from ulysses_jax.hlo import collective_counts, collective_shapes
     from ulysses_jax.training.flops import active_params_per_token
-    from ulysses_jax.training.trainer import (_abstract_batch, build_mesh, compile_step,
-                                              peak_bytes_per_device)
+    from ulysses_jax.training.dry_run import (compile_step, device_and_host_bytes,
+                                              peak_bytes_per_device, target_mesh)
     from ulysses_jax.training.train_step import objective, state_layout
+    from ulysses_jax.training.trainer import _abstract_batch, build_mesh
+
+    gpu = gpu_target.load(args.target) if args.target else None
+
+    def peak_and_host(compiled) -> tuple[int, int]:
+        if gpu:
+            return device_and_host_bytes(compiled)
+        return peak_bytes_per_device(compiled), 0
 
     config = str(ROOT / args.config) if not Path(args.config).is_absolute() else args.config
     base = ["batch_size=1", "mesh.data=1", *args.set]
@@ -68,7 +84,7 @@ def main(argv=None) -> int:
 
     def activations(seq_len: int) -> dict:
         cfg = load_config(config, base + ["mesh.seq=1", f"seq_len={seq_len}"])
-        mesh = build_mesh(cfg)
+        mesh = target_mesh(cfg, gpu) if gpu else build_mesh(cfg)
         graphdef, abstract, _, _ = state_layout(cfg, mesh)
         params = dict(abstract["params"])
         embed = params.pop("embed")
@@ -77,8 +93,10 @@ def main(argv=None) -> int:
             return objective(graphdef, {**rest, "embed": embed}, batch, mesh)[0]
 
         t0 = time.time()
-        compiled = jax.jit(jax.grad(loss)).lower(embed, params,
-                                                 _abstract_batch(cfg, mesh)).compile()
+        grad = jax.jit(jax.grad(loss))
+        batch = _abstract_batch(cfg, mesh)
+        compiled = (gpu_target.compile(grad, (embed, params, batch), gpu) if gpu else
+                    grad.lower(embed, params, batch).compile())
         mem = compiled.memory_analysis()
         return {"seq_len": seq_len, "temp_bytes": int(mem.temp_size_in_bytes),
                 "output_bytes": int(mem.output_size_in_bytes),
@@ -93,11 +111,13 @@ def main(argv=None) -> int:
     for p in ps:
         cfg = load_config(config, base + [f"mesh.seq={p}"])
         t0 = time.time()
-        compiled, abstract = compile_step(cfg)
+        compiled, abstract = (compile_step(cfg, target_mesh(cfg, gpu), gpu) if gpu else
+                              compile_step(cfg))
         mem = compiled.memory_analysis()
         text = compiled.as_text()
+        peak, host = peak_and_host(compiled)
         steps.append({"p": p, "seq_len": cfg.seq_len,
-                      "peak_bytes": peak_bytes_per_device(compiled),
+                      "peak_bytes": peak, "host_bytes": host,
                       "argument_bytes": int(mem.argument_size_in_bytes),
                       "temp_bytes": int(mem.temp_size_in_bytes),
                       "all_to_all": collective_counts(text)["all-to-all"],
@@ -117,10 +137,11 @@ def main(argv=None) -> int:
            "param_sharding": cfg.param_sharding,
            "active_params_per_token": active_params_per_token(cfg.model),
            "activations_p1": act, "train_step": steps,
+           "compiler": gpu.device_kind if gpu else "cpu",
            "jax": jax.__version__, "python": platform.python_version(),
            "wall_seconds": round(time.time() - t_all, 1),
            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    write_results(args.out_dir, "moe_memory.json", out)
+    write_results(args.out_dir, target_name("moe_memory.json", args.target), out)
     return 0
 
 

@@ -2,7 +2,7 @@
 on every device, from compiled memory analysis (nothing allocated).
 
     python benchmarks/vision_memory.py [--patches 16384,65536] [--ps 4,8]
-        [--set KEY=VALUE ...] [--out-dir benchmarks/results]
+        [--set KEY=VALUE ...] [--target h100] [--out-dir benchmarks/results]
 
 The train step (forward, backward, AdamW) of a model with Qwen2.5-VL-7B's vision tower
 (32 blocks of width 1280, 16 heads, MLP 3420, windows of 112 pixels, full attention at
@@ -12,18 +12,20 @@ tower's 0.67B weights do not hide the difference); bf16 compute (compiled with f
 a CPU), remat full, batch 1, seq_len 8192 x P. ``--patches`` is the batch's patch budget N:
 split (``model.vision.split=true``) gives each of the P devices N / P + one frame's slots
 (data.vision_patches), replicated gives every device all N. The peak per device is XLA's
-(``train.py --dry-run``'s compile on fake CPU devices). Written to
-benchmarks/results/vision_memory.json with the command and the date.
+(``train.py --dry-run``'s compile on fake CPU devices; with ``--target h100``, h200 or a100,
+XLA's GPU compiler for P GPUs of that kind, no GPU needed: jax's CUDA plugin, jax >= 0.11).
+Written to benchmarks/results/vision_memory.json (vision_memory_<target>.json with a target)
+with the command and the date.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 import time
 
-from _common import ROOT, command_line, ints, write_results  # noqa: E402  (first: sets up)
+from _common import (ROOT, add_target, command_line, compiled_on, ints,  # noqa: E402
+                     require_target, target_name, write_results)  # (first: sets up)
 
 GIB = 2 ** 30
 FRAME = 1024  # slots one frame needs beyond N / P when split (a 448 x 448 image)
@@ -43,12 +45,14 @@ def _args(argv):
     ap.add_argument("--ps", default="4,8", help="devices P (mesh.seq)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override (repeatable)")
+    add_target(ap)
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _args(argv)
+    require_target(args.target)
     import jax
     from ulysses_jax.config import load_config
     from ulysses_jax.training.dry_run import dry_run
@@ -64,10 +68,10 @@ def main(argv=None) -> int:
                 cfg = load_config(preset, MODEL + args.set + [
                     f"seq_len={8192 * p}", f"mesh.seq={p}", f"model.vision.split={split}",
                     f"data.vision_patches={slots}"])
-                r = dry_run(cfg)
+                r = dry_run(cfg, target=args.target)
                 row["split" if split else "replicated"] = {
                     k: r[k] for k in ("peak_bytes_per_device", "temp_bytes", "argument_bytes",
-                                      "params", "compile_seconds")} | {"slots_per_device": slots}
+                                      "params", "compile_seconds", "compiler")} | {"slots_per_device": slots}
             row["ratio"] = round(row["split"]["peak_bytes_per_device"]
                                  / row["replicated"]["peak_bytes_per_device"], 4)
             rows.append(row)
@@ -77,10 +81,10 @@ def main(argv=None) -> int:
                   f"{row['split']['temp_bytes'] / GIB:.3f}", flush=True)
     out = {"command": command_line(__file__, argv), "overrides": MODEL + args.set,
            "rows": rows, "jax": jax.__version__, "python": platform.python_version(),
-           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (fake devices)",
+           "machine": compiled_on(args.target),
            "wall_seconds": round(time.time() - t_all, 1),
            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    write_results(args.out_dir, "vision_memory.json", out)
+    write_results(args.out_dir, target_name("vision_memory.json", args.target), out)
     return 0
 
 
