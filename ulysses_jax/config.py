@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -536,7 +535,3 @@ def to_dict(cfg: Config) -> dict:
 
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def to_json(cfg: Config) -> str:
-    return json.dumps(to_dict(cfg), sort_keys=True)

@@ -97,17 +97,6 @@ def grads_first(x, *modules):
     return (x, *[None if m is None else next(merged) for m in modules])
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Unscaled RoPE over the whole head (``rope.apply_rope``, kept for older callers).
-
-    Args:
-      x: [B, S, N, H]; positions: [B, S] ints.
-    Returns:
-      [B, S, N, H] in x's dtype.
-    """
-    return apply_rope(x, positions, theta)
-
-
 class RMSNorm(nnx.Module):
     """RMS normalisation in fp32 with a learned scale; output in the input's dtype.
     ``one_plus``: the scale is (1 + w) with w initialised to 0 (Gemma)."""

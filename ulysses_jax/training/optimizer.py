@@ -19,8 +19,6 @@ weight matrices and embeddings only. Two options trade precision or placement fo
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -117,10 +115,3 @@ def make_optimizer(opt: OptimizerConfig, steps: int,
             optax.add_decayed_weights(opt.weight_decay, decay_mask),
             optax.scale_by_learning_rate(schedule))
     return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw) if clip else adamw
-
-
-class OffloadPlan(NamedTuple):
-    """Shardings of an offloaded step: where the state lives and where the device copy goes."""
-    host: dict         # state shardings with memory_kind="pinned_host" (params, opt_state)
-    device: dict       # the params' shardings in device memory (the compute copy)
-    cast: dict         # compute_copy_mask(params)
