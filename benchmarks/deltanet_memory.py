@@ -11,9 +11,10 @@ compute (compiled with float16 as the stand-in, as --dry-run does on a CPU), rem
 batch 1, and, to isolate the token mixer, a small dense MLP (ffn 512) and vocabulary (4096)
 shared by both. Each step is ``train.py --dry-run``'s compile (forward, backward, AdamW) on
 fake CPU devices (with ``--target h100``, h200 or a100: XLA's GPU compiler for P GPUs of that
-kind, no GPU needed: jax's CUDA plugin, jax >= 0.11); the peak per device is XLA's. Results: the peak of each, the DeltaNet /
-attention ratio per (S, P), the compiled all-to-alls, and how far the DeltaNet peaks are
-from a straight line in S (memory linear in S). Written to
+kind, no GPU needed: jax's CUDA plugin, jax >= 0.11); the peak per device is XLA's.
+Results: the peak of each, the DeltaNet / attention ratio per (S, P), the compiled
+all-to-alls, and how far the DeltaNet peaks are from a straight line in S (memory linear
+in S). Written to
 benchmarks/results/deltanet_memory.json (deltanet_memory_<target>.json with a target) with
 the command and the date.
 """

@@ -39,7 +39,8 @@ CASES = {
                 ("precompute",)),
     "tiny": ("configs/tiny.yaml", ["seq_len=4096", "batch_size=2"], ("precompute",)),
 }
-KEEP = ("peak_bytes_per_device", "host_bytes_per_device", "compiler", "argument_bytes", "temp_bytes", "memory_by_category",
+KEEP = ("peak_bytes_per_device", "host_bytes_per_device", "compiler", "argument_bytes",
+        "temp_bytes", "memory_by_category",
         "params", "trainable_params", "compile_seconds")
 
 

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from _common import ROOT, command_line, write_results
+from _common import ROOT, command_line, target_name, write_results
 
 GIB = 2 ** 30
 # The presets sized for GPUs (configs/ minus the CPU-sized tiny ones) and the overrides that
@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true",
                     help="print the results file's table (docs/PERF.md) and compile nothing")
     args = ap.parse_args(argv)
+    path = os.path.join(args.out, target_name("gpu_compile.json", args.target))
     if args.markdown:
-        path = os.path.join(args.out, f"gpu_compile_{args.target}.json")
         if not os.path.isfile(path):
             print(f"error: no results file {path}: run the benchmark first", file=sys.stderr)
             return 2
@@ -179,13 +179,11 @@ def main(argv=None) -> int:
         print(f"error: unknown presets {unknown} or compilers {compilers} (gpu, cpu)",
               file=sys.stderr)
         return 2
-    from ulysses_jax import gpu_target
-    gpu_target.prepare_plugin()  # before JAX starts (the generation rows compile in-process)
+    from ulysses_jax import gpu_target  # (_common let its CUDA plugin start without a GPU)
     if "gpu" in compilers and not gpu_target.cuda_plugin_installed():
         print(f"error: the gpu column needs jax's CUDA plugin: {gpu_target.install_hint()}",
               file=sys.stderr)
         return 2
-    path = os.path.join(args.out, f"gpu_compile_{args.target}.json")
     result = json.load(open(path)) if os.path.isfile(path) else {}
     result.update({"command": command_line(__file__, argv),
                    "date": time.strftime("%Y-%m-%d"), "target": args.target})

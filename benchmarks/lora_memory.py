@@ -61,7 +61,8 @@ ROWS = {
                       "model.lora.base_dtype=bfloat16"]),
 }
 KEEP = ("peak_bytes_per_device", "host_bytes_per_device", "argument_bytes", "temp_bytes",
-        "memory_by_category", "params", "trainable_params", "compile_seconds", "memory_model", "compiler")
+        "memory_by_category", "params", "trainable_params", "compile_seconds", "memory_model",
+        "compiler")
 
 
 def main(argv=None) -> int:

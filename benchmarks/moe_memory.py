@@ -73,11 +73,6 @@ def main(argv=None) -> int:
 
     gpu = gpu_target.load(args.target) if args.target else None
 
-    def peak_and_host(compiled) -> tuple[int, int]:
-        if gpu:
-            return device_and_host_bytes(compiled)
-        return peak_bytes_per_device(compiled), 0
-
     config = str(ROOT / args.config) if not Path(args.config).is_absolute() else args.config
     base = ["batch_size=1", "mesh.data=1", *args.set]
     t_all = time.time()
@@ -111,11 +106,11 @@ def main(argv=None) -> int:
     for p in ps:
         cfg = load_config(config, base + [f"mesh.seq={p}"])
         t0 = time.time()
-        compiled, abstract = (compile_step(cfg, target_mesh(cfg, gpu), gpu) if gpu else
-                              compile_step(cfg))
+        compiled, abstract = compile_step(cfg, target_mesh(cfg, gpu) if gpu else None, gpu)
         mem = compiled.memory_analysis()
         text = compiled.as_text()
-        peak, host = peak_and_host(compiled)
+        peak, host = (device_and_host_bytes(compiled) if gpu else
+                      (peak_bytes_per_device(compiled), 0))
         steps.append({"p": p, "seq_len": cfg.seq_len,
                       "peak_bytes": peak, "host_bytes": host,
                       "argument_bytes": int(mem.argument_size_in_bytes),

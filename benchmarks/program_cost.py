@@ -5,10 +5,10 @@ and the size of the compiled HLO; the persistent compilation cache off.
     python benchmarks/program_cost.py [--config configs/tiny.yaml] [OVERRIDES ...]
 
 With the test suite's XLA flags (tests/conftest.py: 8 fake devices, LLVM optimisations off,
-the older loop emitters where jaxlib still has them (0.10), one codegen module) and its locations without Python tracebacks, so
-the figures are what a test pays per program. CPU seconds of this process
-(time.process_time), which the machine's other jobs disturb less than wall time; still
-compare figures of one sitting only.
+the older loop emitters where jaxlib still has them (0.10), one codegen module) and its
+locations without Python tracebacks, so the figures are what a test pays per program. CPU
+seconds of this process (time.process_time), which the machine's other jobs disturb less
+than wall time; still compare figures of one sitting only.
 """
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ import os
 import sys
 import time
 
-import importlib.metadata  # noqa: E402
+import importlib.metadata
 
 # jaxlib 0.10 has the older loop emitters as the suite uses them; 0.11 removed the choice
-_LOOP_EMITTERS = tuple(int(v) for v in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11)
+_LOOP_EMITTERS = tuple(
+    int(v) for v in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                            "device_count=8 --xla_backend_optimization_level=0 "
                            "--xla_cpu_parallel_codegen_split_count=1"

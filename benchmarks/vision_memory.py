@@ -71,7 +71,8 @@ def main(argv=None) -> int:
                 r = dry_run(cfg, target=args.target)
                 row["split" if split else "replicated"] = {
                     k: r[k] for k in ("peak_bytes_per_device", "temp_bytes", "argument_bytes",
-                                      "params", "compile_seconds", "compiler")} | {"slots_per_device": slots}
+                                      "params", "compile_seconds", "compiler")
+                } | {"slots_per_device": slots}
             row["ratio"] = round(row["split"]["peak_bytes_per_device"]
                                  / row["replicated"]["peak_bytes_per_device"], 4)
             rows.append(row)
