@@ -8,7 +8,7 @@ Rows (each with the preset's other memory options kept: remat full, model.offloa
 model.mlp_chunk=2048, model.loss_chunk=2048, ZeRO-3 at P=8):
 
 - ``full_offload``: full fine-tuning, the preset as it is (optimizer.offload=true: fp32
-  weights and AdamW moments in host memory). Its search is docs/PERF.md section 6's and is
+  weights and AdamW moments in host memory). Its search is docs/PERF.md's ("LoRA") and is
   only repeated with ``--search-preset``; its dry-run at the common length always runs.
 - ``full``: full fine-tuning with optimizer.offload=false (weights, moments, gradients on
   the device).
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="full_offload,full,lora")
     ap.add_argument("--p", default="1,8")
     ap.add_argument("--search-preset", action="store_true",
-                    help="also search the full_offload row (docs/PERF.md section 6 has it)")
+                    help="also search the full_offload row (docs/PERF.md, \"LoRA\", has it)")
     add_target(ap)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)

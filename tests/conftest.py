@@ -71,7 +71,7 @@ gc.set_threshold(50_000, 20, 20)
 # built in their worker), so a cache mostly writes: serialising each executable and the
 # fence's analysis of it cost more than the few programs read back save (the full suite on
 # the 2-core machine, 2026-12-03: 18 min 1 s of pytest with the shared cache, 15 min 50 s
-# without; docs/PERF.md section 12). ULYSSES_TEST_COMPILE_CACHE=1 shares one cache between
+# without; docs/PERF.md, "The test suite"). ULYSSES_TEST_COMPILE_CACHE=1 shares one cache between
 # the pytest-xdist workers and the CLIs they start (``cli_env``), fenced as a user's is
 # (train.py --dry-run and the planner turn it off while they read XLA's dump of their own
 # compile).

@@ -8,9 +8,9 @@ Why. With the embedding table or output head replicated where it is used, every 
 the whole [V, D] weight in the compute dtype and, in the backward pass, its whole fp32 gradient
 before the gradient is summed over devices. For a Llama 3 vocabulary (V = 128256, D = 2048)
 that is 0.5 GiB + 1 GiB per copy, on every device, however many devices share the sequence:
-at 8 devices it was most of the 1B preset's peak (docs/PERF.md). Here each of the P devices
-that share a sequence owns V/P rows of the table, in fp32, and only ever builds gradients for
-those rows.
+at 8 devices it was most of the 1B preset's peak (benchmarks/results/HISTORY.md, section 1).
+Here each of the P devices that share a sequence owns V/P rows of the table, in fp32, and only
+ever builds gradients for those rows.
 
 Both functions run inside one shard_map and walk over the device's tokens C at a time (a
 ``lax.map``), so their transient buffers are per chunk:

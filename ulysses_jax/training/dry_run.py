@@ -7,8 +7,8 @@ both, saying so in its result:
 - bfloat16. XLA's CPU compiler has no bf16 arithmetic: it rewrites bf16 ops to f32, and the
   buffers between them (the layer loop's stacked checkpoints, for one) become f32, twice the
   bytes a GPU keeps. It handles float16 natively, so a bf16 model is compiled with float16
-  as a stand-in (same bytes per element) unless ``standin=False``. docs/PERF.md compares
-  both with a GPU compile of the same step.
+  as a stand-in (same bytes per element) unless ``standin=False``. benchmarks/results/HISTORY.md
+  (section 6) compares both with a GPU compile of the same step.
 - memory kinds. The CPU compiler ignores host placement (``pinned_host``): offloaded
   buffers stay in its device numbers. With an offload option on, the peak is recomputed
   from XLA's buffer live ranges (``memory.py``) with the offloaded buffers moved to a host
