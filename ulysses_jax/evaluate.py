@@ -54,6 +54,7 @@ import sys
 import numpy as np
 
 from .data.store import is_store
+from .runs import LoadError, Loaded, load
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
           "again. ")
@@ -124,101 +125,12 @@ def default_lengths(seq_len: int, shortest: int) -> list[int]:
             if n >= 2 * shortest] or [seq_len]
 
 
-@dataclasses.dataclass
-class Loaded:
-    """A model on the mesh: its graphdef and params, its ModelConfig, tokenizer (and the
-    tokenizer.json it was read from, None for bytes; ``tokenizer_note`` says which), and where
-    its held-out data come from (``run_data``: the run's own data.source, whose training
-    split must be left out)."""
-    graphdef: object
-    params: dict
-    model: object
-    tokenizer: object
-    tokenizer_file: str | None
-    tokenizer_note: str
-    source: str
-    heldout_fraction: float
-    seed: int
-    default_seq_len: int | None
-    chat_overflow: str = "truncate"
-    run_data: bool = False
-    run: object = None  # a run directory's Config (None for a Hugging Face directory)
-
-
-def load(path: str, mesh, step: int | None = None) -> Loaded:
-    """A run directory (config.yaml + checkpoints) or a Hugging Face directory, on ``mesh``."""
-    import jax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from .export import ExportError, pick_step, read_params, run_config
-    from .interop.hf import load_params
-    from .models.decoder import Decoder
-    from .data.run_data import store_tokenizer
-    from .models.param_layout import leaf_spec
-    if os.path.isfile(os.path.join(path, "config.yaml")):
-        try:
-            cfg = run_config(path)
-            step = pick_step(path, step)
-        except ExportError as e:
-            raise EvalError(str(e)) from None
-        tok_file = cfg.data.tokenizer
-        if is_store(cfg.data.source):  # the store knows its tokenizer (training needs none)
-            try:
-                tok_file = store_tokenizer(cfg.data.source, cfg.data.tokenizer)
-            except ValueError as e:
-                raise EvalError(f"the run's data.source: {e}") from None
-        tokenizer = _tokenizer(tok_file)
-        note = (tok_file or "bytes") + (f" (the tokenizer of the store {cfg.data.source})"
-                                         if is_store(cfg.data.source) else "")
-        model = cfg.model
-        params = {}
-        for keys, x in read_params(path, step):  # one parameter at a time onto the mesh
-            node = params
-            for k in keys[:-1]:
-                node = node.setdefault(int(k) if k.isdigit() else k, {})
-            spec = leaf_spec(keys, x.shape, mesh, cfg.param_sharding)
-            node[keys[-1]] = jax.device_put(x, NamedSharding(mesh, spec))
-        source, fraction, seed = cfg.data.source, cfg.data.heldout_fraction, cfg.seed
-        seq_len, overflow, run_data, run = cfg.seq_len, cfg.data.chat_overflow, True, cfg
-    elif os.path.isfile(os.path.join(path, "config.json")):
-        tok_file = note = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tok_file):  # checked before the (maybe large) weights load
-            tok_file, note = None, _byte_export(path)
-        try:
-            model, params = load_params(path, mesh)
-        except ValueError as e:
-            raise EvalError(f"{path}: {e}") from None
-        tokenizer = _tokenizer(tok_file)
-        source, fraction, seed, seq_len = "stdlib", 0.02, 0, None
-        overflow, run_data, run = "truncate", False, None
-    else:
-        raise EvalError(f"{path} is neither a training run (config.yaml) nor a Hugging Face "
-                        f"model directory (config.json)")
-    abstract = nnx.eval_shape(lambda: Decoder(model, mesh=mesh, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(state, params)
-    return Loaded(graphdef, nnx.to_pure_dict(state), model, tokenizer, tok_file, note, source,
-                  fraction, seed, seq_len, overflow, run_data, run)
-
-
-def _byte_export(path: str) -> str:
-    """Why a Hugging Face directory without tokenizer.json is read with the byte tokenizer
-    (an export of a byte-level run: config.json's vocab_size is the byte vocabulary's 257);
-    EvalError for any other vocabulary."""
-    from .data.text import ByteTokenizer
+def _load(path: str, mesh, step: int | None = None) -> Loaded:
+    """``runs.load``, a directory it cannot open raised as an EvalError."""
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        vocab = hf.get("vocab_size", (hf.get("text_config") or {}).get("vocab_size"))
-    except (OSError, ValueError, AttributeError) as e:
-        raise EvalError(f"{path}/config.json is not readable: {e}") from None
-    if vocab != ByteTokenizer.vocab_size:
-        raise EvalError(f"{path} has no tokenizer.json (needed for held-out text and the "
-                        f"passkey prompts), and its vocab_size {vocab} is not the byte "
-                        f"tokenizer's {ByteTokenizer.vocab_size}: copy the model's "
-                        f"tokenizer.json into it")
-    return (f"bytes ({path} has no tokenizer.json and vocab_size {vocab}: an export of a "
-            f"byte-level run)")
+        return load(path, mesh, step)
+    except LoadError as e:
+        raise EvalError(str(e)) from None
 
 
 def heldout_rows(loaded: Loaded, source: str, seq_len: int, fraction: float):
@@ -255,14 +167,6 @@ def heldout_rows(loaded: Loaded, source: str, seq_len: int, fraction: float):
         raise EvalError(f"held-out data {source!r}: {e}") from None
 
 
-def _tokenizer(path: str | None):
-    from .data import text as data_lib
-    try:
-        return data_lib.load_tokenizer(path)
-    except (OSError, ValueError, ImportError) as e:
-        raise EvalError(f"tokenizer {path!r}: {e}") from None
-
-
 def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
              step: int | None = None, batches: int = 4, batch_size: int = 1,
              data: str | None = None, heldout_fraction: float | None = None,
@@ -289,7 +193,7 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
         raise EvalError(f"--mesh-seq must be between 1 and the {len(devices)} devices there "
                         f"are, got {mesh_seq}")
     mesh = make_mesh(seq=mesh_seq, data=1, devices=devices[:mesh_seq])
-    loaded = load(path, mesh, step)
+    loaded = _load(path, mesh, step)
     source = data or loaded.source
     fraction = loaded.heldout_fraction if heldout_fraction is None else heldout_fraction
     if not 0 <= fraction <= 1:
@@ -394,7 +298,7 @@ def _dpo_section(loaded: Loaded, path: str, mesh, held, seq_len: int, batch_size
                         f"recorded for this store; {path} has neither)")
     if recorded is not None:
         held.attach_reference(recorded)
-    ref = load(reference, mesh) if reference is not None else None
+    ref = _load(reference, mesh) if reference is not None else None
     if ref is not None and ref.model.vocab_size != loaded.model.vocab_size:
         raise EvalError(f"--reference {reference} has vocab_size {ref.model.vocab_size}, the "
                         f"model {loaded.model.vocab_size}: not the same vocabulary")

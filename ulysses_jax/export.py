@@ -24,7 +24,7 @@ directory's template to still have that hash.
 
 Memory: the parameters are read from the Orbax checkpoint straight into host numpy arrays
 (the optimizer state is never read, no accelerator is needed), one layer of one parameter at
-a time where TensorStore can open the stored array (``open_param``: Orbax 0.12's layout),
+a time where TensorStore can open the stored array (``runs.open_param``: Orbax 0.12's layout),
 else one whole parameter at a time (an Orbax partial restore: all layers of one weight, fp32,
 7.5 GB for Llama-3-8B's MLP weights); each shard is written as soon as it is complete, so
 the host holds one layer (or parameter) plus one shard (``--max-shard-gb``), and the stored
@@ -40,6 +40,7 @@ prepared), with a one-line ``error: ...`` and no traceback; nothing is written t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -48,6 +49,8 @@ import sys
 from typing import Iterator
 
 import numpy as np
+
+from .runs import LoadError, param_shapes, pick_step, read_params, run_config
 
 EXPORT_DTYPES = ("float32", "bfloat16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -61,148 +64,15 @@ class ExportError(ValueError):
     """A run directory, step or option that cannot be exported; the message says which."""
 
 
-def run_config(run_dir: str):
-    """The run's resolved Config from RUN_DIR/config.yaml.
-
-    Raises:
-      ExportError: no such directory, no config.yaml, or a config that no longer loads.
-    """
-    from .config import ConfigError, load_config
-    if not os.path.isdir(run_dir):
-        raise ExportError(f"run directory {run_dir} does not exist")
-    path = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(path):
-        raise ExportError(f"{run_dir} is not a training run: it has no config.yaml "
-                          f"(train.py writes one at the start of a run)")
-    try:
-        return load_config(path)
-    except ConfigError as e:
-        raise ExportError(f"{path}: {e}") from None
-
-
-def checkpoint_steps(run_dir: str) -> list[int]:
-    """The committed checkpoint steps of a run, oldest first (Orbax renames a step directory
-    to its number only once it is complete, so unfinished saves are not listed)."""
-    directory = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(d) for d in os.listdir(directory)
-                  if d.isdigit() and os.path.isdir(os.path.join(directory, d, "state")))
-
-
-def pick_step(run_dir: str, step: int | None) -> int:
-    """``step``, or the newest; ExportError naming the steps there are when it is absent."""
-    steps = checkpoint_steps(run_dir)
-    if not steps:
-        raise ExportError(f"{run_dir} has no checkpoint (no step directory in "
-                          f"{os.path.join(run_dir, 'checkpoints')})")
-    if step is None:
-        return steps[-1]
-    if step not in steps:
-        raise ExportError(f"step {step} is not a checkpoint of {run_dir}; its checkpoints are "
-                          f"steps {', '.join(map(str, steps))}")
-    return step
-
-
-def param_shapes(run_dir: str, step: int) -> dict[tuple, tuple[int, ...]]:
-    """Parameter path (as in ``nnx.to_pure_dict``) -> shape, from the checkpoint's metadata."""
-    import jax
-    import orbax.checkpoint as ocp
-    with ocp.PyTreeCheckpointer() as c:
-        meta = c.metadata(_state_dir(run_dir, step))
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
-    return {_keys(path): tuple(leaf.shape)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree["params"])}
-
-
-def read_params(run_dir: str, step: int, *, by_layer: bool = False,
-                only=None) -> Iterator[tuple]:
-    """Yields (path, parameter) for each parameter, one at a time.
-
-    Args:
-      only: ``f(path) -> bool``: read only the parameters it picks (default all).
-      by_layer: yield a ``LayerReader`` (``x[i]`` reads layer i of a stacked parameter) where
-        the checkpoint's storage allows it, so that only one layer is in host memory;
-        otherwise, and for every parameter without it, a float32 numpy array read by an
-        Orbax partial restore (neither the optimizer state nor other parameters are read).
-    """
-    import orbax.checkpoint as ocp
-    with ocp.PyTreeCheckpointer() as c:
-        for keys in param_shapes(run_dir, step):
-            if only is not None and not only(keys):
-                continue
-            reader = open_param(run_dir, step, keys) if by_layer else None
-            if reader is not None:
-                yield keys, reader
-                continue
-            item, args = {}, {}
-            node_i, node_a = item, args
-            for k in ("params",) + keys[:-1]:
-                node_i, node_a = node_i.setdefault(k, {}), node_a.setdefault(k, {})
-            node_i[keys[-1]] = 0
-            node_a[keys[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
-            out = c.restore(_state_dir(run_dir, step), args=ocp.args.PyTreeRestore(
-                item=item, restore_args=args, partial_restore=True))
-            for k in ("params",) + keys:
-                out = out[k]
-            yield keys, np.asarray(out, np.float32)
-
-
-class LayerReader:
-    """A stored parameter read slice by slice: ``x[i]`` is layer i (float32 numpy),
-    ``np.asarray(x)`` all of it."""
-
-    def __init__(self, store):
-        self._store, self.shape = store, tuple(store.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, i) -> np.ndarray:
-        if isinstance(i, int) and not -len(self) <= i < len(self):
-            raise IndexError(i)
-        return np.asarray(self._store[i].read().result(), np.float32)
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-    def __array__(self, dtype=None, copy=None):
-        return np.asarray(self._store.read().result(), dtype or np.float32)
-
-
-def open_param(run_dir: str, step: int, keys: tuple) -> LayerReader | None:
-    """The parameter's array in the checkpoint opened with TensorStore (nothing read yet),
-    or None where that fails. Orbax (0.12) stores each array as a zarr array named by its
-    dotted path in the step's OCDBT database; another layout falls back to a restore."""
-    try:
-        import tensorstore as ts
-        spec = {"driver": "zarr", "kvstore": {
-            "driver": "ocdbt", "base": f"file://{_state_dir(run_dir, step)}",
-            "path": ".".join(("params",) + keys)}}
-        store = ts.open(spec, open=True, read=True).result()
-        # Reading a slice decodes every stored chunk that holds part of it, and Orbax's chunks
-        # span all layers (a replicated array is one chunk; a ZeRO-3 one a chunk per device,
-        # split along another axis): without a cache each layer's read would decompress every
-        # layer again (SmolLM2-135M's export: 270 reads, 48 s of a 58 s export). A cache of
-        # the chunks one layer's read touches keeps them while the layers are read; the host
-        # held them during each read already.
-        shape, chunk = tuple(store.shape), tuple(store.chunk_layout.read_chunk.shape)
-        touched = math.prod(-(-n // c) * c for n, c in zip(shape[1:], chunk[1:]))
-        size = (chunk[0] if chunk else 1) * touched * store.dtype.numpy_dtype.itemsize
-        store = ts.open(spec, open=True, read=True, context=ts.Context(
-            {"cache_pool": {"total_bytes_limit": size + (1 << 20)}})).result()
-    except Exception:  # noqa: BLE001 - any failure means "not this layout": use Orbax
-        return None
-    return LayerReader(store)
-
-
-def _state_dir(run_dir: str, step: int) -> str:
-    return os.path.abspath(os.path.join(run_dir, "checkpoints", str(step), "state"))
-
-
-def _keys(path) -> tuple:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+def _export_errors(fn):
+    """``fn`` raising a run it cannot open (``runs.LoadError``) as an ExportError."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LoadError as e:
+            raise ExportError(str(e)) from None
+    return wrapped
 
 
 def hf_tensors(cfg, keys: tuple, x: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
@@ -210,7 +80,7 @@ def hf_tensors(cfg, keys: tuple, x: np.ndarray) -> Iterator[tuple[str, np.ndarra
     expert), as ``hf.to_hf_tensors`` forms them.
 
     Args:
-      x: a numpy array, or a ``LayerReader`` (each layer is then read when it is needed).
+      x: a numpy array, or a ``runs.LayerReader`` (each layer is then read when it is needed).
     """
     from .interop.hf import _hf_names, _to_hf, stacked
     names, n_in = _hf_names(keys, cfg)
@@ -234,6 +104,7 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
     return shards + [current] if current else shards
 
 
+@_export_errors
 def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
                    dtype: str = "float32") -> dict:
     """Writes a LoRA run's adapters as a peft adapter directory: adapter_config.json (its
@@ -344,6 +215,7 @@ def _merged_reader(run_dir: str, step: int, cfg):
         yield keys, merged(keys, x)
 
 
+@_export_errors
 def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
                dtype: str = "float32", max_shard_gb: float = 5.0, arch: str | None = None,
                progress: bool = True, merge: bool = False) -> dict:
@@ -586,7 +458,7 @@ def main(argv=None) -> int:
         summary = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype,
                              max_shard_gb=args.max_shard_gb, arch=args.arch,
                              progress=not args.no_progress, merge=args.merge)
-    except ExportError as e:
+    except (ExportError, LoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tok = (f"{', '.join(summary['tokenizer_files'])} ({summary['tokenizer_source']})"

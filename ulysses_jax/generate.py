@@ -39,6 +39,7 @@ import os
 import sys
 
 from .generation.settings import DEFAULT_MAX_NEW_TOKENS, model_settings
+from .runs import LoadError, load, run_config
 
 
 class GenerateError(ValueError):
@@ -109,10 +110,9 @@ def _template_of(loaded, path: str):
 def _init_from(run: str) -> str | None:
     """A run's init_from: the Hugging Face directory whose generation_config.json (stop ids,
     sampling defaults) and positions the run's model keeps; None for a run from scratch."""
-    from .export import ExportError, run_config
     try:
         source = run_config(run).init_from
-    except ExportError:
+    except LoadError:
         return None
     return source if source and os.path.isfile(os.path.join(source, "config.json")) else None
 
@@ -230,7 +230,6 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
     summary). Raises GenerateError on bad input, before anything is compiled.
     """
     import jax
-    from .evaluate import EvalError, load
     from .generation import GenerationError, Generator, Sampling
     from .mesh import make_mesh
     devices = list(devices or jax.devices())
@@ -245,7 +244,7 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
     mesh = make_mesh(seq=mesh_seq, data=mesh_data, devices=devices[:mesh_seq * mesh_data])
     try:
         loaded = load(path, mesh, step)
-    except EvalError as e:
+    except LoadError as e:
         raise GenerateError(str(e)) from None
     hf_dir = path if not loaded.run_data else _init_from(path)
     try:
