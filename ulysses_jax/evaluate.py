@@ -48,13 +48,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 
+import jax
 import numpy as np
+from tqdm import tqdm
 
-from .data.store import is_store
+from .compile_cache import fence
+from .config import DPOConfig
+from .data import text as data_lib
+from .data.packing import heldout_store_rows
+from .data.prepare import file_hash
+from .data.store import TokenStore, is_store
+from .generation import GenerationError, Generator
+from .mesh import make_mesh, request_cpu_devices
 from .runs import LoadError, Loaded, load
+from .training.objectives import dpo, reference as precomputed
+from .training.position_loss import bucket_bounds, bucket_sums, token_losses
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
           "again. ")
@@ -108,8 +120,8 @@ def pad_rows(batch: dict, multiple: int) -> dict:
     extra = -s % multiple
     if not extra:
         return batch
-    from .data.text import FIELDS
-    return {f: np.pad(v, [(0, 0), (0, extra)] + [(0, 0)] * (v.ndim - 2)) if f in FIELDS else v
+    return {f: np.pad(v, [(0, 0), (0, extra)] + [(0, 0)] * (v.ndim - 2))
+            if f in data_lib.FIELDS else v
             for f, v in batch.items()}
 
 
@@ -142,10 +154,6 @@ def heldout_rows(loaded: Loaded, source: str, seq_len: int, fraction: float):
     and packed as training does (``data.build_rows``). A fraction of 1 holds out every
     document. Raises EvalError naming the source.
     """
-    from .data import text as data_lib
-    from .data.packing import heldout_store_rows
-    from .data.prepare import file_hash
-    from .data.store import TokenStore
     try:
         if is_store(source):
             want = TokenStore(source).manifest["tokenizer"]
@@ -181,10 +189,6 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
     ``data`` / ``heldout_fraction`` replace the held-out source and fraction (default: the
     run's; for a Hugging Face directory the stdlib corpus and 0.02); a fraction of 0 leaves
     (a) without rows (its losses None), one of 1 holds out all of ``data`` (``heldout_rows``)."""
-    import jax
-    from .mesh import make_mesh
-    from .data import text as data_lib
-    from .training.position_loss import bucket_bounds, bucket_sums, token_losses
     devices = list(devices or jax.devices())
     if batches < 0 or batch_size < 1:
         raise EvalError(f"--batches must be >= 0 and --batch-size >= 1, got {batches} and "
@@ -284,10 +288,6 @@ def _dpo_section(loaded: Loaded, path: str, mesh, held, seq_len: int, batch_size
                  progress: bool) -> dict:
     """(d): the DPO loss, reward accuracy and margin of ``held``'s pairs against the
     reference model, ``batch_size`` pairs a batch, at most ``batches`` batches."""
-    import jax
-    from .config import DPOConfig
-    from .data import text as data_lib
-    from .training.objectives import dpo
     run = loaded.run
     reference = reference or (run.init_from if run is not None else None)
     recorded = None if reference is not None else _recorded_reference(path, held)
@@ -337,11 +337,10 @@ def _dpo_section(loaded: Loaded, path: str, mesh, held, seq_len: int, batch_size
 def _recorded_reference(path: str, held) -> np.ndarray | None:
     """The reference log-probabilities a run at ``path`` recorded (dpo.reference=precompute)
     when they are of ``held``'s store and cover its pairs, else None."""
-    from .training.objectives import reference
     try:
-        with open(os.path.join(path, reference.META)) as f:
+        with open(os.path.join(path, precomputed.META)) as f:
             meta = json.load(f)
-        values = np.load(os.path.join(path, reference.FILE))
+        values = np.load(os.path.join(path, precomputed.FILE))
     except (OSError, ValueError):
         return None
     if meta["identity"]["store"] != held.store.manifest["fingerprint"] or \
@@ -351,7 +350,6 @@ def _recorded_reference(path: str, held) -> np.ndarray | None:
 
 
 def _bar_iter(items, enabled: bool):
-    from tqdm import tqdm
     return tqdm(items, desc="dpo", unit="batch", dynamic_ncols=True, disable=not enabled)
 
 
@@ -359,7 +357,6 @@ def _passkeys_by_generation(loaded: Loaded, mesh, cells, seq_len: int, batch_siz
     """{(length, depth): [retrieved]}: whether the greedy answer to each passkey prompt (the
     prompt up to the question, ``ulysses_jax.generation``) contains its key; None for a
     model that generation does not serve yet."""
-    from .generation import GenerationError, Generator
     try:
         gen = Generator(loaded.params, loaded.model, mesh)
     except GenerationError:
@@ -379,6 +376,8 @@ def _passkeys_by_generation(loaded: Loaded, mesh, cells, seq_len: int, batch_siz
 
 def plot(result: dict, path: str) -> None:
     """eval.png: loss by position (log x) beside the passkey accuracy heatmap."""
+    # matplotlib here, not at the top: it is slow to import and only eval.png needs it; the
+    # Agg backend must be chosen before pyplot is imported.
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -403,9 +402,8 @@ def plot(result: dict, path: str) -> None:
 
 
 def _bar(total: int, enabled: bool):
-    from tqdm import tqdm  # disabled: update and close do nothing
     return tqdm(total=total, desc="evaluate", unit="batch", dynamic_ncols=True,
-                disable=not enabled)
+                disable=not enabled)  # disabled: update and close do nothing
 
 
 def parse_args(argv=None):
@@ -439,11 +437,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    import logging
     args = parse_args(argv)
-    from .mesh import request_cpu_devices
     request_cpu_devices(max(args.mesh_seq, 1))  # a CPU machine: as many devices as asked
-    from .compile_cache import fence
     fence()  # CPU programs the persistent cache cannot read back safely stay out of it
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:

@@ -42,14 +42,26 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import math
 import os
 import shutil
 import sys
 from typing import Iterator
 
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
+from tqdm import tqdm
 
+from .data.chat import ChatTemplate
+from .data.chat_templates import describe_origin, export_template, stored_template
+from .data.run_data import store_tokenizer
+from .data.store import TokenStore, is_store
+from .interop.hf import _flat, _hf_names, _hf_shape, _to_hf, config_to_hf, stacked
+from .interop.peft import (PEFT_PREFIX, adapter_config, adapter_tensors, merge_expert_weight,
+                           merge_weight)
+from .models import lora
 from .runs import LoadError, param_shapes, pick_step, read_params, run_config
 
 EXPORT_DTYPES = ("float32", "bfloat16")
@@ -82,7 +94,6 @@ def hf_tensors(cfg, keys: tuple, x: np.ndarray) -> Iterator[tuple[str, np.ndarra
     Args:
       x: a numpy array, or a ``runs.LayerReader`` (each layer is then read when it is needed).
     """
-    from .interop.hf import _hf_names, _to_hf, stacked
     names, n_in = _hf_names(keys, cfg)
     for name, layer in zip(names, x if stacked(keys) else [x], strict=True):
         layer = np.asarray(layer, np.float32)  # one layer read (a LayerReader reads it here)
@@ -121,12 +132,6 @@ def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
       ExportError: not a LoRA run, or one that also trained groups an adapter cannot hold
         (the vision tower).
     """
-    import ml_dtypes
-    from safetensors.numpy import save_file
-    from .interop.peft import adapter_config, adapter_tensors
-    from .models.lora import is_adapter
-    from .interop.peft import PEFT_PREFIX
-    from .models.lora import is_trainable
     cfg = run_config(run_dir)
     lo = cfg.model.lora
     if not lo.rank:
@@ -138,7 +143,7 @@ def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
     step = pick_step(run_dir, step)
     _need_empty(out_dir)
     params = {}
-    for keys, x in read_params(run_dir, step, only=is_adapter):
+    for keys, x in read_params(run_dir, step, only=lora.is_adapter):
         if cfg.model.num_experts and "mlp" in keys:
             raise ExportError(
                 f"run {run_dir} adapted the dense MLP layers of an MoE model ({keys[-1]} under "
@@ -155,7 +160,7 @@ def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
     # The groups trained in full (model.lora.trainable) as peft's modules_to_save: each
     # module's whole tensors under their transformers names (peft saves them so).
     saved_modules = set()
-    trained = lambda k: is_trainable(k, lo) and not is_adapter(k)  # noqa: E731
+    trained = lambda k: lora.is_trainable(k, lo) and not lora.is_adapter(k)  # noqa: E731
     for keys, x in read_params(run_dir, step, only=trained):
         for name, w in hf_tensors(cfg.model, keys, x):
             tensors[PEFT_PREFIX + name] = w.astype(np_dtype)
@@ -187,8 +192,6 @@ def _need_empty(out_dir: str) -> None:
 def _merged_reader(run_dir: str, step: int, cfg):
     """``read_params`` for the merged model of a LoRA run: each adapted weight comes back as
     W + s A B (float32, one whole parameter at a time), the adapters themselves not at all."""
-    from .interop.peft import merge_expert_weight, merge_weight
-    from .models import lora
     adapters = {keys: x for keys, x in read_params(run_dir, step, only=lora.is_adapter)}
     s = lora.scaling(cfg.model.lora)
     attrs = {attr: t for group in (lora.ATTENTION, lora.MLP, lora.SHARED, lora.LINEAR)
@@ -232,9 +235,6 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     Raises:
       ExportError: a bad run directory, step, dtype or output directory.
     """
-    import ml_dtypes
-    from safetensors.numpy import save_file
-    from .interop.hf import config_to_hf, _hf_names, _flat, _hf_shape, stacked
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if not max_shard_gb > 0:
@@ -259,8 +259,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
 
     shapes = param_shapes(run_dir, step)
     if merge:  # the model without adapters (their weights come back merged)
-        from .models.lora import is_adapter
-        shapes = {k: v for k, v in shapes.items() if not is_adapter(k)}
+        shapes = {k: v for k, v in shapes.items() if not lora.is_adapter(k)}
     sizes = []  # (HF name, bytes) in the order the tensors are produced
     for keys, shape in shapes.items():
         names, n_in = _hf_names(keys, cfg.model)
@@ -332,8 +331,6 @@ def run_tokenizer(cfg) -> tuple[str | None, str]:
     Raises:
       ExportError: the store's tokenizer or chat template is gone or has changed.
     """
-    from .data.run_data import store_tokenizer
-    from .data.store import TokenStore, is_store
     source = cfg.data.source
     if not is_store(source):
         tok = cfg.data.tokenizer
@@ -353,7 +350,6 @@ def run_tokenizer(cfg) -> tuple[str | None, str]:
         return None, f"the store {source} is byte-level: no tokenizer file"
     if not want:
         return tok, f"the tokenizer of the store {source}"
-    from .data.chat_templates import describe_origin, stored_template
     try:
         own = stored_template(source, manifest)
     except ValueError as e:
@@ -361,7 +357,7 @@ def run_tokenizer(cfg) -> tuple[str | None, str]:
     if own is not None:  # the store's copy is what the run trained on: it is exported
         return tok, (f"the tokenizer of the chat store {source} and the chat template it "
                      f"keeps, from {describe_origin(manifest['chat_template'])}")
-    from .data.chat import ChatTemplate  # a store without a copy: its directory's must do
+    # A store without a copy: its directory's template must do.
     directory = os.path.dirname(tok)
     try:
         got = ChatTemplate.from_dir(directory).hash
@@ -396,8 +392,6 @@ def _copy_tokenizer(cfg, tok: str | None, out_dir: str) -> list[str]:
 def _store_template(cfg, out_dir: str) -> list[str]:
     """For a run from a chat store that keeps its template: writes it (and a tokenizer_config
     .json that agrees) into ``out_dir``; returns the names written."""
-    from .data.chat_templates import export_template
-    from .data.store import TokenStore, is_store
     if not is_store(cfg.data.source):
         return []
     return export_template(cfg.data.source, TokenStore(cfg.data.source).manifest, out_dir)
@@ -417,9 +411,8 @@ def _template_note(out_dir: str) -> str:
 
 
 def _bar(total: int, enabled: bool):
-    from tqdm import tqdm  # disabled: update and close do nothing
     return tqdm(total=total, desc="export", unit="tensor", dynamic_ncols=True,
-                disable=not enabled)
+                disable=not enabled)  # disabled: update and close do nothing
 
 
 def parse_args(argv=None):
@@ -440,11 +433,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    import logging
     args = parse_args(argv)
     # Orbax warns that a partial restore's item has no metadata file of its own; harmless.
     logging.getLogger("absl").setLevel(logging.ERROR)
-    if args.dtype not in EXPORT_DTYPES:  # before anything slow is imported
+    if args.dtype not in EXPORT_DTYPES:  # before the run is opened
         print(f"error: --dtype must be one of {', '.join(EXPORT_DTYPES)}, got {args.dtype!r}",
               file=sys.stderr)
         return 2
