@@ -16,7 +16,8 @@ from flax import nnx
 from conftest import DEVICES, relocated_store_run, small_corpus
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
-from ulysses_jax.evaluate import NEEDLE, evaluate, load, main, passkey_batch
+from ulysses_jax.evaluate import NEEDLE, evaluate, main, passkey_batch
+from ulysses_jax.runs import load
 from ulysses_jax.training.position_loss import token_losses
 from ulysses_jax.data import text as data_lib
 from ulysses_jax.training.trainer import train

@@ -188,7 +188,7 @@ def test_evaluate_gives_the_same_numbers_on_the_run_and_its_export(run):
 def test_parameters_are_read_layer_by_layer(run):
     """The export reads each stored parameter slice by slice (TensorStore on Orbax's files);
     every slice equals the parameter restored by Orbax itself."""
-    from ulysses_jax.export import LayerReader, read_params
+    from ulysses_jax.runs import LayerReader, read_params
     run_dir = run[0]
     whole = dict(read_params(run_dir, 3))
     lazy = dict(read_params(run_dir, 3, by_layer=True))

@@ -57,10 +57,14 @@ LAYERS = (
     ("interop", ("ulysses_jax.interop",)),
     ("data", ("ulysses_jax.data",)),
     ("training", ("ulysses_jax.training",)),
+    ("runs", ("ulysses_jax.runs",)),
     ("CLIs", ("ulysses_jax", "ulysses_jax.data.__main__", "ulysses_jax.evaluate",
               "ulysses_jax.export", "ulysses_jax.generate", "ulysses_jax.plan",
               "ulysses_jax.plot", "ulysses_jax.compare", "ulysses_jax.hf")),
 )
+# The command-line tools that open a run or a Hugging Face directory: each reads it through
+# ulysses_jax.runs and none imports another.
+LOADING_CLIS = ("ulysses_jax.evaluate", "ulysses_jax.export", "ulysses_jax.generate")
 # Libraries that read, tokenize or decode data: the data package's, never the loop's.
 DATA_LIBRARIES = ("tokenizers", "pyarrow", "PIL", "jinja2", "transformers")
 
@@ -155,6 +159,38 @@ def test_no_import_runs_up_a_layer():
     assert layer["ulysses_jax.data.__main__"] == "CLIs"
     assert "ulysses_jax.families" in edges["ulysses_jax.config"]
     assert _upward(edges) == []
+
+
+def _among(edges: dict[str, set[str]], group) -> list[str]:
+    """Every import from one module of ``group`` into another, as 'a -> b'."""
+    return sorted(f"{a} -> {b}" for a in group for b in edges.get(a, ()) if b in group)
+
+
+def test_the_cli_check_sees_one_cli_importing_another(tmp_path):
+    """The check itself: an import of one CLI by another inside a function is found; one of
+    the shared loader is not."""
+    package = tmp_path / "ulysses_jax"
+    package.mkdir()
+    sources = {"__init__": "", "runs": "def load(): pass\n",
+               "evaluate": "from .runs import load\n",
+               "export": "def main():\n    from . import runs\n",
+               "generate": "def generate():\n    from .evaluate import load\n"}
+    for name, text in sources.items():
+        (package / f"{name}.py").write_text(text)
+    mods = {("ulysses_jax" if n == "__init__" else f"ulysses_jax.{n}"): str(package / f"{n}.py")
+            for n in sources}
+    edges = _edges(mods)
+    assert edges["ulysses_jax.export"] == {"ulysses_jax.runs"}
+    assert _among(edges, LOADING_CLIS) == ["ulysses_jax.generate -> ulysses_jax.evaluate"]
+
+
+def test_the_clis_import_none_of_one_another():
+    """evaluate, export and generate open runs through ulysses_jax.runs, and none imports
+    another (at the top or inside a function)."""
+    edges = _edges(_modules())
+    for cli in LOADING_CLIS:
+        assert "ulysses_jax.runs" in edges[cli], cli
+    assert _among(edges, LOADING_CLIS) == []
 
 
 def test_the_training_loop_holds_no_data_code():

@@ -273,7 +273,7 @@ def test_init_from_resume_keeps_base_bitwise(checkpoints, lora_runs):
     """A run stopped at step 2 and resumed to 4 equals one run of 4 steps (also resumed on
     another mesh, within rounding), and the final checkpoint's frozen weights are bitwise
     the ones loaded from the base."""
-    from ulysses_jax.export import read_params
+    from ulysses_jax.runs import read_params
     losses = {}
     for run in ("full", "split", "moved"):
         with open(lora_runs / run / "metrics.jsonl") as f:
@@ -321,7 +321,7 @@ def test_export_adapter_loads_in_peft_and_merged(checkpoints, lora_runs, tmp_pat
 def _exports_give_our_logits(run: str, step: int, base: str, out) -> None:
     """peft.PeftModel.from_pretrained(base, out/adapter) and transformers on out/merged give
     the logits of our model with the run's parameters at ``step``."""
-    from ulysses_jax.export import read_params, run_config
+    from ulysses_jax.runs import read_params, run_config
     cfg = run_config(run).model
     mesh = make_mesh(seq=1, data=1, devices=need_devices(1))
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
@@ -353,7 +353,8 @@ def test_moe_run_trains_experts_and_exports(checkpoints, tmp_path):
     split over two devices: the loss falls, the frozen weights (experts included) stay
     bitwise the loaded ones, and the adapter (peft's target_parameters) and --merge exports
     give our logits in peft and transformers."""
-    from ulysses_jax.export import export_adapter, export_run, read_params
+    from ulysses_jax.export import export_adapter, export_run
+    from ulysses_jax.runs import read_params
     from ulysses_jax.training.trainer import train
     base = checkpoints["qwen3_moe"][0]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), TRAIN + [
@@ -385,7 +386,7 @@ def test_moe_run_trains_experts_and_exports(checkpoints, tmp_path):
     # init_adapter reads the exported directory back to the adapters the run saved.
     from ulysses_jax.interop.peft_adapter import load_adapter
     from ulysses_jax.training.train_step import state_layout
-    from ulysses_jax.export import run_config
+    from ulysses_jax.runs import run_config
     again = dataclasses.replace(run_config(run), init_adapter=str(tmp_path / "adapter"))
     _, abstract, _, _ = state_layout(again, make_mesh(seq=2, data=1, devices=need_devices(2)))
     read, _ = load_adapter(again, abstract["params"])
@@ -420,7 +421,7 @@ def test_trained_groups_export_as_modules_to_save(checkpoints, tmp_path, base, g
     export_run(run, str(tmp_path / "merged"), merge=True, progress=False)
     _exports_give_our_logits(run, 2, checkpoints[base][0], tmp_path)
     # init_adapter reads the directory back: the adapters and the trained groups as saved.
-    from ulysses_jax.export import read_params, run_config
+    from ulysses_jax.runs import read_params, run_config
     from ulysses_jax.interop.peft_adapter import load_adapter
     from ulysses_jax.training.train_step import state_layout
     again = dataclasses.replace(run_config(run), init_adapter=str(tmp_path / "adapter"))
@@ -439,7 +440,8 @@ def test_qwen3_next_run_exports(checkpoints, tmp_path):
     and shared experts) on two devices: the loss falls, and the adapter export (the shared
     expert by target_parameters) and --merge give our logits in peft and transformers;
     init_adapter reads the export back."""
-    from ulysses_jax.export import export_adapter, export_run, read_params, run_config
+    from ulysses_jax.export import export_adapter, export_run
+    from ulysses_jax.runs import read_params, run_config
     from ulysses_jax.interop.peft_adapter import load_adapter
     from ulysses_jax.training.train_step import state_layout
     from ulysses_jax.training.trainer import train

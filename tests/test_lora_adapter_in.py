@@ -112,7 +112,8 @@ def test_training_continues_resumes_and_exports(tiny, tmp_path, capsys):
     """Two steps from the adapter; the adapter directory removed; resumed to four from the
     run's own checkpoint. The loss falls, and the exported adapter loaded by peft on the base
     gives the trained model's logits, base_model_name_or_path still init_from."""
-    from ulysses_jax.export import export_adapter, read_params, run_config
+    from ulysses_jax.export import export_adapter
+    from ulysses_jax.runs import read_params, run_config
     from ulysses_jax.training.trainer import train
     base, adapter, _ = tiny
     copy = str(tmp_path / "adapter")

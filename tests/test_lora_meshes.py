@@ -11,7 +11,7 @@ import pytest
 from conftest import DEVICES, need_devices
 from test_lora import TRAIN
 from ulysses_jax.config import load_config
-from ulysses_jax.export import read_params
+from ulysses_jax.runs import read_params
 from ulysses_jax.models import lora
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,7 @@ from conftest import cli_env, need_devices
 from test_mm_data import noise, vl_tok, write_jsonl  # noqa: F401  (vl_tok is a fixture)
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
-from ulysses_jax.evaluate import load
+from ulysses_jax.runs import load
 from ulysses_jax.models import multimodal
 from ulysses_jax.data.store import TokenStore
 from ulysses_jax.training.trainer import train

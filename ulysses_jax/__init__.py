@@ -6,8 +6,9 @@ loss), ``interop/`` (Hugging Face import/export, the PyTorch-baseline harnesses;
 ``ulysses_jax.hf`` and ``ulysses_jax.compare`` keep their old paths), ``data/`` (sources, token
 stores, packing, chat, media, batches), ``training/`` (train step, checkpoints, the loop).
 Below them: ``mesh``, ``config``, ``families``, ``head_layout`` (shared by every layer, importing
-none); above them the command-line tools ``plan``, ``plot``, ``evaluate`` and ``export``.
-Imports run down only (tests/test_imports.py).
+none); above them ``runs`` (a run or Hugging Face directory opened) and the command-line
+tools ``plan``, ``plot``, ``evaluate``, ``export`` and ``generate``. Imports run down only
+(tests/test_imports.py).
 """
 from .attention import (heads_to_seq, hybrid_attention, inverse_zigzag_permutation,
                         local_attention, reference_attention, seq_to_heads, ulysses_attention,

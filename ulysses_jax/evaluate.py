@@ -48,12 +48,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 
+import jax
 import numpy as np
+from tqdm import tqdm
 
-from .data.store import is_store
+from .compile_cache import fence
+from .config import DPOConfig
+from .data import text as data_lib
+from .data.packing import heldout_store_rows
+from .data.prepare import file_hash
+from .data.store import TokenStore, is_store
+from .generation import GenerationError, Generator
+from .mesh import make_mesh, request_cpu_devices
+from .runs import LoadError, Loaded, load
+from .training.objectives import dpo, reference as precomputed
+from .training.position_loss import bucket_bounds, bucket_sums, token_losses
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
           "again. ")
@@ -107,8 +120,8 @@ def pad_rows(batch: dict, multiple: int) -> dict:
     extra = -s % multiple
     if not extra:
         return batch
-    from .data.text import FIELDS
-    return {f: np.pad(v, [(0, 0), (0, extra)] + [(0, 0)] * (v.ndim - 2)) if f in FIELDS else v
+    return {f: np.pad(v, [(0, 0), (0, extra)] + [(0, 0)] * (v.ndim - 2))
+            if f in data_lib.FIELDS else v
             for f, v in batch.items()}
 
 
@@ -124,101 +137,12 @@ def default_lengths(seq_len: int, shortest: int) -> list[int]:
             if n >= 2 * shortest] or [seq_len]
 
 
-@dataclasses.dataclass
-class Loaded:
-    """A model on the mesh: its graphdef and params, its ModelConfig, tokenizer (and the
-    tokenizer.json it was read from, None for bytes; ``tokenizer_note`` says which), and where
-    its held-out data come from (``run_data``: the run's own data.source, whose training
-    split must be left out)."""
-    graphdef: object
-    params: dict
-    model: object
-    tokenizer: object
-    tokenizer_file: str | None
-    tokenizer_note: str
-    source: str
-    heldout_fraction: float
-    seed: int
-    default_seq_len: int | None
-    chat_overflow: str = "truncate"
-    run_data: bool = False
-    run: object = None  # a run directory's Config (None for a Hugging Face directory)
-
-
-def load(path: str, mesh, step: int | None = None) -> Loaded:
-    """A run directory (config.yaml + checkpoints) or a Hugging Face directory, on ``mesh``."""
-    import jax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from .export import ExportError, pick_step, read_params, run_config
-    from .interop.hf import load_params
-    from .models.decoder import Decoder
-    from .data.run_data import store_tokenizer
-    from .models.param_layout import leaf_spec
-    if os.path.isfile(os.path.join(path, "config.yaml")):
-        try:
-            cfg = run_config(path)
-            step = pick_step(path, step)
-        except ExportError as e:
-            raise EvalError(str(e)) from None
-        tok_file = cfg.data.tokenizer
-        if is_store(cfg.data.source):  # the store knows its tokenizer (training needs none)
-            try:
-                tok_file = store_tokenizer(cfg.data.source, cfg.data.tokenizer)
-            except ValueError as e:
-                raise EvalError(f"the run's data.source: {e}") from None
-        tokenizer = _tokenizer(tok_file)
-        note = (tok_file or "bytes") + (f" (the tokenizer of the store {cfg.data.source})"
-                                         if is_store(cfg.data.source) else "")
-        model = cfg.model
-        params = {}
-        for keys, x in read_params(path, step):  # one parameter at a time onto the mesh
-            node = params
-            for k in keys[:-1]:
-                node = node.setdefault(int(k) if k.isdigit() else k, {})
-            spec = leaf_spec(keys, x.shape, mesh, cfg.param_sharding)
-            node[keys[-1]] = jax.device_put(x, NamedSharding(mesh, spec))
-        source, fraction, seed = cfg.data.source, cfg.data.heldout_fraction, cfg.seed
-        seq_len, overflow, run_data, run = cfg.seq_len, cfg.data.chat_overflow, True, cfg
-    elif os.path.isfile(os.path.join(path, "config.json")):
-        tok_file = note = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tok_file):  # checked before the (maybe large) weights load
-            tok_file, note = None, _byte_export(path)
-        try:
-            model, params = load_params(path, mesh)
-        except ValueError as e:
-            raise EvalError(f"{path}: {e}") from None
-        tokenizer = _tokenizer(tok_file)
-        source, fraction, seed, seq_len = "stdlib", 0.02, 0, None
-        overflow, run_data, run = "truncate", False, None
-    else:
-        raise EvalError(f"{path} is neither a training run (config.yaml) nor a Hugging Face "
-                        f"model directory (config.json)")
-    abstract = nnx.eval_shape(lambda: Decoder(model, mesh=mesh, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(state, params)
-    return Loaded(graphdef, nnx.to_pure_dict(state), model, tokenizer, tok_file, note, source,
-                  fraction, seed, seq_len, overflow, run_data, run)
-
-
-def _byte_export(path: str) -> str:
-    """Why a Hugging Face directory without tokenizer.json is read with the byte tokenizer
-    (an export of a byte-level run: config.json's vocab_size is the byte vocabulary's 257);
-    EvalError for any other vocabulary."""
-    from .data.text import ByteTokenizer
+def _load(path: str, mesh, step: int | None = None) -> Loaded:
+    """``runs.load``, a directory it cannot open raised as an EvalError."""
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        vocab = hf.get("vocab_size", (hf.get("text_config") or {}).get("vocab_size"))
-    except (OSError, ValueError, AttributeError) as e:
-        raise EvalError(f"{path}/config.json is not readable: {e}") from None
-    if vocab != ByteTokenizer.vocab_size:
-        raise EvalError(f"{path} has no tokenizer.json (needed for held-out text and the "
-                        f"passkey prompts), and its vocab_size {vocab} is not the byte "
-                        f"tokenizer's {ByteTokenizer.vocab_size}: copy the model's "
-                        f"tokenizer.json into it")
-    return (f"bytes ({path} has no tokenizer.json and vocab_size {vocab}: an export of a "
-            f"byte-level run)")
+        return load(path, mesh, step)
+    except LoadError as e:
+        raise EvalError(str(e)) from None
 
 
 def heldout_rows(loaded: Loaded, source: str, seq_len: int, fraction: float):
@@ -230,10 +154,6 @@ def heldout_rows(loaded: Loaded, source: str, seq_len: int, fraction: float):
     and packed as training does (``data.build_rows``). A fraction of 1 holds out every
     document. Raises EvalError naming the source.
     """
-    from .data import text as data_lib
-    from .data.packing import heldout_store_rows
-    from .data.prepare import file_hash
-    from .data.store import TokenStore
     try:
         if is_store(source):
             want = TokenStore(source).manifest["tokenizer"]
@@ -255,14 +175,6 @@ def heldout_rows(loaded: Loaded, source: str, seq_len: int, fraction: float):
         raise EvalError(f"held-out data {source!r}: {e}") from None
 
 
-def _tokenizer(path: str | None):
-    from .data import text as data_lib
-    try:
-        return data_lib.load_tokenizer(path)
-    except (OSError, ValueError, ImportError) as e:
-        raise EvalError(f"tokenizer {path!r}: {e}") from None
-
-
 def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
              step: int | None = None, batches: int = 4, batch_size: int = 1,
              data: str | None = None, heldout_fraction: float | None = None,
@@ -277,10 +189,6 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
     ``data`` / ``heldout_fraction`` replace the held-out source and fraction (default: the
     run's; for a Hugging Face directory the stdlib corpus and 0.02); a fraction of 0 leaves
     (a) without rows (its losses None), one of 1 holds out all of ``data`` (``heldout_rows``)."""
-    import jax
-    from .mesh import make_mesh
-    from .data import text as data_lib
-    from .training.position_loss import bucket_bounds, bucket_sums, token_losses
     devices = list(devices or jax.devices())
     if batches < 0 or batch_size < 1:
         raise EvalError(f"--batches must be >= 0 and --batch-size >= 1, got {batches} and "
@@ -289,7 +197,7 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
         raise EvalError(f"--mesh-seq must be between 1 and the {len(devices)} devices there "
                         f"are, got {mesh_seq}")
     mesh = make_mesh(seq=mesh_seq, data=1, devices=devices[:mesh_seq])
-    loaded = load(path, mesh, step)
+    loaded = _load(path, mesh, step)
     source = data or loaded.source
     fraction = loaded.heldout_fraction if heldout_fraction is None else heldout_fraction
     if not 0 <= fraction <= 1:
@@ -380,10 +288,6 @@ def _dpo_section(loaded: Loaded, path: str, mesh, held, seq_len: int, batch_size
                  progress: bool) -> dict:
     """(d): the DPO loss, reward accuracy and margin of ``held``'s pairs against the
     reference model, ``batch_size`` pairs a batch, at most ``batches`` batches."""
-    import jax
-    from .config import DPOConfig
-    from .data import text as data_lib
-    from .training.objectives import dpo
     run = loaded.run
     reference = reference or (run.init_from if run is not None else None)
     recorded = None if reference is not None else _recorded_reference(path, held)
@@ -394,7 +298,7 @@ def _dpo_section(loaded: Loaded, path: str, mesh, held, seq_len: int, batch_size
                         f"recorded for this store; {path} has neither)")
     if recorded is not None:
         held.attach_reference(recorded)
-    ref = load(reference, mesh) if reference is not None else None
+    ref = _load(reference, mesh) if reference is not None else None
     if ref is not None and ref.model.vocab_size != loaded.model.vocab_size:
         raise EvalError(f"--reference {reference} has vocab_size {ref.model.vocab_size}, the "
                         f"model {loaded.model.vocab_size}: not the same vocabulary")
@@ -433,11 +337,10 @@ def _dpo_section(loaded: Loaded, path: str, mesh, held, seq_len: int, batch_size
 def _recorded_reference(path: str, held) -> np.ndarray | None:
     """The reference log-probabilities a run at ``path`` recorded (dpo.reference=precompute)
     when they are of ``held``'s store and cover its pairs, else None."""
-    from .training.objectives import reference
     try:
-        with open(os.path.join(path, reference.META)) as f:
+        with open(os.path.join(path, precomputed.META)) as f:
             meta = json.load(f)
-        values = np.load(os.path.join(path, reference.FILE))
+        values = np.load(os.path.join(path, precomputed.FILE))
     except (OSError, ValueError):
         return None
     if meta["identity"]["store"] != held.store.manifest["fingerprint"] or \
@@ -447,7 +350,6 @@ def _recorded_reference(path: str, held) -> np.ndarray | None:
 
 
 def _bar_iter(items, enabled: bool):
-    from tqdm import tqdm
     return tqdm(items, desc="dpo", unit="batch", dynamic_ncols=True, disable=not enabled)
 
 
@@ -455,7 +357,6 @@ def _passkeys_by_generation(loaded: Loaded, mesh, cells, seq_len: int, batch_siz
     """{(length, depth): [retrieved]}: whether the greedy answer to each passkey prompt (the
     prompt up to the question, ``ulysses_jax.generation``) contains its key; None for a
     model that generation does not serve yet."""
-    from .generation import GenerationError, Generator
     try:
         gen = Generator(loaded.params, loaded.model, mesh)
     except GenerationError:
@@ -475,6 +376,8 @@ def _passkeys_by_generation(loaded: Loaded, mesh, cells, seq_len: int, batch_siz
 
 def plot(result: dict, path: str) -> None:
     """eval.png: loss by position (log x) beside the passkey accuracy heatmap."""
+    # matplotlib here, not at the top: it is slow to import and only eval.png needs it; the
+    # Agg backend must be chosen before pyplot is imported.
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -499,9 +402,8 @@ def plot(result: dict, path: str) -> None:
 
 
 def _bar(total: int, enabled: bool):
-    from tqdm import tqdm  # disabled: update and close do nothing
     return tqdm(total=total, desc="evaluate", unit="batch", dynamic_ncols=True,
-                disable=not enabled)
+                disable=not enabled)  # disabled: update and close do nothing
 
 
 def parse_args(argv=None):
@@ -535,11 +437,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    import logging
     args = parse_args(argv)
-    from .mesh import request_cpu_devices
     request_cpu_devices(max(args.mesh_seq, 1))  # a CPU machine: as many devices as asked
-    from .compile_cache import fence
     fence()  # CPU programs the persistent cache cannot read back safely stay out of it
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:

@@ -24,7 +24,7 @@ directory's template to still have that hash.
 
 Memory: the parameters are read from the Orbax checkpoint straight into host numpy arrays
 (the optimizer state is never read, no accelerator is needed), one layer of one parameter at
-a time where TensorStore can open the stored array (``open_param``: Orbax 0.12's layout),
+a time where TensorStore can open the stored array (``runs.open_param``: Orbax 0.12's layout),
 else one whole parameter at a time (an Orbax partial restore: all layers of one weight, fp32,
 7.5 GB for Llama-3-8B's MLP weights); each shard is written as soon as it is complete, so
 the host holds one layer (or parameter) plus one shard (``--max-shard-gb``), and the stored
@@ -40,14 +40,29 @@ prepared), with a one-line ``error: ...`` and no traceback; nothing is written t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import logging
 import math
 import os
 import shutil
 import sys
 from typing import Iterator
 
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from .data.chat import ChatTemplate
+from .data.chat_templates import describe_origin, export_template, stored_template
+from .data.run_data import store_tokenizer
+from .data.store import TokenStore, is_store
+from .interop.hf import _flat, _hf_names, _hf_shape, _to_hf, config_to_hf, stacked
+from .interop.peft import (PEFT_PREFIX, adapter_config, adapter_tensors, merge_expert_weight,
+                           merge_weight)
+from .models import lora
+from .runs import LoadError, param_shapes, pick_step, read_params, run_config
 
 EXPORT_DTYPES = ("float32", "bfloat16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -61,148 +76,15 @@ class ExportError(ValueError):
     """A run directory, step or option that cannot be exported; the message says which."""
 
 
-def run_config(run_dir: str):
-    """The run's resolved Config from RUN_DIR/config.yaml.
-
-    Raises:
-      ExportError: no such directory, no config.yaml, or a config that no longer loads.
-    """
-    from .config import ConfigError, load_config
-    if not os.path.isdir(run_dir):
-        raise ExportError(f"run directory {run_dir} does not exist")
-    path = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(path):
-        raise ExportError(f"{run_dir} is not a training run: it has no config.yaml "
-                          f"(train.py writes one at the start of a run)")
-    try:
-        return load_config(path)
-    except ConfigError as e:
-        raise ExportError(f"{path}: {e}") from None
-
-
-def checkpoint_steps(run_dir: str) -> list[int]:
-    """The committed checkpoint steps of a run, oldest first (Orbax renames a step directory
-    to its number only once it is complete, so unfinished saves are not listed)."""
-    directory = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(d) for d in os.listdir(directory)
-                  if d.isdigit() and os.path.isdir(os.path.join(directory, d, "state")))
-
-
-def pick_step(run_dir: str, step: int | None) -> int:
-    """``step``, or the newest; ExportError naming the steps there are when it is absent."""
-    steps = checkpoint_steps(run_dir)
-    if not steps:
-        raise ExportError(f"{run_dir} has no checkpoint (no step directory in "
-                          f"{os.path.join(run_dir, 'checkpoints')})")
-    if step is None:
-        return steps[-1]
-    if step not in steps:
-        raise ExportError(f"step {step} is not a checkpoint of {run_dir}; its checkpoints are "
-                          f"steps {', '.join(map(str, steps))}")
-    return step
-
-
-def param_shapes(run_dir: str, step: int) -> dict[tuple, tuple[int, ...]]:
-    """Parameter path (as in ``nnx.to_pure_dict``) -> shape, from the checkpoint's metadata."""
-    import jax
-    import orbax.checkpoint as ocp
-    with ocp.PyTreeCheckpointer() as c:
-        meta = c.metadata(_state_dir(run_dir, step))
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
-    return {_keys(path): tuple(leaf.shape)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree["params"])}
-
-
-def read_params(run_dir: str, step: int, *, by_layer: bool = False,
-                only=None) -> Iterator[tuple]:
-    """Yields (path, parameter) for each parameter, one at a time.
-
-    Args:
-      only: ``f(path) -> bool``: read only the parameters it picks (default all).
-      by_layer: yield a ``LayerReader`` (``x[i]`` reads layer i of a stacked parameter) where
-        the checkpoint's storage allows it, so that only one layer is in host memory;
-        otherwise, and for every parameter without it, a float32 numpy array read by an
-        Orbax partial restore (neither the optimizer state nor other parameters are read).
-    """
-    import orbax.checkpoint as ocp
-    with ocp.PyTreeCheckpointer() as c:
-        for keys in param_shapes(run_dir, step):
-            if only is not None and not only(keys):
-                continue
-            reader = open_param(run_dir, step, keys) if by_layer else None
-            if reader is not None:
-                yield keys, reader
-                continue
-            item, args = {}, {}
-            node_i, node_a = item, args
-            for k in ("params",) + keys[:-1]:
-                node_i, node_a = node_i.setdefault(k, {}), node_a.setdefault(k, {})
-            node_i[keys[-1]] = 0
-            node_a[keys[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
-            out = c.restore(_state_dir(run_dir, step), args=ocp.args.PyTreeRestore(
-                item=item, restore_args=args, partial_restore=True))
-            for k in ("params",) + keys:
-                out = out[k]
-            yield keys, np.asarray(out, np.float32)
-
-
-class LayerReader:
-    """A stored parameter read slice by slice: ``x[i]`` is layer i (float32 numpy),
-    ``np.asarray(x)`` all of it."""
-
-    def __init__(self, store):
-        self._store, self.shape = store, tuple(store.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, i) -> np.ndarray:
-        if isinstance(i, int) and not -len(self) <= i < len(self):
-            raise IndexError(i)
-        return np.asarray(self._store[i].read().result(), np.float32)
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-    def __array__(self, dtype=None, copy=None):
-        return np.asarray(self._store.read().result(), dtype or np.float32)
-
-
-def open_param(run_dir: str, step: int, keys: tuple) -> LayerReader | None:
-    """The parameter's array in the checkpoint opened with TensorStore (nothing read yet),
-    or None where that fails. Orbax (0.12) stores each array as a zarr array named by its
-    dotted path in the step's OCDBT database; another layout falls back to a restore."""
-    try:
-        import tensorstore as ts
-        spec = {"driver": "zarr", "kvstore": {
-            "driver": "ocdbt", "base": f"file://{_state_dir(run_dir, step)}",
-            "path": ".".join(("params",) + keys)}}
-        store = ts.open(spec, open=True, read=True).result()
-        # Reading a slice decodes every stored chunk that holds part of it, and Orbax's chunks
-        # span all layers (a replicated array is one chunk; a ZeRO-3 one a chunk per device,
-        # split along another axis): without a cache each layer's read would decompress every
-        # layer again (SmolLM2-135M's export: 270 reads, 48 s of a 58 s export). A cache of
-        # the chunks one layer's read touches keeps them while the layers are read; the host
-        # held them during each read already.
-        shape, chunk = tuple(store.shape), tuple(store.chunk_layout.read_chunk.shape)
-        touched = math.prod(-(-n // c) * c for n, c in zip(shape[1:], chunk[1:]))
-        size = (chunk[0] if chunk else 1) * touched * store.dtype.numpy_dtype.itemsize
-        store = ts.open(spec, open=True, read=True, context=ts.Context(
-            {"cache_pool": {"total_bytes_limit": size + (1 << 20)}})).result()
-    except Exception:  # noqa: BLE001 - any failure means "not this layout": use Orbax
-        return None
-    return LayerReader(store)
-
-
-def _state_dir(run_dir: str, step: int) -> str:
-    return os.path.abspath(os.path.join(run_dir, "checkpoints", str(step), "state"))
-
-
-def _keys(path) -> tuple:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+def _export_errors(fn):
+    """``fn`` raising a run it cannot open (``runs.LoadError``) as an ExportError."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LoadError as e:
+            raise ExportError(str(e)) from None
+    return wrapped
 
 
 def hf_tensors(cfg, keys: tuple, x: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
@@ -210,9 +92,8 @@ def hf_tensors(cfg, keys: tuple, x: np.ndarray) -> Iterator[tuple[str, np.ndarra
     expert), as ``hf.to_hf_tensors`` forms them.
 
     Args:
-      x: a numpy array, or a ``LayerReader`` (each layer is then read when it is needed).
+      x: a numpy array, or a ``runs.LayerReader`` (each layer is then read when it is needed).
     """
-    from .interop.hf import _hf_names, _to_hf, stacked
     names, n_in = _hf_names(keys, cfg)
     for name, layer in zip(names, x if stacked(keys) else [x], strict=True):
         layer = np.asarray(layer, np.float32)  # one layer read (a LayerReader reads it here)
@@ -234,6 +115,7 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
     return shards + [current] if current else shards
 
 
+@_export_errors
 def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
                    dtype: str = "float32") -> dict:
     """Writes a LoRA run's adapters as a peft adapter directory: adapter_config.json (its
@@ -250,12 +132,6 @@ def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
       ExportError: not a LoRA run, or one that also trained groups an adapter cannot hold
         (the vision tower).
     """
-    import ml_dtypes
-    from safetensors.numpy import save_file
-    from .interop.peft import adapter_config, adapter_tensors
-    from .models.lora import is_adapter
-    from .interop.peft import PEFT_PREFIX
-    from .models.lora import is_trainable
     cfg = run_config(run_dir)
     lo = cfg.model.lora
     if not lo.rank:
@@ -267,7 +143,7 @@ def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
     step = pick_step(run_dir, step)
     _need_empty(out_dir)
     params = {}
-    for keys, x in read_params(run_dir, step, only=is_adapter):
+    for keys, x in read_params(run_dir, step, only=lora.is_adapter):
         if cfg.model.num_experts and "mlp" in keys:
             raise ExportError(
                 f"run {run_dir} adapted the dense MLP layers of an MoE model ({keys[-1]} under "
@@ -284,7 +160,7 @@ def export_adapter(run_dir: str, out_dir: str, *, step: int | None = None,
     # The groups trained in full (model.lora.trainable) as peft's modules_to_save: each
     # module's whole tensors under their transformers names (peft saves them so).
     saved_modules = set()
-    trained = lambda k: is_trainable(k, lo) and not is_adapter(k)  # noqa: E731
+    trained = lambda k: lora.is_trainable(k, lo) and not lora.is_adapter(k)  # noqa: E731
     for keys, x in read_params(run_dir, step, only=trained):
         for name, w in hf_tensors(cfg.model, keys, x):
             tensors[PEFT_PREFIX + name] = w.astype(np_dtype)
@@ -316,8 +192,6 @@ def _need_empty(out_dir: str) -> None:
 def _merged_reader(run_dir: str, step: int, cfg):
     """``read_params`` for the merged model of a LoRA run: each adapted weight comes back as
     W + s A B (float32, one whole parameter at a time), the adapters themselves not at all."""
-    from .interop.peft import merge_expert_weight, merge_weight
-    from .models import lora
     adapters = {keys: x for keys, x in read_params(run_dir, step, only=lora.is_adapter)}
     s = lora.scaling(cfg.model.lora)
     attrs = {attr: t for group in (lora.ATTENTION, lora.MLP, lora.SHARED, lora.LINEAR)
@@ -344,6 +218,7 @@ def _merged_reader(run_dir: str, step: int, cfg):
         yield keys, merged(keys, x)
 
 
+@_export_errors
 def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
                dtype: str = "float32", max_shard_gb: float = 5.0, arch: str | None = None,
                progress: bool = True, merge: bool = False) -> dict:
@@ -360,9 +235,6 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
     Raises:
       ExportError: a bad run directory, step, dtype or output directory.
     """
-    import ml_dtypes
-    from safetensors.numpy import save_file
-    from .interop.hf import config_to_hf, _hf_names, _flat, _hf_shape, stacked
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if not max_shard_gb > 0:
@@ -387,8 +259,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None,
 
     shapes = param_shapes(run_dir, step)
     if merge:  # the model without adapters (their weights come back merged)
-        from .models.lora import is_adapter
-        shapes = {k: v for k, v in shapes.items() if not is_adapter(k)}
+        shapes = {k: v for k, v in shapes.items() if not lora.is_adapter(k)}
     sizes = []  # (HF name, bytes) in the order the tensors are produced
     for keys, shape in shapes.items():
         names, n_in = _hf_names(keys, cfg.model)
@@ -460,8 +331,6 @@ def run_tokenizer(cfg) -> tuple[str | None, str]:
     Raises:
       ExportError: the store's tokenizer or chat template is gone or has changed.
     """
-    from .data.run_data import store_tokenizer
-    from .data.store import TokenStore, is_store
     source = cfg.data.source
     if not is_store(source):
         tok = cfg.data.tokenizer
@@ -481,7 +350,6 @@ def run_tokenizer(cfg) -> tuple[str | None, str]:
         return None, f"the store {source} is byte-level: no tokenizer file"
     if not want:
         return tok, f"the tokenizer of the store {source}"
-    from .data.chat_templates import describe_origin, stored_template
     try:
         own = stored_template(source, manifest)
     except ValueError as e:
@@ -489,7 +357,7 @@ def run_tokenizer(cfg) -> tuple[str | None, str]:
     if own is not None:  # the store's copy is what the run trained on: it is exported
         return tok, (f"the tokenizer of the chat store {source} and the chat template it "
                      f"keeps, from {describe_origin(manifest['chat_template'])}")
-    from .data.chat import ChatTemplate  # a store without a copy: its directory's must do
+    # A store without a copy: its directory's template must do.
     directory = os.path.dirname(tok)
     try:
         got = ChatTemplate.from_dir(directory).hash
@@ -524,8 +392,6 @@ def _copy_tokenizer(cfg, tok: str | None, out_dir: str) -> list[str]:
 def _store_template(cfg, out_dir: str) -> list[str]:
     """For a run from a chat store that keeps its template: writes it (and a tokenizer_config
     .json that agrees) into ``out_dir``; returns the names written."""
-    from .data.chat_templates import export_template
-    from .data.store import TokenStore, is_store
     if not is_store(cfg.data.source):
         return []
     return export_template(cfg.data.source, TokenStore(cfg.data.source).manifest, out_dir)
@@ -545,9 +411,8 @@ def _template_note(out_dir: str) -> str:
 
 
 def _bar(total: int, enabled: bool):
-    from tqdm import tqdm  # disabled: update and close do nothing
     return tqdm(total=total, desc="export", unit="tensor", dynamic_ncols=True,
-                disable=not enabled)
+                disable=not enabled)  # disabled: update and close do nothing
 
 
 def parse_args(argv=None):
@@ -568,11 +433,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    import logging
     args = parse_args(argv)
     # Orbax warns that a partial restore's item has no metadata file of its own; harmless.
     logging.getLogger("absl").setLevel(logging.ERROR)
-    if args.dtype not in EXPORT_DTYPES:  # before anything slow is imported
+    if args.dtype not in EXPORT_DTYPES:  # before the run is opened
         print(f"error: --dtype must be one of {', '.join(EXPORT_DTYPES)}, got {args.dtype!r}",
               file=sys.stderr)
         return 2
@@ -586,7 +450,7 @@ def main(argv=None) -> int:
         summary = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype,
                              max_shard_gb=args.max_shard_gb, arch=args.arch,
                              progress=not args.no_progress, merge=args.merge)
-    except ExportError as e:
+    except (ExportError, LoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tok = (f"{', '.join(summary['tokenizer_files'])} ({summary['tokenizer_source']})"

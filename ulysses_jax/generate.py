@@ -35,10 +35,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from .compile_cache import fence
+from .data import media as media_lib
+from .data.chat import ChatTemplate, prompt_ids
+from .data.chat_templates import stored_template
+from .data.media import MediaOptions, media_parts
+from .data.store import TokenStore, is_store
+from .data.vision_batches import media_inputs
+from .families import family
+from .generation import GenerationError, Generator, Sampling
 from .generation.settings import DEFAULT_MAX_NEW_TOKENS, model_settings
+from .mesh import make_mesh, request_cpu_devices
+from .runs import LoadError, load, run_config
 
 
 class GenerateError(ValueError):
@@ -52,7 +68,7 @@ def read_rows(path: str) -> list[dict]:
     rows = []
     if path.endswith(".parquet"):
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # here, not at the top: slow to import, parquet only
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # noqa: BLE001 (pyarrow raises many kinds)
             raise GenerateError(f"{path} is not a readable parquet file: {e}") from None
@@ -90,9 +106,6 @@ def _lines(f, path: str) -> list[str]:
 def _template_of(loaded, path: str):
     """The chat template of MODEL: a run's chat store's, else its tokenizer directory's;
     a Hugging Face directory's own. None when there is none."""
-    from .data.chat import ChatTemplate
-    from .data.chat_templates import stored_template
-    from .data.store import TokenStore, is_store
     try:
         if loaded.run_data and is_store(loaded.source):
             store = TokenStore(loaded.source)
@@ -109,10 +122,9 @@ def _template_of(loaded, path: str):
 def _init_from(run: str) -> str | None:
     """A run's init_from: the Hugging Face directory whose generation_config.json (stop ids,
     sampling defaults) and positions the run's model keeps; None for a run from scratch."""
-    from .export import ExportError, run_config
     try:
         source = run_config(run).init_from
-    except ExportError:
+    except LoadError:
         return None
     return source if source and os.path.isfile(os.path.join(source, "config.json")) else None
 
@@ -122,9 +134,6 @@ def media_options(loaded, path: str):
     tower's patching, and the pixel bounds and video rate of the run's chat store, or of the
     Hugging Face directory's preprocessor_config.json (``min_pixels`` / ``max_pixels`` or
     ``size``), else the processor's defaults. None for a text model."""
-    from .data.media import MediaOptions
-    from .data.store import TokenStore, is_store
-    from .families import family
     cfg = loaded.model
     if not family(cfg.family).vision:
         return None
@@ -159,9 +168,6 @@ def media_options(loaded, path: str):
 def _row_media(ids, messages, tokenizer, opts, base: str, name: str):
     """(the prompt ids with each <|image_pad|> / <|video_pad|> expanded to its image's or
     video's count, that row's media as ``Generator.generate`` takes them, or None)."""
-    import numpy as np
-    from .data import media as media_lib
-    from .data.vision_batches import media_inputs
     try:
         items = (media_lib.conversation_items(messages, base, opts, name)
                  if messages else ([], [], []))
@@ -172,11 +178,11 @@ def _row_media(ids, messages, tokenizer, opts, base: str, name: str):
         expand.check(name)
         if not expand.placed:
             return ids, None
-        load = {k: getattr(opts, k) for k in ("patch_size", "temporal_patch_size",
-                                              "merge_size", "image_min_pixels",
-                                              "image_max_pixels", "video_min_pixels",
-                                              "video_max_pixels")}
-        loaded = [(item, *media_lib.load_item(item, **load)) for item in expand.placed]
+        sizes = {k: getattr(opts, k) for k in ("patch_size", "temporal_patch_size",
+                                               "merge_size", "image_min_pixels",
+                                               "image_max_pixels", "video_min_pixels",
+                                               "video_max_pixels")}
+        loaded = [(item, *media_lib.load_item(item, **sizes)) for item in expand.placed]
     except ValueError as e:
         raise GenerateError(str(e)) from None
     return ids, media_inputs([loaded])
@@ -188,8 +194,6 @@ def encode_rows(rows: list[dict], tokenizer, template, where: str, media_opts=No
     rendered with the generation prompt (the template writes any BOS itself); and each row's
     images and videos (a multimodal model's ``media_opts``; their paths relative to
     ``base``), None for a row without."""
-    from .data.chat import prompt_ids
-    from .data.media import media_parts
     out, media = [], []
     for n, row in enumerate(rows, 1):
         messages = row.get("messages") if not isinstance(row.get("prompt"), str) else None
@@ -229,10 +233,6 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
     Returns (the rows with completion, completion_ids, prompt_tokens, finish_reason; the
     summary). Raises GenerateError on bad input, before anything is compiled.
     """
-    import jax
-    from .evaluate import EvalError, load
-    from .generation import GenerationError, Generator, Sampling
-    from .mesh import make_mesh
     devices = list(devices or jax.devices())
     if mesh_seq < 1 or mesh_data < 1 or mesh_seq * mesh_data > len(devices):
         raise GenerateError(f"--mesh-seq x --mesh-data must be between 1 and the "
@@ -245,7 +245,7 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
     mesh = make_mesh(seq=mesh_seq, data=mesh_data, devices=devices[:mesh_seq * mesh_data])
     try:
         loaded = load(path, mesh, step)
-    except EvalError as e:
+    except LoadError as e:
         raise GenerateError(str(e)) from None
     hf_dir = path if not loaded.run_data else _init_from(path)
     try:
@@ -276,7 +276,6 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
         gen = Generator(loaded.params, loaded.model, mesh)
     except GenerationError as e:
         raise GenerateError(str(e)) from None
-    from tqdm import tqdm
     bar = tqdm(total=len(rows), desc="generate", unit="row", dynamic_ncols=True,
                disable=not progress)
     out = []
@@ -331,11 +330,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    import logging
     args = parse_args(argv)
-    from .mesh import request_cpu_devices
     request_cpu_devices(max(args.mesh_seq, 1) * max(args.mesh_data, 1))
-    from .compile_cache import fence
     fence()
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:

@@ -26,6 +26,8 @@ def plot_metrics(workdir: str, out: str | None = None) -> str:
     held = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     if not train:
         raise ValueError(f"{path} has no logged loss yet")
+    # matplotlib here, not at the top: it is slow to import; the Agg backend must be chosen
+    # before pyplot is imported.
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

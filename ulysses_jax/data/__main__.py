@@ -20,6 +20,14 @@ import sys
 import numpy as np
 from PIL import Image
 
+from ulysses_jax.data import images
+from ulysses_jax.data.images import placeholder_count
+from ulysses_jax.data.packing import store_rows
+from ulysses_jax.data.preference import store_names
+from ulysses_jax.data.prepare import describe, prepare
+from ulysses_jax.data.store import TokenStore, is_store
+from ulysses_jax.data.text import FIELDS, load_tokenizer
+
 MARK = ("\u27e6", "\u27e7")  # ⟦ supervised ⟧
 
 
@@ -58,7 +66,6 @@ def _parser():
     pr.add_argument("--force", action="store_true", help="replace --out if it holds a store "
                     "of other inputs")
     pr.add_argument("--no-progress", action="store_true")
-    from ulysses_jax.data import images
     for name, default in (("image-min-pixels", images.IMAGE_MIN_PIXELS),
                           ("image-max-pixels", images.IMAGE_MAX_PIXELS),
                           ("video-min-pixels", images.VIDEO_MIN_PIXELS),
@@ -83,7 +90,6 @@ def _parser():
 
 
 def _prepare(args) -> int:
-    from ulysses_jax.data.prepare import describe, prepare
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     manifest, built = prepare(args.sources, args.out, args.tokenizer, args.chat, args.text_key,
@@ -103,7 +109,6 @@ def _prepare(args) -> int:
 
 
 def _decoder(manifest):
-    from ulysses_jax.data.text import load_tokenizer
     path = manifest["tokenizer"]["path"]
     if path is not None and not os.path.exists(path):
         raise ValueError(f"the store's tokenizer {path} is gone; cannot decode (use --json)")
@@ -120,7 +125,6 @@ def _decoder(manifest):
 def _collapse(decode, media: list[dict], pad_ids: dict, merge_size: int):
     """``decode`` that prints a run of <|image_pad|> / <|video_pad|> ids as one marker,
     ``<|image_pad|> x N (image path, grid t x h x w)``, items taken in row order."""
-    from ulysses_jax.data.images import placeholder_count
     items, left = iter(media), [0, None]  # pads still owed to the current item, the item
 
     def run_text(run: np.ndarray) -> str:
@@ -175,9 +179,6 @@ def _text(row: dict, decode) -> str:
 
 
 def _show(args) -> int:
-    from ulysses_jax.data.text import FIELDS
-    from ulysses_jax.data.packing import store_rows
-    from ulysses_jax.data.store import TokenStore, is_store
     if not is_store(args.store):
         raise ValueError(f"{args.store} is not a token store (no manifest.json); build one "
                          f"with python -m ulysses_jax.data prepare")
@@ -205,7 +206,6 @@ def _show(args) -> int:
                                          (m["video_token_id"], "<|video_pad|>")) if i is not None}
             decode = _collapse(decode, media, pad_ids, m["merge_size"])
         if manifest["kind"] == "preference":
-            from ulysses_jax.data.preference import store_names
             pair = int(rows._perm(args.seed, 0)[args.row // 2])
             name = store_names(rows.store, [rows.ids[pair]])[0]
             print(f"=== pair {args.row // 2} of epoch 0 ({name}): the "

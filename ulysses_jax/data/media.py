@@ -42,6 +42,7 @@ import numpy as np
 from PIL import Image
 
 from . import images as images_lib
+from .chat import encode_conversation as encode_text
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
 _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
@@ -292,7 +293,6 @@ def encode_conversation(tokenizer, template, messages: Sequence[dict], base: str
         <|image_pad|> / <|video_pad|> in the rendered text other than its image / video parts
         (a conversation without media parts must hold none).
     """
-    from .chat import encode_conversation as encode_text
     if not media_parts(messages):  # still no pad may appear: it would have no item
         expand = Expander([], [], *placeholder_ids(tokenizer, False, False, name),
                           opts.merge_size)

@@ -23,6 +23,7 @@ import hashlib
 
 import numpy as np
 
+from .preference import PreferenceRows
 from .text import PackedRows, PlannedRows, heldout_mask
 from .store import TokenStore, unit_hash
 
@@ -215,7 +216,6 @@ def heldout_store_rows(path: str, seq_len: int, fraction: float, seed: int = 0,
     if not len(ids):
         return None
     if store.preference:
-        from .preference import PreferenceRows
         return PreferenceRows(store, ids, seq_len, seed, shuffle=False, overflow=overflow)
     if not store.chat:
         return StoreRows(store, ids, seq_len, shuffle=False)
@@ -235,7 +235,6 @@ def store_rows(path: str, seq_len: int, heldout_fraction: float = 0.0, seed: int
         raise ValueError(f"{path}: all {store.num_docs} document(s) fall in the held-out "
                          f"split (heldout_fraction {heldout_fraction}); lower it")
     if store.preference:
-        from .preference import PreferenceRows
         rows = [PreferenceRows(store, ids, seq_len, seed, shuffle=s, overflow=overflow)
                 for ids, s in ((train, True), (held, False)) if len(ids)]
         notes = [f"preference store: {sum(r.num_pairs for r in rows)} pairs, two rows of "

@@ -28,12 +28,15 @@ import time
 from typing import Iterator, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from . import chat_templates
 from . import media as media_lib
 from . import sources as sources_lib
 from .chat import ChatTemplate, NoSupervision
+from .preference import encode_pair
 from .store import MEDIA_INPUTS, StoreWriter, TokenStore, is_store, name_hash, token_dtype
+from .text import load_tokenizer
 
 CHUNK_CHARS = 1 << 20  # text per work item: big enough to amortise pickling, small in memory
 MAX_NAMED = 5  # bad conversations named in an error, of all counted
@@ -46,7 +49,6 @@ def _load(tokenizer_path: str | None, chat: bool, chat_template: str | None = No
     """(tokenizer, chat template or None, the template's origin or None). Preference data
     takes the tokenizer directory's template when it has one (its conversational pairs need
     it; text pairs do not)."""
-    from .text import load_tokenizer
     if chat and preference:
         raise ValueError("--chat and --preference exclude each other: --chat reads "
                          "conversations (assistant-only loss), --preference reads prompt / "
@@ -77,7 +79,6 @@ def _load(tokenizer_path: str | None, chat: bool, chat_template: str | None = No
 
 def _init_worker(tokenizer_path, template_args, media_options, preference=False):
     """``template_args``: (source, special values) of the chat template, None for text."""
-    from .text import load_tokenizer
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     _worker["tokenizer"] = load_tokenizer(tokenizer_path)
     _worker["template"] = ChatTemplate(*template_args) if template_args else None
@@ -94,7 +95,6 @@ def _encode_chunk(chunk: list[tuple[str, object]]):
     tok, template = _worker["tokenizer"], _worker["template"]
     out, bad, padded = [], [], []
     if _worker["preference"]:
-        from .preference import encode_pair
         for name, pair in chunk:
             try:
                 ids, weights = encode_pair(tok, template, pair, name)
@@ -405,9 +405,8 @@ def _encoded(chunks, tokenizer: str | None, template_args, workers: int, media_o
 
 
 def _bar(enabled: bool):
-    from tqdm import tqdm  # disabled: update and close do nothing
     return tqdm(desc="prepare", unit="tok", unit_scale=True, dynamic_ncols=True,
-                disable=not enabled)
+                disable=not enabled)  # disabled: update and close do nothing
 
 
 def describe(manifest: dict) -> str:

@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from . import sources
-from .chat import prompt_ids
+from .chat import ChatTemplate, prompt_ids
 from .text import _unit_hash, heldout_mask, load_tokenizer
 
 
@@ -41,7 +41,6 @@ class Prompts:
 
 
 def _template(tokenizer_path: str | None):
-    from .chat import ChatTemplate
     if tokenizer_path is None:
         return None
     directory = tokenizer_path if os.path.isdir(tokenizer_path) else \

@@ -13,7 +13,8 @@ import jax
 from . import text as data_lib, vision_batches
 from .packing import store_rows
 from .prepare import file_hash
-from .store import is_store
+from .prompts import load_prompts
+from .store import TokenStore, is_store
 from ..config import Config, ConfigError
 from ..families import family
 
@@ -55,7 +56,6 @@ def load_prompt_data(cfg: Config):
     """A GRPO run's prompts (``prompts.load_prompts``): (train, held-out or None, tokenizer,
     fingerprint), tokenized with data.tokenizer, else init_from's tokenizer (and chat
     template), else bytes; a bad setting or row is a ConfigError."""
-    from .prompts import load_prompts
     path = cfg.data.tokenizer
     if path is None and cfg.init_from and os.path.isfile(
             os.path.join(cfg.init_from, "tokenizer.json")):
@@ -130,7 +130,6 @@ def store_tokenizer(source: str, tokenizer: str | None = None) -> str | None:
       ValueError: the store is unreadable, ``tokenizer`` is not the store's tokenizer, or
         the recorded file is gone or has changed since the store was prepared.
     """
-    from .store import TokenStore
     recorded = TokenStore(source).manifest["tokenizer"]
     if tokenizer is not None:
         path = _tokenizer_file(tokenizer)

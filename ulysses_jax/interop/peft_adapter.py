@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from ..config import LORA_TARGETS, Config, ConfigError, LoraConfig, ModelConfig
 from ..models import lora
+from .hf import _from_hf, _hf_names, _hf_shape, stacked
 from .peft import (EXPERT_PARAMETERS, PEFT_PREFIX, SHARED_PARAMETERS, _leaves, adapter_leaves,
                    layers_path, model_targets, peft_shape, target_layers, with_adapters)
 
@@ -237,7 +238,6 @@ def group_tensors(cfg: ModelConfig, params: dict) -> dict[str, tuple]:
     """The groups ``model.lora.trainable`` trains in full, as peft's modules_to_save saves
     them: peft name -> (our path, index in its layer stack or None, n_in, our shape of one
     tensor, transformers' shape)."""
-    from .hf import _hf_names, _hf_shape, stacked
     out = {}
     for keys, x in _leaves(params):
         if lora.is_adapter(keys) or not lora.is_trainable(keys, cfg.lora):
@@ -258,7 +258,6 @@ def saved_modules(groups: dict) -> frozenset:
 
 def _group_leaves(groups: dict, tensors: dict) -> dict:
     """``group_tensors``' leaves from peft's tensors, in our layout (host float32)."""
-    from .hf import _from_hf
     rows: dict[tuple, list] = {}
     for name, (keys, i, n_in, shape, _) in groups.items():
         rows.setdefault(keys, []).append((i, _from_hf(tensors[name], shape, n_in)))
