@@ -37,7 +37,7 @@ from ...models import lora
 from ..train_step import batch_shardings, params_for_compute, scalar, token_order
 from . import reference
 from .base import ROW, Field, Objective
-from .sft import (RowBatches, RowSource, check_data, next_token_loss, run_model,
+from .sft import (RowBatches, RowSource, is_preference, next_token_loss, run_model,
                   with_router_loss)
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -199,7 +199,13 @@ class DPO(Objective):
     def open(self, mesh, workdir: str):
         cfg = self.cfg
         train_rows, held_rows = run_data.load_data(cfg)
-        check_data(cfg, train_rows)
+        if not is_preference(train_rows):
+            store = getattr(train_rows, "store", None)
+            what = (f"a {store.manifest['kind']} store" if store is not None else
+                    "text files, tokenized on the fly")
+            raise ConfigError(f"objective=dpo trains on preference pairs, but data.source "
+                              f"{cfg.data.source!r} is {what}; prepare one with python -m "
+                              f"ulysses_jax.data prepare SRC --preference --out STORE")
         cfg = run_data.with_segment_bound(cfg, train_rows, held_rows)
         iterator = data_lib.BatchIterator(train_rows, rows_per_batch(cfg), cfg.seed)
         log(f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"

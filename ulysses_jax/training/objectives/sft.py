@@ -121,20 +121,10 @@ def loss_fn(graphdef, params, batch, mesh: Mesh):
     return loss, metrics["tokens"]
 
 
-def check_data(cfg: Config, train_rows) -> None:
-    """A preference store is for ``objective: dpo``, and DPO reads one."""
-    store = getattr(train_rows, "store", None)
-    preference = store is not None and store.preference
-    if cfg.objective == "dpo" and not preference:
-        what = (f"a {store.manifest['kind']} store" if store is not None else
-                "text files, tokenized on the fly")
-        raise ConfigError(f"objective=dpo trains on preference pairs, but data.source "
-                          f"{cfg.data.source!r} is {what}; prepare one with python -m "
-                          f"ulysses_jax.data prepare SRC --preference --out STORE")
-    if preference and cfg.objective != "dpo":
-        raise ConfigError(f"data.source {cfg.data.source!r} is a preference store (prompt, "
-                          f"chosen, rejected pairs); train it with objective=dpo, got "
-                          f"objective={cfg.objective}")
+def is_preference(rows) -> bool:
+    """Whether ``rows`` come from a preference store (prompt, chosen, rejected pairs)."""
+    store = getattr(rows, "store", None)
+    return store is not None and store.preference
 
 
 @dataclasses.dataclass
@@ -230,7 +220,10 @@ class SFT(Objective):
     def open(self, mesh, workdir: str):
         cfg = self.cfg
         train_rows, held_rows = run_data.load_data(cfg)
-        check_data(cfg, train_rows)
+        if is_preference(train_rows):
+            raise ConfigError(f"data.source {cfg.data.source!r} is a preference store "
+                              f"(prompt, chosen, rejected pairs); train it with objective=dpo, "
+                              f"got objective={cfg.objective}")
         cfg = run_data.with_segment_bound(cfg, train_rows, held_rows)
         if family(cfg.model.family).vision:
             iterator = vision_batches.MediaBatchIterator(train_rows, cfg.batch_size, cfg,
