@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
+
 from .. import gpu_target, memory
 from ..config import Config, ConfigError, validate
 from ..hlo import attention_kernels, collective_counts
@@ -58,7 +60,6 @@ def target_mesh(cfg: Config, target: gpu_target.Target, devices: int | None = No
     """The config's mesh for a compile for ``devices`` (default: as many as the mesh needs)
     GPUs of ``target``, on as many of this process's CPU devices (``gpu_target.compile``
     lowers there); ConfigError when the mesh needs more, or the process has too few."""
-    import jax
     need = cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq
     n = need if devices is None else devices
     if n < need:
