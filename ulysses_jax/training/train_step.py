@@ -142,9 +142,10 @@ def abstract_batch(cfg: Config, mesh: Mesh, rows: int | None = None) -> dict:
     rows = rows or rows_per_batch(cfg)
     shape = (rows, cfg.seq_len)
     shardings = batch_shardings(mesh, cfg)
+    tokens = NamedSharding(mesh, act_spec(mesh))
     out = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
-                                   sharding=shardings[k]) for k in FIELDS}
-    if family(cfg.model.family).vision:  # M-RoPE positions and the vision arrays
+                                   sharding=tokens) for k in FIELDS}
+    if family(cfg.model.family).vision:  # M-RoPE positions [B, S, 3] and the vision arrays
         out.update(abstract_vision(cfg, mesh))
     for f in objectives.get(cfg).fields():
         out[f.name] = jax.ShapeDtypeStruct((rows,) if f.per == ROW else shape, f.dtype,
