@@ -342,8 +342,8 @@ def _throughput(smoke: bool, remat: list[str], steps: int = 5) -> dict:
     import numpy as np
     from ulysses_jax.config import load_config
     from ulysses_jax.training.train_step import init_state, make_train_step
-    from ulysses_jax.training.trainer import (_xla_flops, build_mesh, model_flops_per_device,
-                                              peak_flops)
+    from ulysses_jax.training.loop import peak_flops, xla_flops_of
+    from ulysses_jax.training.trainer import build_mesh, model_flops_per_device
 
     out = {}
     lens = [512, 1024] if smoke else [8192, 32768]
@@ -375,7 +375,7 @@ def _throughput(smoke: bool, remat: list[str], steps: int = 5) -> dict:
                 flops = model_flops_per_device(cfg)
                 stats = jax.devices()[0].memory_stats() or {}
                 out[key] = {"step_s": dt, "tokens_per_sec": s / dt, "model_flops": flops,
-                            "xla_flops": _xla_flops(compiled),
+                            "xla_flops": xla_flops_of(compiled),
                             "mfu": flops / dt / peak if peak else None,
                             "compile_s": compile_s,
                             "peak_bytes_in_use": stats.get("peak_bytes_in_use"),

@@ -78,7 +78,8 @@ def main(argv=None) -> None:
     from ulysses_jax.training import host_memory
     from ulysses_jax.training.checkpoint import Checkpointer
     from ulysses_jax.training.train_step import init_state, make_train_step
-    from ulysses_jax.training.trainer import _abstract, _abstract_batch
+    from ulysses_jax.training.loop import _abstract
+    from ulysses_jax.training.train_step import abstract_batch
 
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"),
                       MODEL + [f"param_sharding={args.param_sharding}"])
@@ -107,7 +108,7 @@ def main(argv=None) -> None:
     held = part["parameters"] + part["optimizer state"]
     report("train state built", held)
     step = make_train_step(cfg, mesh, graphdef, tx, shardings).lower(
-        _abstract(state), _abstract_batch(cfg, mesh)).compile()
+        _abstract(state), abstract_batch(cfg, mesh)).compile()
     report("step compiled", held)
     for _ in range(3):
         state, metrics = step(state, shard_batch(batch, mesh))

@@ -68,8 +68,9 @@ def main(argv=None) -> int:
     from ulysses_jax.training.flops import active_params_per_token
     from ulysses_jax.training.dry_run import (compile_step, device_and_host_bytes,
                                               peak_bytes_per_device, target_mesh)
-    from ulysses_jax.training.train_step import objective, state_layout
-    from ulysses_jax.training.trainer import _abstract_batch, build_mesh
+    from ulysses_jax.training.objectives.sft import objective
+    from ulysses_jax.training.train_step import abstract_batch, state_layout
+    from ulysses_jax.training.trainer import build_mesh
 
     gpu = gpu_target.load(args.target) if args.target else None
 
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
 
         t0 = time.time()
         grad = jax.jit(jax.grad(loss))
-        batch = _abstract_batch(cfg, mesh)
+        batch = abstract_batch(cfg, mesh)
         compiled = (gpu_target.compile(grad, (embed, params, batch), gpu) if gpu else
                     grad.lower(embed, params, batch).compile())
         mem = compiled.memory_analysis()

@@ -99,7 +99,7 @@ def ring(args) -> list[dict]:
 def model_memory() -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from test_model import _batch, _setup  # the model tests' tiny config
-    from ulysses_jax.training.train_step import loss_fn
+    from ulysses_jax.training.objectives.sft import loss_fn
     out = {}
     for pattern in ("G", "L", "LG"):
         over = {"model.sliding_window": 16, "model.layer_pattern": pattern, "model.n_layers": 4,

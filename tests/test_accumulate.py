@@ -22,8 +22,9 @@ from ulysses_jax.data.prepare import prepare
 from ulysses_jax.hlo import collective_counts
 from ulysses_jax.training.accumulate import micro_batches
 from ulysses_jax.training.dry_run import compile_step, peak_bytes_per_device
+from ulysses_jax.training.objectives.sft import objective
 from ulysses_jax.training.train_step import (batch_shardings, init_state, make_train_step,
-                                             objective, state_layout)
+                                             state_layout)
 from ulysses_jax.training.trainer import build_mesh, token_order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

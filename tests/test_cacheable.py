@@ -73,15 +73,16 @@ def _programs(cfg, with_eval: bool):
     """name -> compiled HLO text of the programs ``cfg`` runs."""
     from ulysses_jax.training.dry_run import compile_step
     from ulysses_jax.training.position_loss import token_losses
-    from ulysses_jax.training.train_step import (make_eval_step, params_for_compute,
-                                                 state_layout)
-    from ulysses_jax.training.trainer import _abstract_batch, build_mesh
+    from ulysses_jax.training import objectives
+    from ulysses_jax.training.train_step import (abstract_batch, make_eval_step,
+                                                 params_for_compute, state_layout)
+    from ulysses_jax.training.trainer import build_mesh
     out = {"train step": compile_step(cfg)[0].as_text()}
     if with_eval:
         mesh = build_mesh(cfg)
         graphdef, abstract, shardings, _ = state_layout(cfg, mesh)
-        batch, params = _abstract_batch(cfg, mesh), abstract["params"]
-        out["eval step"] = make_eval_step(mesh, graphdef, shardings, cfg).lower(
+        batch, params = abstract_batch(cfg, mesh), abstract["params"]
+        out["eval step"] = make_eval_step(mesh, graphdef, shardings, objectives.get(cfg)).lower(
             params, batch).compile().as_text()
         out["token losses"] = token_losses(mesh, graphdef, cfg.model.loss_chunk,
                                            params_for_compute(cfg, shardings)).lower(

@@ -21,7 +21,7 @@ from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig, load_config
 from ulysses_jax.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
 from ulysses_jax.models.decoder import Decoder, layer_groups
-from ulysses_jax.training.train_step import objective
+from ulysses_jax.training.objectives.sft import objective
 
 torch = pytest.importorskip("torch", reason="torch is needed to build reference checkpoints")
 transformers = pytest.importorskip("transformers", reason="transformers is needed as reference")

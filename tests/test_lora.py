@@ -27,8 +27,9 @@ from ulysses_jax.interop.peft import (EXPERT_PARAMETERS, adapter_tensors, peft_t
                                       with_adapters)
 from ulysses_jax.models import lora
 from ulysses_jax.models.decoder import Decoder
+from ulysses_jax.training.objectives.sft import objective
 from ulysses_jax.training.train_step import (batch_shardings, init_state, make_train_step,
-                                             objective, param_line)
+                                             param_line)
 
 torch = pytest.importorskip("torch", reason="torch is needed for the peft reference")
 transformers = pytest.importorskip("transformers", reason="transformers is needed")

@@ -13,7 +13,8 @@ from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.models.loss import chunked_cross_entropy, plain_cross_entropy
 from ulysses_jax.models.decoder import Decoder
-from ulysses_jax.training.train_step import init_state, loss_fn, make_train_step, state_layout
+from ulysses_jax.training.objectives.sft import loss_fn
+from ulysses_jax.training.train_step import init_state, make_train_step, state_layout
 
 V = 257
 

@@ -24,7 +24,8 @@ from ulysses_jax.models import moe
 from ulysses_jax.models.decoder import layer_groups
 from ulysses_jax.models.expert_parallel import expert_spec, moe_experts
 from ulysses_jax.models.param_layout import param_shardings
-from ulysses_jax.training.train_step import build_model, make_train_step, objective, state_layout
+from ulysses_jax.training.objectives.sft import objective
+from ulysses_jax.training.train_step import build_model, make_train_step, state_layout
 
 E, A, D, F = 8, 2, 16, 8
 

@@ -27,7 +27,7 @@ from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.hf import config_from_hf, from_pretrained, save_pretrained
 from ulysses_jax.hlo import collective_counts
 from ulysses_jax.models.decoder import layer_groups
-from ulysses_jax.training.train_step import objective
+from ulysses_jax.training.objectives.sft import objective
 
 torch = pytest.importorskip("torch", reason="torch is needed to build reference checkpoints")
 transformers = pytest.importorskip("transformers", reason="transformers is needed as reference")

@@ -27,7 +27,11 @@ DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "offload")
 ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
-OBJECTIVES = ("sft", "dpo", "grpo")
+# The objectives a run can train, each by the module that implements it (its ``OBJECTIVE``,
+# a ``training.objectives.base.Objective``): the registry ``objectives.get`` reads.
+OBJECTIVES = {"sft": "ulysses_jax.training.objectives.sft",
+              "dpo": "ulysses_jax.training.objectives.dpo",
+              "grpo": "ulysses_jax.training.grpo"}
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 DPO_REFERENCES = ("base", "precompute")
 GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")  # objectives/grpo.py LOSS_TYPES

@@ -1,6 +1,7 @@
 """The data of a run: train and held-out rows from ``data.source`` (a token store, or text
 files tokenized on the fly), checked against the model (vocabulary, tokenizer, images), and
-the packed-attention bound they imply. Used by ``trainer.py``.
+the packed-attention bound they imply. Used by the objectives that read ``data.source``
+(``training/objectives/``).
 """
 from __future__ import annotations
 
@@ -97,22 +98,6 @@ def _load_store(cfg: Config):
     for note in notes:
         log(f"data: {note}")
     return train_rows, held_rows
-
-
-def check_objective(cfg: Config, train_rows) -> None:
-    """``objective: dpo`` reads a preference store, and a preference store is for DPO."""
-    store = getattr(train_rows, "store", None)
-    preference = store is not None and store.preference
-    if cfg.objective == "dpo" and not preference:
-        what = (f"a {store.manifest['kind']} store" if store is not None else
-                "text files, tokenized on the fly")
-        raise ConfigError(f"objective=dpo trains on preference pairs, but data.source "
-                          f"{cfg.data.source!r} is {what}; prepare one with python -m "
-                          f"ulysses_jax.data prepare SRC --preference --out STORE")
-    if preference and cfg.objective != "dpo":
-        raise ConfigError(f"data.source {cfg.data.source!r} is a preference store (prompt, "
-                          f"chosen, rejected pairs); train it with objective=dpo, got "
-                          f"objective={cfg.objective}")
 
 
 def store_tokenizer(source: str, tokenizer: str | None = None) -> str | None:

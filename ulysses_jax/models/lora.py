@@ -167,6 +167,14 @@ def is_adapter(keys: tuple) -> bool:
     return any(str(k).startswith(PREFIX) for k in keys)
 
 
+def without_adapters(params: dict, _path: tuple = ()) -> dict:
+    """``params`` with every LoRA matrix zeroed: the base model's function (every adapter's
+    delta is 0)."""
+    return {k: (without_adapters(v, _path + (k,)) if isinstance(v, dict) else
+                jnp.zeros_like(v) if is_adapter(_path + (k,)) else v)
+            for k, v in params.items()}
+
+
 def is_trainable(keys: tuple, lora: LoraConfig) -> bool:
     """Whether a LoRA run trains the parameter at ``keys``: the adapters, and the groups
     ``lora.trainable`` names (embed; norms: every norm scale of the decoder; head: the untied

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as ocm
 
 _STATE, _EXTRA = "state", "extra"
@@ -304,7 +305,6 @@ class Checkpointer:
             os.makedirs(aside, exist_ok=True)
             os.rename(os.path.join(self.directory, str(step)), target)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"checkpoint set aside {step}")
         self._manager.reload()
         return f"step {step} -> {target} ({_first_line(error)})"

@@ -26,14 +26,17 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
+
 from .. import gpu_target, memory
 from ..config import Config, ConfigError, validate
 from ..hlo import attention_kernels, collective_counts
 from ..mesh import make_mesh
-from .train_step import make_train_step, param_count, state_layout, trainable_count
+from .loop import xla_flops_of
+from .train_step import (abstract_batch, make_train_step, param_count, state_layout,
+                         trainable_count)
 from .resume import initial_adapters, resolve_init_from
-from .trainer import (_abstract_batch, _xla_flops, build_mesh, check_kernel, chunk_notes,
-                      model_flops_per_device)
+from .trainer import build_mesh, check_kernel, chunk_notes, model_flops_per_device
 
 
 def compile_step(cfg: Config, mesh=None, target: gpu_target.Target | None = None):
@@ -47,7 +50,7 @@ def compile_step(cfg: Config, mesh=None, target: gpu_target.Target | None = None
     mesh = mesh or build_mesh(cfg)
     graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
     step = make_train_step(cfg, mesh, graphdef, tx, shardings)
-    batch = _abstract_batch(cfg, mesh)
+    batch = abstract_batch(cfg, mesh)
     if target is not None:
         return gpu_target.compile(step, (abstract, batch), target), abstract
     return step.lower(abstract, batch).compile(), abstract
@@ -57,7 +60,6 @@ def target_mesh(cfg: Config, target: gpu_target.Target, devices: int | None = No
     """The config's mesh for a compile for ``devices`` (default: as many as the mesh needs)
     GPUs of ``target``, on as many of this process's CPU devices (``gpu_target.compile``
     lowers there); ConfigError when the mesh needs more, or the process has too few."""
-    import jax
     need = cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq
     n = need if devices is None else devices
     if n < need:
@@ -200,7 +202,7 @@ def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = No
         "compiler": gpu.device_kind if gpu else platform,
         "compiled_dtype": compiled_cfg.model.dtype,
         "flops_per_device": model_flops_per_device(cfg),
-        "xla_flops_per_device": _xla_flops(compiled),
+        "xla_flops_per_device": xla_flops_of(compiled),
         "collectives": collective_counts(hlo_text),
         "attention_kernels": attention_kernels(hlo_text),
         "argument_bytes": int(mem.argument_size_in_bytes),

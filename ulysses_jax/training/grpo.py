@@ -36,19 +36,28 @@ sampler's first stop id, the token that ends a sampled completion.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import time
+from typing import Any
 
 import jax
 import numpy as np
 
-from ..config import Config
-from ..data import text as data_lib
-from ..data.run_data import is_main
-from .run_dir import RunError
+from ..config import Config, ConfigError
+from ..data import run_data, text as data_lib
+from ..data.prompts import PromptOrder
+from ..data.run_data import is_main, log
+from ..generation import Generator, Sampling
+from ..generation.generator import few_sizes
+from ..generation.settings import model_settings
 from .objectives import grpo as grpo_loss, rewards as rewards_lib
+from .objectives.base import Field, Objective
+from .resume import initial_params
+from .run_dir import RunError
+from .train_step import batch_shardings, model_params, params_for_compute, token_order
 
 COMPLETIONS = "completions.jsonl"
 BATCH_FILES = "grpo_batch_{step}.npz"  # a generation batch of num_iterations > 1
@@ -78,8 +87,6 @@ def reference_params(cfg: Config, mesh, shardings: dict, params, start: int):
     layout = shardings["params"]
     if start == 0:
         return jax.device_put(params, layout, may_alias=False)
-    from .resume import initial_params
-    from .train_step import model_params
     loaded = initial_params(cfg, mesh)
     if loaded is not None:
         return jax.device_put(loaded, layout)
@@ -130,7 +137,6 @@ def packed_row_count(rows: int, multiple: int, most: int) -> int:
     replicas x micro-batches that split it), then to one of 8 steps per power of two of
     those (``generator.few_sizes``), so that a run compiles its step for a few row counts;
     at most ``most``."""
-    from ..generation.generator import few_sizes
     return min(few_sizes(rows, multiple), most)
 
 
@@ -161,44 +167,57 @@ def pack_rows(rows: dict, multiple: int) -> dict:
     return out
 
 
-class GRPOBatches:
-    """The batch of each optimizer step of a GRPO run, the trainer's ``batches``.
-
-    ``next_global(mesh, order, params=..., step=...)`` returns step ``step``'s batch (sampling
-    with ``params`` when a generation batch starts); ``last`` holds the host metrics of the
-    latest generation batch (rewards, lengths, sampling time) for the step's record.
-    """
-
-    def __init__(self, cfg: Config, prompts, held, tokenizer, order, mesh, workdir: str,
-                 stop_ids, funcs):
-        """stop_ids: the sampler's stop ids in order; the first ends the warm-up's
-        reference completions (what the model should write to stop)."""
-        self.cfg, self.prompts, self.held, self.order = cfg, prompts, held, order
-        self.tokenizer, self.mesh, self.workdir = tokenizer, mesh, workdir
-        self.stop_ids, self.stop, self.funcs = frozenset(stop_ids), int(stop_ids[0]), funcs
-        self.graphdef = self.shardings = None  # attach(): known once the state is built
-        self.loss = grpo_loss.settings(cfg)
-        self.fields = grpo_loss.token_fields(cfg)
-        self.batch_step = None     # the first step of the generation batch ``current``
-        self.current = None        # numpy rows of the current generation batch
-        self.last: dict = {}
-        self._generator = None
-        self._logps = None
-        self.reference = None
-
-    def attach(self, graphdef, shardings, reference=None) -> None:
-        """The train state's graphdef and layout (the old policy's program reads them), and
-        in full fine-tuning with beta > 0 the frozen initial parameters (laid out as the
-        state's) whose log-probabilities each batch brings."""
-        self.graphdef, self.shardings, self.reference = graphdef, shardings, reference
-
-    # -- position ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class PromptSource:
+    """A GRPO run's prompts before the train state exists: the train and held-out prompts
+    (``data/prompts.py``), their seeded order (its position is the checkpoint's data
+    state), the tokenizer, the sampler's stop ids in order (the first ends the warm-up's
+    reference completions: what the model should write to stop) and the reward functions."""
+    prompts: Any
+    held: Any
+    tokenizer: Any
+    order: Any
+    stop_ids: tuple
+    funcs: list
 
     def get_state(self) -> dict:
         return self.order.get_state()
 
     def set_state(self, state: dict) -> None:
         self.order.set_state(state)
+
+
+class Rollout:
+    """The batch of each optimizer step of a GRPO run (its ``StepBatches``), built once the
+    train state exists.
+
+    ``next(step, params)`` returns step ``step``'s batch (sampling with ``params`` when a
+    generation batch starts); ``last`` holds the host metrics of the latest generation batch
+    (rewards, lengths, sampling time) for the step's record.
+
+    Args:
+      layout: the train state's (graphdef, shardings): the old policy's and the reference's
+        programs read them.
+      reference: in full fine-tuning with beta > 0 the frozen initial parameters (laid out
+        as the state's) whose log-probabilities each batch brings; else None.
+    """
+
+    def __init__(self, cfg: Config, source: PromptSource, mesh, workdir: str, layout: tuple,
+                 reference=None):
+        self.cfg, self.prompts, self.held = cfg, source.prompts, source.held
+        self.order, self.tokenizer = source.order, source.tokenizer
+        self.mesh, self.workdir, self.funcs = mesh, workdir, source.funcs
+        self.stop_ids, self.stop = frozenset(source.stop_ids), int(source.stop_ids[0])
+        self.graphdef, self.shardings = layout
+        self.reference = reference
+        self.loss = grpo_loss.settings(cfg)
+        self.fields = grpo_loss.token_fields(cfg)
+        self.token_order = token_order(cfg)
+        self.batch_step = None     # the first step of the generation batch ``current``
+        self.current = None        # numpy rows of the current generation batch
+        self.last: dict = {}
+        self._generator = None
+        self._logps = None
 
     # -- the steps --------------------------------------------------------------------------
 
@@ -210,8 +229,8 @@ class GRPOBatches:
         w, n = self.cfg.grpo.sft_warmup_steps, self.cfg.grpo.num_iterations
         return w + 1 + (step - w - 1) // n * n
 
-    def next_global(self, mesh, order=None, *, params, step: int) -> dict:
-        g = self.cfg.grpo
+    def next(self, step: int, params) -> dict:
+        g, mesh, order = self.cfg.grpo, self.mesh, self.token_order
         if self.is_warmup(step):
             rows = self._warmup_rows()
             if grpo_loss.REF_LOGPS in self.fields:
@@ -261,7 +280,6 @@ class GRPOBatches:
     def _sampler(self, params):
         """The generator on the run's (data, seq) mesh: each data replica samples its share
         of the completions."""
-        from ..generation import Generator
         if self._generator is None:
             self._generator = Generator(params, self.cfg.model, self.mesh)
         else:  # the same programs, the new parameters (a no-op transfer when laid out alike)
@@ -269,7 +287,6 @@ class GRPOBatches:
         return self._generator
 
     def _generate(self, params, step: int) -> dict:
-        from ..generation import Sampling
         cfg, g = self.cfg, self.cfg.grpo
         t0 = time.time()
         idx = self.order.take(cfg.batch_size)
@@ -302,10 +319,17 @@ class GRPOBatches:
                               [c.finish_reason for c in done])
         return rows
 
-    def evaluate(self, params, max_prompts: int) -> dict:
-        """Greedy completions of up to ``max_prompts`` held-out prompts, scored:
-        ``eval_reward`` (the mean weighted reward) and ``eval_rewards/NAME/mean``; {} without
-        held-out prompts."""
+    def record(self, step: int, times: dict) -> dict:
+        """The latest generation batch's metrics (at its first step), the step's phase and
+        the times of its batch (sampling, scoring) and of its update."""
+        return {**self.last, "phase": "sft_warmup" if self.is_warmup(step) else "grpo",
+                "batch_s": times["batch_s"], "train_s": times["train_s"]}
+
+    def evaluate(self, params) -> dict:
+        """Greedy completions of up to ``eval_batches`` x ``batch_size`` held-out prompts,
+        scored: ``eval_reward`` (the mean weighted reward) and ``eval_rewards/NAME/mean``;
+        {} without held-out prompts."""
+        max_prompts = self.cfg.eval_batches * self.cfg.batch_size
         if self.held is None or max_prompts < 1:
             return {}
         n = min(len(self.held), max_prompts)
@@ -389,7 +413,6 @@ class GRPOBatches:
         sampling policy's (num_iterations > 1) or the frozen reference's, in the rows' own
         token order; ``order`` is the one the model reads rows in (the zigzag of a ring
         mesh, ``trainer.token_order``; None: their own)."""
-        from .train_step import batch_shardings, params_for_compute
         if self._logps is None:
             graphdef, mesh = self.graphdef, self.mesh
             fields = batch_shardings(mesh)
@@ -457,3 +480,77 @@ def truncate_completions(workdir: str, start: int) -> None:
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
+
+
+class GRPO(Objective):
+    """``objective: grpo``: the policy loss of completions sampled from prompts and rewarded
+    (``objectives/grpo.py``), the batches made by a ``Rollout``."""
+
+    name = "grpo"
+    weighting = "sum"  # the batches weigh every token themselves (token_weights)
+    heldout = "eval_reward"
+
+    def fields(self):
+        return tuple(Field(name) for name in grpo_loss.token_fields(self.cfg))
+
+    def metrics(self):
+        return tuple(m for m in grpo_loss.METRICS if m != "kl" or self.cfg.grpo.beta)
+
+    def loss(self, graphdef, params, batch, mesh, weights=None):
+        return grpo_loss.objective(self.cfg, graphdef, params, batch, mesh, weights)
+
+    def reported_loss(self, step: int, metrics: dict):
+        """A warm-up step reports its next-token loss."""
+        return metrics["nll"] if step <= self.cfg.grpo.sft_warmup_steps else metrics["loss"]
+
+    def batch_line(self) -> str:
+        """``batch_size`` counts prompts, each ``num_generations`` sequences."""
+        cfg, g = self.cfg, self.cfg.grpo
+        k, b = cfg.grad_accum_steps, cfg.batch_size
+        micro = "" if k == 1 else f" in grad_accum_steps={k} micro-batches"
+        return (f"batch: {b} prompt{'s' * (b != 1)} x {g.num_generations} completions = "
+                f"{b * g.num_generations} sequences of up to {cfg.seq_len} tokens (completions "
+                f"up to {g.max_completion_length}) per generation batch, {g.num_iterations} "
+                f"optimizer step{'s' * (g.num_iterations != 1)} each{micro}")
+
+    def line(self, record: dict) -> str:
+        out = ""
+        if record.get("reward") is not None:
+            out += (f", reward {record['reward']:.3f}, completion length "
+                    f"{record['completions/mean_length']:.1f}")
+        if record.get("eval_reward") is not None:
+            out += f", held-out reward {record['eval_reward']:.3f}"
+        return out
+
+    def done_line(self, summary: dict) -> str:
+        return (f"done: step {summary['step']}, loss {summary['loss']}, held-out reward "
+                f"{summary.get('eval_reward')}")
+
+    def open(self, mesh, workdir: str):
+        """The prompts, reward functions and stop ids, all checked before anything is
+        compiled."""
+        cfg = self.cfg
+        prompts, held, tokenizer, fingerprint = run_data.load_prompt_data(cfg)
+        try:
+            funcs = reward_functions(cfg)
+            stop = model_settings(cfg.init_from, tokenizer.eos_id).eos_ids or (tokenizer.eos_id,)
+            check_prompts(cfg, prompts)
+        except (rewards_lib.RewardError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        log(f"data: {len(prompts)} prompts{'' if held is None else f', {len(held)} held out'}; "
+            f"rewards {', '.join(name for name, _ in funcs)}; stop ids {sorted(stop)}; mesh "
+            f"data={cfg.mesh.data} x seq={cfg.mesh.seq} on {mesh.devices.size} "
+            f"{mesh.devices.flat[0].platform} devices")
+        order = PromptOrder(len(prompts), cfg.seed, fingerprint)
+        return cfg, PromptSource(prompts, held, tokenizer, order, tuple(stop), funcs)
+
+    def batches(self, source, mesh, layout, state, start, workdir, progress):
+        """The rollout, with the frozen reference of full fine-tuning with beta > 0; the
+        completions a resume samples again are dropped from completions.jsonl."""
+        graphdef, shardings = layout
+        reference = reference_params(self.cfg, mesh, shardings, state["params"], start)
+        truncate_completions(workdir, start)
+        return Rollout(self.cfg, source, mesh, workdir, layout, reference)
+
+
+OBJECTIVE = GRPO

@@ -7,9 +7,14 @@ holding [B, S, V] logits (chunks of each device's tokens); ``bucket_bounds`` and
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..mesh import act_spec
+from ..models.param_layout import after_in_split
 from ..models.loss import largest_divisor_at_most
 
 
@@ -51,13 +56,6 @@ def token_losses(mesh, graphdef, chunk: int = 1024, prepare=None):
       prepare: applied to the parameters inside the program (the trainer's
         ``train_step.params_for_compute``: host-resident parameters with optimizer.offload).
     """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from ..models.param_layout import after_in_split
-
     def body(h, w, t, cap):
         # h: [B, S/P, D]; w: [D, V]; t: [B, S/P]
         b, s, d = h.shape

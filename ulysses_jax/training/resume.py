@@ -12,6 +12,11 @@ import dataclasses
 import json
 import os
 
+from safetensors import SafetensorError
+
+from ..interop.hf import config_from_hf, load_params, read_config
+from ..interop.hf_variants import _ROPE_FIELDS
+from ..interop.peft_adapter import load_adapter
 from .checkpoint import Checkpointer, IncompatibleCheckpoint, NoCheckpointRestores
 from .run_dir import RunError
 from .train_step import init_state, state_layout
@@ -56,7 +61,6 @@ def resolve_init_from(cfg: Config, notes: list[str] | None = None, *,
     """
     if not cfg.init_from:
         return cfg
-    from ..interop.hf import config_from_hf, read_config  # lazy: only fine-tuning needs it
     notes = [] if notes is None else notes
     if missing_ok and not os.path.exists(os.path.join(cfg.init_from, "config.json")):
         notes.append(f"init_from {cfg.init_from!r} has no config.json (not downloaded yet?): "
@@ -112,7 +116,6 @@ def _show(value) -> str:
     """A theta as is; a scaling as its type and the fields that type reads."""
     if not isinstance(value, RopeScalingConfig):
         return repr(value)
-    from ..interop.hf_variants import _ROPE_FIELDS
     return "{" + ", ".join([f"type: {value.type}"] + [f"{k}: {getattr(value, k)}"
                                                      for k in _ROPE_FIELDS[value.type]]) + "}"
 
@@ -121,8 +124,6 @@ def initial_params(cfg: Config, mesh):
     """The ``init_from`` checkpoint's parameters laid out on ``mesh``, or None."""
     if not cfg.init_from:
         return None
-    from safetensors import SafetensorError
-    from ..interop.hf import load_params  # imported lazily: only fine-tuning needs it
     try:
         return load_params(cfg.init_from, mesh, cfg.param_sharding, **_runtime_options(cfg))[1]
     except SafetensorError as e:
@@ -143,7 +144,6 @@ def initial_adapters(cfg: Config, params: dict) -> tuple[dict | None, list[str]]
     """
     if not cfg.init_adapter:
         return None, []
-    from ..interop.peft_adapter import load_adapter  # lazy: only continuing an adapter needs it
     return load_adapter(cfg, params)
 
 

@@ -23,6 +23,7 @@ class TensorBoardLog:
         self.writer = None
         if enabled:
             try:
+                # optional: a run with log_tensorboard=false needs no tensorboardX
                 from tensorboardX import SummaryWriter
             except ImportError as e:
                 raise ImportError("log_tensorboard needs tensorboardX: pip install "

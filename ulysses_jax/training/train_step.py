@@ -18,17 +18,21 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import ordering
-from ..config import Config, dpo_reference
+from ..config import Config, rows_per_batch
 from ..data.text import FIELDS
+from ..data.vision_batches import abstract_vision
 from . import objectives
 from .accumulate import accumulated_grads
-from .objectives.sft import objective  # noqa: F401 (re-exported: the SFT objective)
+from .objectives.base import ROW, Objective
 from .optimizer import compute_copy_mask, make_optimizer, make_schedule, computed_on_host
 from ..models.vision import vision_shardings
 from ..mesh import act_spec, axis_size, RING
+from ..attention.ring import zigzag_permutation
 from ..models.decoder import Decoder
 from ..interop.peft import model_targets
 from ..families import family
@@ -117,31 +121,56 @@ def init_state(cfg: Config, mesh: Mesh, params: dict | None = None):
 
 
 def batch_shardings(mesh: Mesh, cfg: Config | None = None) -> dict:
-    """One layout for every batch field (data.text.FIELDS): P("data", seq axes); for a multimodal
-    family (``cfg``) also M-RoPE positions [B, S, 3] and the ``vision`` arrays
-    (``vision_batches.vision_shardings``); for DPO with a precomputed reference each row's
-    ``ref_logps`` [B], P("data"); for GRPO the per-token fields of ``grpo.token_fields``."""
+    """One layout for every batch field (data.text.FIELDS): P("data", seq axes); for a
+    multimodal family (``cfg``) also M-RoPE positions [B, S, 3] and the ``vision`` arrays
+    (``vision_batches.vision_shardings``); and the fields ``cfg``'s objective declares
+    (``Objective.fields``): one value per row P("data"), per token as the token fields."""
     out = {k: NamedSharding(mesh, act_spec(mesh)) for k in FIELDS}
-    if cfg is not None and family(cfg.model.family).vision:
+    if cfg is None:
+        return out
+    if family(cfg.model.family).vision:
         out.update(vision_shardings(mesh, cfg.model.vision.split))
-    if cfg is not None and cfg.objective == "dpo" and dpo_reference(cfg) == "precompute":
-        out["ref_logps"] = NamedSharding(mesh, P(act_spec(mesh)[0]))
-    if cfg is not None and cfg.objective == "grpo":  # advantages, token weights (grpo.py)
-        from .objectives.grpo import token_fields
-        out.update({k: NamedSharding(mesh, act_spec(mesh)) for k in token_fields(cfg)})
+    for f in objectives.get(cfg).fields():
+        out[f.name] = NamedSharding(mesh, P(act_spec(mesh)[0]) if f.per == ROW
+                                    else act_spec(mesh))
     return out
 
 
-def loss_fn(graphdef, params, batch, mesh: Mesh):
-    """Mean next-token loss of ``batch`` (dict of [B, S] arrays) and its token count.
+def abstract_batch(cfg: Config, mesh: Mesh, rows: int | None = None) -> dict:
+    """The batch the train step is compiled for: ``rows`` rows (default: the config's), with
+    the fields of ``batch_shardings``."""
+    rows = rows or rows_per_batch(cfg)
+    shape = (rows, cfg.seq_len)
+    shardings = batch_shardings(mesh, cfg)
+    tokens = NamedSharding(mesh, act_spec(mesh))
+    out = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
+                                   sharding=tokens) for k in FIELDS}
+    if family(cfg.model.family).vision:  # M-RoPE positions [B, S, 3] and the vision arrays
+        out.update(abstract_vision(cfg, mesh))
+    for f in objectives.get(cfg).fields():
+        out[f.name] = jax.ShapeDtypeStruct((rows,) if f.per == ROW else shape, f.dtype,
+                                           sharding=shardings[f.name])
+    return out
 
-    Vocabulary-parallel (vocab.py) when the model is: each device holds V/P columns of the
-    head, in fp32. Otherwise the head enters the loss replicated, in the compute dtype (with
-    bf16 compute the copy each device holds of the [D, V] head is then half the size).
-    The cross-entropy only: the objective of an MoE model adds the router loss
-    (``objective``)."""
-    _, (loss, metrics) = objective(graphdef, params, batch, mesh)
-    return loss, metrics["tokens"]
+
+def token_order(cfg: Config) -> np.ndarray | None:
+    """The order batches are loaded in: zigzag on a ring mesh (balanced causal work), else
+    natural (None). The loss is a sum over tokens, so the order does not change it."""
+    if cfg.mesh.ring == 1:
+        return None
+    return zigzag_permutation(cfg.seq_len, cfg.mesh.ring)
+
+
+def scalar(x) -> float:
+    """A float from a replicated global array (works when it spans several processes)."""
+    return float(np.asarray(x.addressable_data(0)))
+
+
+def host(x) -> np.ndarray:
+    """A global array on the host (all of it, also when it spans several processes)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callable:
@@ -172,7 +201,8 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
 
     accum = cfg.grad_accum_steps
     in_batch = batch_shardings(mesh, cfg)
-    minimised = objectives.for_config(cfg)
+    objective = objectives.get(cfg)
+    minimised = objective.loss
 
     # With LoRA only the adapters (and model.lora.trainable) are differentiated and updated;
     # the frozen parameters pass through the step untouched (models/lora.py).
@@ -206,7 +236,7 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
             loss, extra, grads = accumulated_grads(
                 micro_grads, trained, batch, accum, mesh, in_batch,
                 on_host if offload else lora.trainable_params(on_device, lo), on_host=offload,
-                weighting=objectives.micro_weighting(cfg))
+                weighting=objective.weighting)
         # The optimizer's reductions (the global norm over split parameters) wait for every
         # replicated gradient, the last of the backward pass among them, so none runs beside
         # a backward loop (ordering.py, the compilation cache).
@@ -275,19 +305,17 @@ def params_for_compute(cfg: Config | None, shardings) -> Callable:
     return lambda params: _offloaded_params_for_compute(params, dtype, on_device)
 
 
-def make_eval_step(mesh: Mesh, graphdef, shardings, cfg: Config | None = None) -> Callable:
-    """Jitted ``eval(params, batch) -> (mean loss, tokens)``; ``cfg`` for
-    ``params_for_compute`` (host-resident parameters with optimizer.offload). For DPO
-    ``-> (summed pair loss, pairs won, pairs, summed margin)`` (``objectives.dpo.eval_sums``)."""
-    prepare = params_for_compute(cfg, shardings)
+def make_eval_step(mesh: Mesh, graphdef, shardings, objective: Objective) -> Callable:
+    """Jitted ``eval(params, batch)``: the objective's held-out sums of a batch
+    (``Objective.eval_sums``), with the parameters prepared as the train step prepares them
+    (``params_for_compute``: host-resident with optimizer.offload)."""
+    prepare = params_for_compute(objective.cfg, shardings)
 
     def evaluate(params, batch):
-        if cfg is not None and cfg.objective == "dpo":
-            from .objectives import dpo
-            return dpo.eval_sums(cfg, graphdef, prepare(params), batch, mesh)
-        return loss_fn(graphdef, prepare(params), batch, mesh)
+        return objective.eval_sums(graphdef, prepare(params), batch, mesh)
 
-    return jax.jit(evaluate, in_shardings=(shardings["params"], batch_shardings(mesh, cfg)))
+    return jax.jit(evaluate, in_shardings=(shardings["params"],
+                                           batch_shardings(mesh, objective.cfg)))
 
 
 def param_count(params: Any) -> int:

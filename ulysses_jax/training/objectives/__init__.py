@@ -1,31 +1,24 @@
-"""What a run minimises, one module per objective (``objective`` in the config): ``sft.py``
-the next-token loss, ``dpo.py`` the preference loss, ``grpo.py`` the policy loss of sampled
-completions.
+"""What a run minimises, one module per objective (``objective`` in the config), each with
+an ``OBJECTIVE`` class (``base.Objective``): ``sft.py`` the next-token loss, ``dpo.py`` the
+preference loss, GRPO's in ``training/grpo.py`` (its rollout) over the policy loss of
+``grpo.py`` here. ``config.OBJECTIVES`` names each objective's module: a new objective is its
+module and that line.
 
-``for_config(cfg)`` gives ``f(graphdef, params, batch, mesh, weights=None) -> (objective,
-(reported loss, metrics))`` for the train step and gradient accumulation.
+``get(cfg)`` gives the objective of ``cfg``.
 """
 from __future__ import annotations
 
-import functools
+import importlib
 
-from ...config import Config
-
-
-def for_config(cfg: Config):
-    """The objective function of ``cfg.objective``."""
-    if cfg.objective == "dpo":
-        from . import dpo
-        return functools.partial(dpo.objective, cfg)
-    if cfg.objective == "grpo":
-        from . import grpo
-        return functools.partial(grpo.objective, cfg)
-    from .sft import objective
-    return objective
+from ...config import OBJECTIVES, Config
+from .base import Objective
 
 
-def micro_weighting(cfg: Config) -> str:
-    """How the micro-batches of an accumulated step weigh (accumulate.py): "tokens" (each
-    its share of the supervised tokens: a mean over tokens, SFT), "equal" (1/k each: a mean
-    over pairs, DPO) or "sum" (1 each: GRPO's batches weigh every token themselves)."""
-    return {"dpo": "equal", "grpo": "sum"}.get(cfg.objective, "tokens")
+def get(cfg: Config) -> Objective:
+    """The objective ``cfg.objective`` names (config.validate has checked the name)."""
+    try:
+        module = OBJECTIVES[cfg.objective]
+    except KeyError:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got "
+                         f"{cfg.objective!r}") from None
+    return importlib.import_module(module).OBJECTIVE(cfg)

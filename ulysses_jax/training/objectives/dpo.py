@@ -27,11 +27,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
-from ...config import Config, DPOConfig, dpo_reference
+from ...config import Config, ConfigError, DPOConfig, dpo_reference, rows_per_batch
+from ...data import run_data, text as data_lib
+from ...data.run_data import log
 from ...models import lora
-from .sft import next_token_loss, run_model, with_router_loss
+from ..train_step import batch_shardings, params_for_compute, scalar, token_order
+from . import reference
+from .base import ROW, Field, Objective
+from .sft import (RowBatches, RowSource, is_preference, next_token_loss, run_model,
+                  with_router_loss)
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")
@@ -85,16 +92,9 @@ def reference_logps(cfg: Config, graphdef, params, batch: dict, mesh: Mesh):
     ``ref_logps`` (precompute), or the model with the LoRA adapters zeroed (base)."""
     if dpo_reference(cfg) == "precompute":
         return batch["ref_logps"]
-    base = without_adapters(params)
+    base = lora.without_adapters(params)
     logps, _, _ = sequence_logps(graphdef, jax.lax.stop_gradient(base), batch, mesh)
     return jax.lax.stop_gradient(logps)
-
-
-def without_adapters(params: dict, _path: tuple = ()) -> dict:
-    """``params`` with every LoRA matrix zeroed: the base model's function."""
-    return {k: (without_adapters(v, _path + (k,)) if isinstance(v, dict) else
-                jnp.zeros_like(v) if lora.is_adapter(_path + (k,)) else v)
-            for k, v in params.items()}
 
 
 def objective(cfg: Config, graphdef, params, batch: dict, mesh: Mesh,
@@ -124,3 +124,116 @@ def eval_sums(cfg: Config, graphdef, params, batch: dict, mesh: Mesh):
     real = (counts.reshape(-1, 2)[:, 0] > 0).astype(jnp.float32)
     return (jnp.sum(losses * real), jnp.sum(terms["rewards/accuracies"] * real),
             jnp.sum(real), jnp.sum(terms["rewards/margins"] * real))
+
+
+class DPOBatches(RowBatches):
+
+    def evaluate(self, params) -> dict:
+        """Held-out DPO loss, reward accuracy and margin over ``cfg.eval_batches`` batches
+        of pairs (a micro-batch at a time), as means over the pairs: ``eval_loss``,
+        ``eval_rewards/accuracies``, ``eval_rewards/margins``, ``eval_pairs``."""
+        cfg, held = self.cfg, self.source.held
+        if held is None or cfg.eval_batches < 1:
+            return {"eval_loss": None}
+        k = cfg.grad_accum_steps
+        sums = np.zeros(4)
+        for batch in data_lib.eval_batches(held, 2 * cfg.batch_size // k,
+                                           cfg.eval_batches * k):
+            sharded = data_lib.shard_batch(batch, self.mesh, order=self.order,
+                                           row_fields=held.row_fields)
+            sums += [scalar(x) for x in self.eval_step(params, sharded)]
+        loss, won, pairs, margin = sums
+        if not pairs:
+            return {"eval_loss": None}
+        return {"eval_loss": loss / pairs, "eval_rewards/accuracies": won / pairs,
+                "eval_rewards/margins": margin / pairs, "eval_pairs": int(pairs)}
+
+
+class DPO(Objective):
+    """``objective: dpo``: the preference loss of a preference store's pairs, two rows each
+    (chosen, rejected); with ``dpo.reference=precompute`` each row's reference
+    log-probability recorded before step 1 (``reference.py``)."""
+
+    name = "dpo"
+    weighting = "equal"  # a mean over pairs: each micro-batch 1/k
+
+    def fields(self):
+        if dpo_reference(self.cfg) == "precompute":
+            return (Field("ref_logps", ROW),)
+        return ()
+
+    def metrics(self):
+        return METRICS
+
+    def loss(self, graphdef, params, batch, mesh, weights=None):
+        return objective(self.cfg, graphdef, params, batch, mesh, weights)
+
+    def eval_sums(self, graphdef, params, batch, mesh):
+        return eval_sums(self.cfg, graphdef, params, batch, mesh)
+
+    def flops_factor(self) -> float:
+        """Two sequences per pair are the rows; with ``dpo.reference=base`` each step also
+        runs the reference's forward pass, a third of a training pass (forward 1 : backward
+        2)."""
+        return 4 / 3 if dpo_reference(self.cfg) == "base" else 1.0
+
+    def batch_line(self) -> str:
+        cfg = self.cfg
+        k, s, b = cfg.grad_accum_steps, cfg.seq_len, cfg.batch_size
+        pairs = lambda n: f"{n} pair{'s' * (n != 1)} ({2 * n} sequences)"  # noqa: E731
+        micro = "" if k == 1 else (f" in grad_accum_steps={k} micro-batches of "
+                                   f"{pairs(b // k)}")
+        return (f"batch: {pairs(b)} = {2 * b * s:,} tokens per optimizer step{micro}; "
+                f"{pairs(b // k // cfg.mesh.data)} per data replica at a time")
+
+    def line(self, record: dict) -> str:
+        out = ""
+        if "rewards/accuracies" in record:
+            out += (f", reward accuracy {record['rewards/accuracies']:.2f}, margin "
+                    f"{record['rewards/margins']:.3f}")
+        out += super().line(record)
+        if "eval_rewards/accuracies" in record:
+            out += f" (reward accuracy {record['eval_rewards/accuracies']:.2f})"
+        return out
+
+    def open(self, mesh, workdir: str):
+        cfg = self.cfg
+        train_rows, held_rows = run_data.load_data(cfg)
+        if not is_preference(train_rows):
+            store = getattr(train_rows, "store", None)
+            what = (f"a {store.manifest['kind']} store" if store is not None else
+                    "text files, tokenized on the fly")
+            raise ConfigError(f"objective=dpo trains on preference pairs, but data.source "
+                              f"{cfg.data.source!r} is {what}; prepare one with python -m "
+                              f"ulysses_jax.data prepare SRC --preference --out STORE")
+        cfg = run_data.with_segment_bound(cfg, train_rows, held_rows)
+        iterator = data_lib.BatchIterator(train_rows, rows_per_batch(cfg), cfg.seed)
+        log(f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"
+            f"{'' if held_rows is None else f', {held_rows.num_rows} held-out rows'}; "
+            f"mesh data={cfg.mesh.data} x ring={cfg.mesh.ring} x seq={cfg.mesh.seq} on "
+            f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices")
+        return cfg, RowSource(iterator, train_rows, held_rows)
+
+    def batches(self, source, mesh, layout, state, start, workdir, progress):
+        if dpo_reference(self.cfg) == "precompute" and start < self.cfg.steps:
+            self._precompute(source, mesh, layout, state, start, workdir, progress)
+        return DPOBatches(self, source, mesh, layout)
+
+    def _precompute(self, source, mesh, layout, state, start, workdir, progress) -> None:
+        """The reference log-probabilities of every pair (``reference.py``), attached to the
+        rows the batches read."""
+        cfg, (graphdef, shardings) = self.cfg, layout
+        prepare = params_for_compute(cfg, shardings)
+        logps = jax.jit(lambda p, b: sequence_logps(graphdef, prepare(p), b, mesh)[0],
+                        in_shardings=(shardings["params"], batch_shardings(mesh)))
+        rows = [r for r in (source.train, source.held) if r is not None]
+        try:
+            ref = reference.load_or_compute(cfg, mesh, logps, state["params"], rows, workdir,
+                                            start, progress, token_order(cfg))
+        except reference.ReferenceError as e:
+            raise ConfigError(str(e)) from None
+        for r in rows:
+            r.attach_reference(ref)
+
+
+OBJECTIVE = DPO

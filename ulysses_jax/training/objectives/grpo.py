@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ...config import Config
-from .dpo import without_adapters
+from ...models.lora import without_adapters
 from .sft import next_token_loss, run_model, with_router_loss
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")

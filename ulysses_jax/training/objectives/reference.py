@@ -22,6 +22,8 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
 from ...config import Config
 from ...data import text as data_lib
@@ -96,7 +98,6 @@ def load_or_compute(cfg: Config, mesh, logps_fn, params, rows: list[PreferenceRo
     all_rows = PreferenceRows(rows[0].store, pairs, cfg.seq_len, shuffle=False,
                               overflow="drop")
     micro = cfg.batch_size // cfg.grad_accum_steps  # pairs per pass: a micro-batch's memory
-    from tqdm import tqdm
     bar = tqdm(total=len(pairs), initial=done, desc="reference", unit="pair",
                dynamic_ncols=True, disable=not (progress and is_main()))
     t0, last_save = time.time(), time.time()
@@ -140,5 +141,4 @@ def load_or_compute(cfg: Config, mesh, logps_fn, params, rows: list[PreferenceRo
 def _host(x) -> np.ndarray:
     if jax.process_count() == 1:
         return np.asarray(x)
-    from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
