@@ -51,10 +51,11 @@ from ..mesh import make_mesh
 from ..models.decoder import Decoder, stacked_layer_indices
 from ..models.param_layout import leaf_spec
 
-ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": hf_qwen3_next.ARCH,
-         "qwen2_5_vl": hf_qwen2_5_vl.ARCH,
+# The llama family's model types (its translation is config_from_hf / config_to_hf here).
+_LLAMA_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHS = {**_LLAMA_ARCHS, "qwen3_next": hf_qwen3_next.ARCH, "qwen2_5_vl": hf_qwen2_5_vl.ARCH,
          **hf_variants.GEMMA_ARCHS}
 
 # Our parameter path -> (HF tensor name, number of leading "in" dims of our array).
@@ -239,8 +240,9 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
     if cfg.rope("L") != cfg.rope("G") and "L" in cfg.layer_kinds():
         raise ValueError(f"{arch} has one RoPE base and scaling for all layers, but local "
                          f"layers have {cfg.rope('L')} and global ones {cfg.rope('G')}")
-    if arch not in ARCHS or arch in hf_variants.GEMMA_ARCHS:
-        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    if arch not in _LLAMA_ARCHS:
+        raise ValueError(f"arch must be one of {sorted(_LLAMA_ARCHS)} for a llama-family "
+                         f"model, got {arch!r}")
     if bool(cfg.num_experts) != (arch == "qwen3_moe"):
         raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen3_moe' else 'has no'} experts "
                          f"but the model has num_experts={cfg.num_experts}; use arch={fits!r}")
