@@ -24,10 +24,10 @@ activations other than SiLU and a vision width other than the text's are refused
 from __future__ import annotations
 
 from ..config import ModelConfig, VisionConfig
+from .hf_family import CONV, FLAT
 from .hf_variants import min_max_position_embeddings, rope_scaling_from_hf, rope_scaling_to_hf
 
 ARCH = "Qwen2_5_VLForConditionalGeneration"
-FLAT, CONV = -1, -2  # hf.py's n_in codes: a bias reshaped; a conv weight's out axis moved
 # Our path under visual (block paths stacked over the depth) -> (HF name under visual., n_in)
 _VISION = {
     ("patch_embed",): ("patch_embed.proj.weight", CONV),

@@ -22,7 +22,7 @@ from .hf_variants import min_max_position_embeddings, rope_scaling_from_hf, rope
 
 ARCH = "Qwen3NextForCausalLM"
 
-# Our parameter path inside one block -> (HF tensor name, n_in), as hf._LAYER.
+# Our parameter path inside one block -> (HF tensor name, n_in), as hf_llama.LAYER.
 LAYER = {
     ("attn_norm", "scale"): ("input_layernorm.weight", 0),
     ("mlp_norm", "scale"): ("post_attention_layernorm.weight", 0),
@@ -127,8 +127,12 @@ def config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
         **{**moe, **overrides})
 
 
-def config_to_hf(cfg: ModelConfig, max_position_embeddings: int | None) -> dict:
-    """The config.json of a family-qwen3_next Decoder."""
+def config_to_hf(cfg: ModelConfig, arch: str | None,
+                 max_position_embeddings: int | None) -> dict:
+    """The config.json of a family-qwen3_next Decoder (arch None or qwen3_next)."""
+    if arch not in (None, "qwen3_next"):
+        raise ValueError(f"arch {arch!r} does not fit a qwen3_next-family model; use "
+                         f"arch='qwen3_next'")
     if cfg.qkv_bias or not cfg.qk_norm:
         raise ValueError(f"Qwen3-Next attention has q/k norms and no biases; qk_norm="
                          f"{cfg.qk_norm}, qkv_bias={cfg.qkv_bias}")
