@@ -8,11 +8,12 @@ tensors with safetensors' numpy API (torch is never imported), maps each Linear 
 its sharding on the mesh, one parameter at a time, so host memory holds at most one stacked
 parameter beyond what the devices hold.
 
-Each family's model types, block tensor names and config translation live in a module of its
-own: ``hf_llama.py`` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE), ``hf_gemma.py`` (Gemma 2 / 3
-text), ``hf_qwen3_next.py``, ``hf_qwen2_5_vl.py``; the RoPE scalings and layer kinds they
-share are ``hf_variants.py``'s. What our Decoder cannot express is refused with a
-ValueError, never silently dropped.
+Each family's model types, block tensor names and config translation are its record
+(``hf_family.HFFamily``) in a module of its own, which its entry in ``families.py`` names:
+``hf_llama.py`` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE), ``hf_gemma.py`` (Gemma 2 / 3
+text), ``hf_qwen3_next.py``, ``hf_qwen2_5_vl.py``; the RoPE scalings, layer kinds and windows
+they share are ``hf_variants.py``'s. Nothing here names a family. What our Decoder cannot
+express is refused with a ValueError, never silently dropped.
 """
 from __future__ import annotations
 
@@ -31,15 +32,17 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from . import hf_gemma, hf_llama, hf_qwen2_5_vl, hf_qwen3_next
-from .hf_family import CONV, FLAT, dtype_name
+from .hf_family import CONV, FLAT, HFFamily
 from ..config import PARAM_SHARDING, ModelConfig
+from ..families import FAMILIES, load
 from ..mesh import make_mesh
 from ..models.decoder import Decoder, stacked_layer_indices
 from ..models.param_layout import leaf_spec
 
-ARCHS = {**hf_llama.ARCHS, "qwen3_next": hf_qwen3_next.ARCH, "qwen2_5_vl": hf_qwen2_5_vl.ARCH,
-         **hf_gemma.ARCHS}
+# Each family's Hugging Face record (families.Family.hf), and the family of each model type.
+_FAMILY_HF: dict[str, HFFamily] = {name: load(f.hf) for name, f in FAMILIES.items()}
+_FAMILY_OF = {mt: name for name, rec in _FAMILY_HF.items() for mt in rec.archs}
+ARCHS = {mt: arch for rec in _FAMILY_HF.values() for mt, arch in rec.archs.items()}
 
 # Expert weights [E, D, F] / [E, F, D]: one HF Linear [out, in] per expert e (n_in 1 each).
 _EXPERTS = {("moe", "w_gate"): "mlp.experts.{e}.gate_proj.weight",
@@ -48,13 +51,6 @@ _EXPERTS = {("moe", "w_gate"): "mlp.experts.{e}.gate_proj.weight",
 _GLOBAL = {("embed",): ("model.embed_tokens.weight", 0),
            ("final_norm", "scale"): ("model.norm.weight", 0),
            ("lm_head",): ("lm_head.weight", 1)}
-# config.json writers of the families other than llama.
-_FAMILY_EXPORT = {"gemma": hf_gemma.config_to_hf, "qwen3_next": hf_qwen3_next.config_to_hf,
-                  "qwen2_5_vl": hf_qwen2_5_vl.config_to_hf}
-# Families whose checkpoints come in more than one key layout: a name of any -> ours.
-_KEY_LAYOUTS = {"qwen2_5_vl": hf_qwen2_5_vl.canonical_name}
-# Per-family block tensor maps (families not listed use hf_llama.LAYER).
-_LAYER_TABLES = {"gemma": hf_gemma.LAYER, "qwen3_next": hf_qwen3_next.LAYER}
 # Non-persistent RoPE buffers that old transformers versions saved; recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Tensors transformers itself skips on load: Qwen3-Next's multi-token-prediction head.
@@ -66,7 +62,7 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
     """Translates a transformers ``config.json`` dict to a ModelConfig.
 
     Args:
-      hf: the parsed config.json (model_type llama, mistral, qwen2, qwen3 or qwen3_moe).
+      hf: the parsed config.json (its model_type one of ``ARCHS``).
       dtype: compute dtype, float32 or bfloat16 (parameters stay float32).
       max_seq_len: accepted for callers of earlier versions, which needed it to load a
         sliding window; windows of any length now load as ``sliding_window``.
@@ -79,13 +75,15 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
     mt = hf.get("model_type")
     if mt not in ARCHS:
         raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(ARCHS)}")
-    if mt in hf_gemma.ARCHS:
-        return hf_gemma.config_from_hf(hf, dtype=dtype_name(dtype), **overrides)
-    if mt == "qwen3_next":
-        return hf_qwen3_next.config_from_hf(hf, dtype=dtype_name(dtype), **overrides)
-    if mt == "qwen2_5_vl":
-        return hf_qwen2_5_vl.config_from_hf(hf, dtype=dtype_name(dtype), **overrides)
-    return hf_llama.config_from_hf(hf, dtype=dtype, **overrides)
+    return _FAMILY_HF[_FAMILY_OF[mt]].config_from_hf(hf, dtype=dtype, **overrides)
+
+
+def _family_hf(name: str) -> HFFamily:
+    """The Hugging Face record of the registered family ``name``."""
+    try:
+        return _FAMILY_HF[name]
+    except KeyError:
+        raise ValueError(f"model.family {name!r} is not one of {', '.join(_FAMILY_HF)}") from None
 
 
 def config_to_hf(cfg: ModelConfig, arch: str | None = None,
@@ -103,9 +101,7 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
     Returns:
       A dict for config.json (both the transformers >= 5 and the older RoPE keys).
     """
-    if cfg.family in _FAMILY_EXPORT:
-        return _FAMILY_EXPORT[cfg.family](cfg, arch, max_position_embeddings)
-    return hf_llama.config_to_hf(cfg, arch, max_position_embeddings)
+    return _family_hf(cfg.family).config_to_hf(cfg, arch, max_position_embeddings)
 
 
 def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
@@ -144,8 +140,9 @@ def stacked(keys: tuple) -> bool:
 def _hf_names(keys: tuple, cfg: ModelConfig) -> tuple[list, int]:
     """HF tensor names of our parameter path and their n_in: one name per stacked layer (in
     stack order), or for expert weights one list of E names per layer."""
-    if keys[0] == "visual":
-        return hf_qwen2_5_vl.vision_names(keys, cfg)
+    rec = _family_hf(cfg.family)
+    if keys[0] in rec.names:
+        return rec.names[keys[0]](keys, cfg)
     if keys[0] != "layers":
         name, n_in = _GLOBAL[keys]
         return [name], n_in
@@ -153,7 +150,7 @@ def _hf_names(keys: tuple, cfg: ModelConfig) -> tuple[list, int]:
     if inner in _EXPERTS:
         return [[f"model.layers.{i}.{_EXPERTS[inner].format(e=e)}"
                  for e in range(cfg.num_experts)] for i in layers], 1
-    name, n_in = _LAYER_TABLES.get(cfg.family, hf_llama.LAYER)[inner]
+    name, n_in = rec.layer[inner]
     return [f"model.layers.{i}.{name}" for i in layers], n_in
 
 
@@ -206,7 +203,7 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
     wanted = {n for keys in paths for n in _flat(_hf_names(keys, cfg)[0])}
     files = _tensor_index(path)
     # our name -> the name in the files (a family with several key layouts reads any)
-    canonical = _KEY_LAYOUTS.get(cfg.family, lambda name: name)
+    canonical = _family_hf(cfg.family).canonical_name or (lambda name: name)
     stored = {canonical(k): k for k in files}
     files = {canonical(k): f for k, f in files.items()}
     # Checked before reading anything: a tensor we would drop changes the model's function.

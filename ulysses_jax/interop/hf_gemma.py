@@ -15,7 +15,10 @@ with a ValueError naming it.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ..config import ModelConfig, RopeScalingConfig
+from .hf_family import HFFamily, dtype_name
 from .hf_variants import (kinds_from_hf, layer_types_to_hf, min_max_position_embeddings,
                           pattern_string, rope_scaling_from_hf, rope_scaling_to_hf)
 
@@ -54,16 +57,17 @@ _DEFAULTS = {
 _THETA = {"gemma2": (10000.0, None), "gemma3_text": (1_000_000.0, 10000.0)}  # (global, local)
 
 
-def config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
+def config_from_hf(hf: dict, *, dtype: Any, **overrides) -> ModelConfig:
     """A Gemma 2 / Gemma 3 text config.json as a ModelConfig (family gemma).
 
     Args:
       hf: the parsed config.json (model_type gemma2 or gemma3_text).
-      dtype: compute dtype name, already checked by the caller.
+      dtype: compute dtype, float32 or bfloat16 (a name or a dtype).
       **overrides: other ModelConfig fields (runtime options).
     Raises:
-      ValueError: features the Decoder does not implement, or missing keys.
+      ValueError: a bad dtype, features the Decoder does not implement, or missing keys.
     """
+    dtype = dtype_name(dtype)
     mt = hf["model_type"]
     hf = {**_DEFAULTS[mt], **{k: v for k, v in hf.items() if v is not None or k in (
         "attn_logit_softcapping", "final_logit_softcapping", "sliding_window")}}
@@ -192,3 +196,5 @@ def config_to_hf(cfg: ModelConfig, arch: str | None,
         hf["rope_parameters"] = full
     return hf
 
+
+HF = HFFamily(archs=ARCHS, layer=LAYER, config_from_hf=config_from_hf, config_to_hf=config_to_hf)

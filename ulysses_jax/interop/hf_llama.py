@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ModelConfig
-from .hf_family import FLAT, dtype_name
+from .hf_family import FLAT, HFFamily, dtype_name
 from .hf_variants import (min_max_position_embeddings, rope_scaling_from_hf, rope_scaling_to_hf,
                           window_from_hf, window_to_hf)
 
@@ -181,3 +181,6 @@ def config_to_hf(cfg: ModelConfig, arch: str | None,
                   mlp_only_layers=list(cfg.mlp_only_layers))
     hf.update(window_to_hf(cfg, arch))
     return hf
+
+
+HF = HFFamily(archs=ARCHS, layer=LAYER, config_from_hf=config_from_hf, config_to_hf=config_to_hf)

@@ -17,7 +17,10 @@ yarn). Other scalings, biases and activations are refused with a ValueError nami
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ..config import ModelConfig
+from .hf_family import HFFamily, dtype_name
 from .hf_variants import min_max_position_embeddings, rope_scaling_from_hf, rope_scaling_to_hf
 
 ARCH = "Qwen3NextForCausalLM"
@@ -67,12 +70,13 @@ def _pattern(kinds: str) -> str:
     return next(kinds[:p] for p in range(1, n + 1) if (kinds[:p] * -(-n // p))[:n] == kinds)
 
 
-def config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
+def config_from_hf(hf: dict, *, dtype: Any, **overrides) -> ModelConfig:
     """A qwen3_next config.json as a ModelConfig (family qwen3_next).
 
     Raises:
-      ValueError: what the model does not implement, or missing keys.
+      ValueError: a bad dtype, what the model does not implement, or missing keys.
     """
+    dtype = dtype_name(dtype)
     hf = {**_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     problems = []
     if hf["hidden_act"] != "silu":
@@ -169,3 +173,7 @@ def config_to_hf(cfg: ModelConfig, arch: str | None,
           "router_aux_loss_coef": cfg.router_aux_loss_coef,
           "torch_dtype": "float32", "dtype": "float32"}
     return hf
+
+
+HF = HFFamily(archs={"qwen3_next": ARCH}, layer=LAYER, config_from_hf=config_from_hf,
+              config_to_hf=config_to_hf)
