@@ -265,6 +265,9 @@ def test_config_translation():
         config_to_hf(ModelConfig(qk_norm=True, qkv_bias=True))
     with pytest.raises(ValueError, match="arch must be one of"):
         config_to_hf(ModelConfig(), "gpt2")
+    for other in ("qwen3_next", "qwen2_5_vl", "gemma2"):  # another family's model type
+        with pytest.raises(ValueError, match="arch must be one of"):
+            config_to_hf(ModelConfig(), other)
 
 
 def test_bad_tensors_are_refused(checkpoints, tmp_path):

@@ -210,8 +210,46 @@ def test_the_training_loop_holds_no_data_code():
 
 
 def test_every_family_has_a_block():
-    """The traits (ulysses_jax/families.py) and the blocks (models/blocks.py) name the same
-    families."""
-    from ulysses_jax.families import FAMILIES
+    """The family records (ulysses_jax/families.py) and the blocks (models/blocks.py) name the
+    same families, and each record's parts resolve: a block class, a (prefill, decode) pair,
+    a Hugging Face record whose model types no other family's has."""
+    from ulysses_jax.families import FAMILIES, load
+    from ulysses_jax.interop.hf_family import HFFamily
     from ulysses_jax.models.blocks import BLOCKS
     assert set(FAMILIES) == set(BLOCKS) and "llama" in BLOCKS
+    model_types, generated = [], []
+    for name, fam in FAMILIES.items():
+        assert isinstance(BLOCKS[name], type) and BLOCKS[name] is load(fam.block), name
+        if fam.generation is not None:
+            prefill, decode = load(fam.generation)
+            assert callable(prefill) and callable(decode), name
+            generated.append(name)
+        hf = load(fam.hf)
+        assert isinstance(hf, HFFamily) and hf.archs and hf.layer, name
+        model_types += list(hf.archs)
+    assert "llama" in generated
+    assert len(model_types) == len(set(model_types)) and "llama" in model_types
+
+
+# The layer of each part a family record names (families.Family): the layer of the module
+# that loads it (models/blocks.py, generation/blocks.py, interop/hf.py).
+PARTS = {"block": "models", "generation": "generation", "hf": "interop"}
+
+
+def test_family_parts_live_in_their_layers():
+    """A record's parts are imported by name (``families.load``), edges the walk above does
+    not see: each names a package module in the layer of the code that loads it."""
+    from ulysses_jax.families import FAMILIES
+    mods = _modules()
+    checked = 0
+    for name, fam in FAMILIES.items():
+        for part, layer in PARTS.items():
+            ref = getattr(fam, part)
+            if ref is None:
+                continue
+            module = "ulysses_jax." + ref.partition(":")[0]
+            assert module in mods, f"{name}.{part} = {ref!r}: no such module"
+            assert LAYERS[_layer(module)][0] == layer, (
+                f"{name}.{part} = {ref!r} is in layer {LAYERS[_layer(module)][0]}, not {layer}")
+            checked += 1
+    assert checked >= 2 * len(FAMILIES)

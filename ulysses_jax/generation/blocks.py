@@ -14,8 +14,9 @@ state by one token of the delta rule (``deltanet.delta_step``), O(1) in the prom
 Both walk the model's layer stacks as ``Decoder._run_layers`` does (one ``lax.scan`` per
 position of a group's unit, the caches scanned beside the weights, or carried as one pool
 per attention kind where a stack mixes local and global layers) and call a family's two
-functions (``BLOCKS``) per layer, built from the block's own parts, so the weights, LoRA
-adapters and variants (biases, q/k norms, RoPE scalings, windows) are the ones training uses.
+functions (``block_functions``) per layer, built from the block's own parts, so the weights,
+LoRA adapters and variants (biases, q/k norms, RoPE scalings, windows) are the ones training
+uses.
 Letters as in models/decoder.py; C cache slots, T = 1 new token.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..attention.deltanet import DEFAULT_CHUNK, conv_step, delta_step, normalized_qk
 from ..attention.heads import pad_kv, pad_query, unpad_output
 from ..config import LAYER_KINDS
+from ..families import FAMILIES, load
 from ..attention.linear import gated_deltanet, gates
 from ..mesh import DATA, SEQ, act_spec, axis_size, shard
 from ..models.decoder import layer_groups, unit_kinds
@@ -316,22 +318,20 @@ def _decode(mix, rest):
     return layer
 
 
-# Per block family: (prefill, decode) layer functions.
-BLOCKS = {"llama": (_prefill(_attend_prompt, _llama_rest), _decode(_attend_cached, _llama_rest)),
-          # the Qwen2 text block (its prompts' images enter in the prefill's embeddings)
-          "qwen2_5_vl": (_prefill(_attend_prompt, _llama_rest),
-                         _decode(_attend_cached, _llama_rest)),
-          "gemma": (_prefill(_attend_prompt, _gemma_rest), _decode(_attend_cached, _gemma_rest)),
-          "qwen3_next": (_prefill(_next_prompt, _llama_rest),
-                         _decode(_next_cached, _llama_rest))}
+# (prefill, decode) layer functions of the blocks, as the family records name them
+# (``families.Family.generation``).
+LLAMA = (_prefill(_attend_prompt, _llama_rest), _decode(_attend_cached, _llama_rest))
+GEMMA = (_prefill(_attend_prompt, _gemma_rest), _decode(_attend_cached, _gemma_rest))
+QWEN3_NEXT = (_prefill(_next_prompt, _llama_rest), _decode(_next_cached, _llama_rest))
 
 
 def block_functions(cfg):
     """The family's (prefill, decode), or GenerationError naming what is missing."""
-    if cfg.family not in BLOCKS:
+    built = sorted(name for name, f in FAMILIES.items() if f.generation is not None)
+    if cfg.family not in built:
         raise GenerationError(f"generation is built for the model families "
-                              f"{sorted(BLOCKS)}; model.family={cfg.family} is not yet")
-    return BLOCKS[cfg.family]
+                              f"{built}; model.family={cfg.family} is not yet")
+    return load(FAMILIES[cfg.family].generation)
 
 
 def run_layers(model, x, layer_fn, caches=None, empty=None):

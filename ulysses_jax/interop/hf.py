@@ -1,32 +1,19 @@
-"""Hugging Face checkpoint import and export for the Llama / Mistral / Qwen2 / Qwen3 family
-and Qwen3-MoE.
+"""Hugging Face checkpoint import and export.
 
 A checkpoint is a local directory with ``config.json`` and ``model.safetensors`` (or a
 ``model.safetensors.index.json`` with shards), as ``transformers`` writes it. Import reads the
 tensors with safetensors' numpy API (torch is never imported), maps each Linear weight
-[out, in] to our [in, ..., out] layout (a bias [N*H] to [N, H]), stacks the layers on a
-leading L axis and places every array straight onto its sharding on the mesh, one parameter at
-a time, so host memory holds at most one stacked parameter beyond what the devices hold.
+[out, in] to our [in, ..., out] layout (a bias [N*H] to [N, H]; the codes in
+``hf_family.py``), stacks the layers on a leading L axis and places every array straight onto
+its sharding on the mesh, one parameter at a time, so host memory holds at most one stacked
+parameter beyond what the devices hold.
 
-Conventions checked against transformers' modeling code (Llama, Mistral, Qwen2, Qwen3):
-half-split RoPE with inv_freq = theta^(-2i/head_dim); RMSNorm in fp32 times the weight; q/k
-RMSNorm over head_dim before RoPE (Qwen3); q/k/v projection biases added before RoPE, none on
-o_proj (Qwen2); GQA query head n reads kv head n // (N/K); logits
-scale head_dim^-0.5; SiLU-gated MLP; ``lm_head`` = embedding when ``tie_word_embeddings``.
-Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3 attention; layer i sparse unless i is in
-``mlp_only_layers`` or (i + 1) % ``decoder_sparse_step`` != 0 (models/moe.py); router
-``mlp.gate.weight`` [E, D]; experts on disk one Linear each, ``mlp.experts.{e}.gate_proj`` /
-``up_proj`` / ``down_proj``. transformers 5 holds them fused in memory (``gate_up_proj``
-[E, 2F, D], ``down_proj`` [E, D, F]) but its save_pretrained writes, and its from_pretrained
-reads, this per-expert layout (checked with transformers 5.24), as do the published Qwen3-MoE
-checkpoints. transformers 5.24 writes the expert count as ``num_local_experts``; older files
-and the Qwen releases as ``num_experts``: both are read, ``num_experts`` is written.
-Sliding windows (Mistral, Qwen2 / Qwen3 / Qwen3-MoE with use_sliding_window) and the Gemma 2 /
-Gemma 3 text decoders are mapped by ``hf_variants.py``, which this module dispatches to.
-RoPE scalings default, linear, llama3 and yarn load from rope_parameters or the older
-rope_scaling (``hf_variants.rope_scaling_from_hf``) and are written back. What our Decoder
-cannot express (an o_proj or MLP bias, dynamic or longrope RoPE, partial RoPE, other
-activations) is refused with a ValueError, never silently dropped.
+Each family's model types, block tensor names and config translation are its record
+(``hf_family.HFFamily``) in a module of its own, which its entry in ``families.py`` names:
+``hf_llama.py`` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE), ``hf_gemma.py`` (Gemma 2 / 3
+text), ``hf_qwen3_next.py``, ``hf_qwen2_5_vl.py``; the RoPE scalings, layer kinds and windows
+they share are ``hf_variants.py``'s. Nothing here names a family. What our Decoder cannot
+express is refused with a ValueError, never silently dropped.
 """
 from __future__ import annotations
 
@@ -45,41 +32,18 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from . import hf_qwen2_5_vl, hf_qwen3_next, hf_variants
-from ..config import DTYPES, PARAM_SHARDING, ModelConfig
+from .hf_family import CONV, FLAT, HFFamily
+from ..config import PARAM_SHARDING, ModelConfig
+from ..families import FAMILIES, load
 from ..mesh import make_mesh
 from ..models.decoder import Decoder, stacked_layer_indices
 from ..models.param_layout import leaf_spec
 
-ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": hf_qwen3_next.ARCH,
-         "qwen2_5_vl": hf_qwen2_5_vl.ARCH,
-         **hf_variants.GEMMA_ARCHS}
+# Each family's Hugging Face record (families.Family.hf), and the family of each model type.
+_FAMILY_HF: dict[str, HFFamily] = {name: load(f.hf) for name, f in FAMILIES.items()}
+_FAMILY_OF = {mt: name for name, rec in _FAMILY_HF.items() for mt in rec.archs}
+ARCHS = {mt: arch for rec in _FAMILY_HF.values() for mt, arch in rec.archs.items()}
 
-# Our parameter path -> (HF tensor name, number of leading "in" dims of our array).
-# An HF Linear weight W [out, in] maps to ours as W.T.reshape(our shape): q_proj [N*H, D]
-# -> wq [D, N, H] (1 "in" dim), o_proj [D, N*H] -> wo [N, H, D] (2 "in" dims). 0 = copy as is;
-# _FLAT = a bias, HF [N*H] <-> ours [N, H] by a reshape; _CONV = a convolution weight
-# HF [out, *in] <-> ours [*in, out] (the out axis moved).
-_FLAT, _CONV = hf_qwen2_5_vl.FLAT, hf_qwen2_5_vl.CONV
-_LAYER = {
-    ("attn_norm", "scale"): ("input_layernorm.weight", 0),
-    ("attn", "wq"): ("self_attn.q_proj.weight", 1),
-    ("attn", "wk"): ("self_attn.k_proj.weight", 1),
-    ("attn", "wv"): ("self_attn.v_proj.weight", 1),
-    ("attn", "wo"): ("self_attn.o_proj.weight", 2),
-    ("attn", "bq"): ("self_attn.q_proj.bias", _FLAT),
-    ("attn", "bk"): ("self_attn.k_proj.bias", _FLAT),
-    ("attn", "bv"): ("self_attn.v_proj.bias", _FLAT),
-    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", 0),
-    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", 0),
-    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", 0),
-    ("mlp", "w_gate"): ("mlp.gate_proj.weight", 1),
-    ("mlp", "w_up"): ("mlp.up_proj.weight", 1),
-    ("mlp", "w_down"): ("mlp.down_proj.weight", 1),
-    ("moe", "router"): ("mlp.gate.weight", 1),
-}
 # Expert weights [E, D, F] / [E, F, D]: one HF Linear [out, in] per expert e (n_in 1 each).
 _EXPERTS = {("moe", "w_gate"): "mlp.experts.{e}.gate_proj.weight",
             ("moe", "w_up"): "mlp.experts.{e}.up_proj.weight",
@@ -87,47 +51,10 @@ _EXPERTS = {("moe", "w_gate"): "mlp.experts.{e}.gate_proj.weight",
 _GLOBAL = {("embed",): ("model.embed_tokens.weight", 0),
            ("final_norm", "scale"): ("model.norm.weight", 0),
            ("lm_head",): ("lm_head.weight", 1)}
-def _qwen3_next_config_to_hf(cfg: ModelConfig, arch: str | None,
-                             max_position_embeddings: int | None) -> dict:
-    if arch not in (None, "qwen3_next"):
-        raise ValueError(f"arch {arch!r} does not fit a qwen3_next-family model; use "
-                         f"arch='qwen3_next'")
-    return hf_qwen3_next.config_to_hf(cfg, max_position_embeddings)
-
-
-# config.json writers of the families whose translation lives in a module of its own (the
-# llama family's is config_to_hf itself).
-_FAMILY_EXPORT = {"gemma": hf_variants.gemma_config_to_hf, "qwen3_next": _qwen3_next_config_to_hf,
-                  "qwen2_5_vl": hf_qwen2_5_vl.config_to_hf}
-# Families whose checkpoints come in more than one key layout: a name of any -> ours.
-_KEY_LAYOUTS = {"qwen2_5_vl": hf_qwen2_5_vl.canonical_name}
-# Per-family block tensor maps (families not listed use _LAYER).
-_LAYER_TABLES = {"gemma": hf_variants.GEMMA_LAYER, "qwen3_next": hf_qwen3_next.LAYER}
 # Non-persistent RoPE buffers that old transformers versions saved; recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Tensors transformers itself skips on load: Qwen3-Next's multi-token-prediction head.
 _IGNORED_PREFIXES = ("mtp.",)
-# Class defaults of transformers' configs that differ from "all heads" / hidden // heads, used
-# when config.json omits the key (an explicit null still means the generic default).
-_ARCH_DEFAULTS = {"mistral": {"num_key_value_heads": 8},
-                  "qwen2": {"num_key_value_heads": 32},
-                  "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
-                  "qwen3_moe": {"num_key_value_heads": 4}}
-# Qwen3MoeConfig's defaults for its MoE keys: ours <- (HF key, default).
-_MOE_KEYS = {"num_experts_per_tok": ("num_experts_per_tok", 8),
-             "moe_ffn_dim": ("moe_intermediate_size", 768),
-             "norm_topk_prob": ("norm_topk_prob", False),
-             "decoder_sparse_step": ("decoder_sparse_step", 1),
-             "router_aux_loss_coef": ("router_aux_loss_coef", 0.001)}
-# Config keys that would add biases our Decoder lacks, per model type. Llama's and Qwen3's
-# attention_bias biases o_proj too, Llama's mlp_bias the MLP. Mistral (and Qwen3's MLP) ignore
-# them in transformers; a file that sets them anyway is refused rather than guessed at. Qwen2
-# always has exactly the q/k/v biases (qkv_bias) and reads neither key.
-_BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "mistral": ("attention_bias", "mlp_bias"),
-              "qwen2": (), "qwen3": ("attention_bias", "mlp_bias"),
-              "qwen3_moe": ("attention_bias",)}
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads")
 
 
 def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None = None,
@@ -135,7 +62,7 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
     """Translates a transformers ``config.json`` dict to a ModelConfig.
 
     Args:
-      hf: the parsed config.json (model_type llama, mistral, qwen2, qwen3 or qwen3_moe).
+      hf: the parsed config.json (its model_type one of ``ARCHS``).
       dtype: compute dtype, float32 or bfloat16 (parameters stay float32).
       max_seq_len: accepted for callers of earlier versions, which needed it to load a
         sliding window; windows of any length now load as ``sliding_window``.
@@ -148,63 +75,15 @@ def config_from_hf(hf: dict, *, dtype: Any = "float32", max_seq_len: int | None 
     mt = hf.get("model_type")
     if mt not in ARCHS:
         raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(ARCHS)}")
-    if mt in hf_variants.GEMMA_ARCHS:
-        return hf_variants.gemma_config_from_hf(hf, dtype=_dtype_name(dtype), **overrides)
-    if mt == "qwen3_next":
-        return hf_qwen3_next.config_from_hf(hf, dtype=_dtype_name(dtype), **overrides)
-    if mt == "qwen2_5_vl":
-        return hf_qwen2_5_vl.config_from_hf(hf, dtype=_dtype_name(dtype), **overrides)
-    problems = []
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {hf['hidden_act']!r} (only silu is implemented)")
-    for key in _BIAS_KEYS[mt]:
-        if hf.get(key):
-            problems.append(f"{key}=true (the Decoder has biases on q/k/v only, and only for "
-                            f"qwen2)")
-    # transformers >= 5 writes rope_parameters; older files have rope_theta / rope_scaling,
-    # which transformers 5 still prefers when both are there.
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    scaling = None
-    try:
-        scaling = hf_variants.rope_scaling_from_hf(
-            {"partial_rotary_factor": hf.get("partial_rotary_factor", 1.0), **rope}, hf)
-    except ValueError as e:
-        problems.append(str(e))
-    if problems:
-        raise ValueError(f"cannot import this {mt} checkpoint: " + "; ".join(problems))
-    dtype = _dtype_name(dtype)
-    missing = [k for k in _REQUIRED if k not in hf]
-    if missing:
-        raise ValueError(f"config.json lacks {missing}")
-    hf = {**_ARCH_DEFAULTS.get(mt, {}), **hf}
-    heads = hf["num_attention_heads"]
-    if mt == "qwen3_moe":
-        moe = {ours: hf.get(key, default) for ours, (key, default) in _MOE_KEYS.items()}
-        moe.update(num_experts=hf.get("num_experts", hf.get("num_local_experts", 128)),
-                   mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
-        overrides = {**moe, **overrides}
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_dim=hf["intermediate_size"],
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=mt in ("qwen3", "qwen3_moe"),
-        qkv_bias=mt == "qwen2",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype,
-        **hf_variants.window_from_hf(hf), **overrides)
+    return _FAMILY_HF[_FAMILY_OF[mt]].config_from_hf(hf, dtype=dtype, **overrides)
 
 
-def _dtype_name(dtype) -> str:
-    """float32 or bfloat16 from a name or a dtype; ValueError otherwise."""
+def _family_hf(name: str) -> HFFamily:
+    """The Hugging Face record of the registered family ``name``."""
     try:
-        dtype = jnp.dtype(dtype).name
-    except TypeError:
-        pass  # not a dtype at all; reported below like any other unsupported one
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    return dtype
+        return _FAMILY_HF[name]
+    except KeyError:
+        raise ValueError(f"model.family {name!r} is not one of {', '.join(_FAMILY_HF)}") from None
 
 
 def config_to_hf(cfg: ModelConfig, arch: str | None = None,
@@ -222,70 +101,14 @@ def config_to_hf(cfg: ModelConfig, arch: str | None = None,
     Returns:
       A dict for config.json (both the transformers >= 5 and the older RoPE keys).
     """
-    if cfg.family in _FAMILY_EXPORT:  # the families with a module of their own here
-        return _FAMILY_EXPORT[cfg.family](cfg, arch, max_position_embeddings)
-    if cfg.qk_norm and cfg.qkv_bias:
-        raise ValueError("no supported arch has both q/k RMSNorm and q/k/v biases (Qwen3's "
-                         "attention_bias also biases o_proj); qk_norm=True, qkv_bias=True")
-    if cfg.num_experts and (not cfg.qk_norm or cfg.moe_shared_ffn_dim):
-        raise ValueError(f"an MoE model exports as qwen3_moe, which has q/k RMSNorm and no "
-                         f"shared expert; qk_norm={cfg.qk_norm}, moe_shared_ffn_dim="
-                         f"{cfg.moe_shared_ffn_dim}")
-    fits = ("qwen3_moe" if cfg.num_experts else "qwen3" if cfg.qk_norm else
-            "qwen2" if cfg.qkv_bias else "llama")
-    if fits == "llama" and "L" in cfg.layer_kinds():
-        fits = "mistral"
-    arch = arch or fits
-    if cfg.rope("L") != cfg.rope("G") and "L" in cfg.layer_kinds():
-        raise ValueError(f"{arch} has one RoPE base and scaling for all layers, but local "
-                         f"layers have {cfg.rope('L')} and global ones {cfg.rope('G')}")
-    if arch not in ARCHS or arch in hf_variants.GEMMA_ARCHS:
-        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
-    if bool(cfg.num_experts) != (arch == "qwen3_moe"):
-        raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen3_moe' else 'has no'} experts "
-                         f"but the model has num_experts={cfg.num_experts}; use arch={fits!r}")
-    qk = arch in ("qwen3", "qwen3_moe")
-    if cfg.qk_norm != qk:
-        raise ValueError(f"arch {arch!r} {'has' if qk else 'has no'} q/k RMSNorm "
-                         f"but the model has qk_norm={cfg.qk_norm}; use arch={fits!r}")
-    if cfg.qkv_bias != (arch == "qwen2"):
-        raise ValueError(f"arch {arch!r} {'has' if arch == 'qwen2' else 'has no'} q/k/v biases "
-                         f"but the model has qkv_bias={cfg.qkv_bias}; use arch={fits!r}")
-    rope = hf_variants.rope_scaling_to_hf(cfg.rope_scaling, cfg.rope_theta)
-    hf = {"architectures": [ARCHS[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
-          "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
-          "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-          "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-          "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-          "rope_parameters": rope,
-          # transformers 5 reads a non-null rope_scaling first; older versions only it.
-          "rope_scaling": None if cfg.rope_scaling.type == "default" else dict(rope),
-          "max_position_embeddings": max(
-              max_position_embeddings or 4096,
-              hf_variants.min_max_position_embeddings(cfg.rope_scaling)),
-          "tie_word_embeddings": cfg.tie_embeddings,
-          "attention_dropout": 0.0, "torch_dtype": "float32", "dtype": "float32"}
-    if arch != "qwen2":  # Qwen2Config has no such key: its q/k/v biases are always there
-        hf["attention_bias"] = False
-    if arch == "llama":
-        hf["mlp_bias"] = False
-    else:
-        hf["sliding_window"] = None
-    if arch in ("qwen2", "qwen3"):
-        hf.update(use_sliding_window=False, layer_types=["full_attention"] * cfg.n_layers)
-    if arch == "qwen3_moe":
-        hf.update({key: getattr(cfg, ours) for ours, (key, _) in _MOE_KEYS.items()})
-        hf.update(use_sliding_window=False, num_experts=cfg.num_experts,
-                  mlp_only_layers=list(cfg.mlp_only_layers))
-    hf.update(hf_variants.window_to_hf(cfg, arch))
-    return hf
+    return _family_hf(cfg.family).config_to_hf(cfg, arch, max_position_embeddings)
 
 
 def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
     """HF shape of one (unstacked) parameter of ours: [out, in] for Linear weights."""
-    if n_in == _FLAT:
+    if n_in == FLAT:
         return (math.prod(shape),)
-    if n_in == _CONV:
+    if n_in == CONV:
         return (shape[-1], *shape[:-1])
     return shape if n_in == 0 else (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
 
@@ -294,18 +117,18 @@ def _from_hf(x: np.ndarray, shape: tuple[int, ...], n_in: int) -> np.ndarray:
     """One HF tensor in our layout ``shape``: [out, in] -> [in, out] -> head-split."""
     if n_in == 0:
         return x
-    if n_in == _CONV:
+    if n_in == CONV:
         return np.moveaxis(x, 0, -1)
-    return x.reshape(shape) if n_in == _FLAT else x.T.reshape(shape)
+    return x.reshape(shape) if n_in == FLAT else x.T.reshape(shape)
 
 
 def _to_hf(x: np.ndarray, n_in: int) -> np.ndarray:
     """One (unstacked) parameter of ours in HF layout; the inverse of ``_from_hf``."""
     if n_in == 0:
         return x
-    if n_in == _CONV:
+    if n_in == CONV:
         return np.moveaxis(x, -1, 0)
-    return x.reshape(-1) if n_in == _FLAT else x.reshape(math.prod(x.shape[:n_in]), -1).T
+    return x.reshape(-1) if n_in == FLAT else x.reshape(math.prod(x.shape[:n_in]), -1).T
 
 
 def stacked(keys: tuple) -> bool:
@@ -317,8 +140,9 @@ def stacked(keys: tuple) -> bool:
 def _hf_names(keys: tuple, cfg: ModelConfig) -> tuple[list, int]:
     """HF tensor names of our parameter path and their n_in: one name per stacked layer (in
     stack order), or for expert weights one list of E names per layer."""
-    if keys[0] == "visual":
-        return hf_qwen2_5_vl.vision_names(keys, cfg)
+    rec = _family_hf(cfg.family)
+    if keys[0] in rec.names:
+        return rec.names[keys[0]](keys, cfg)
     if keys[0] != "layers":
         name, n_in = _GLOBAL[keys]
         return [name], n_in
@@ -326,7 +150,7 @@ def _hf_names(keys: tuple, cfg: ModelConfig) -> tuple[list, int]:
     if inner in _EXPERTS:
         return [[f"model.layers.{i}.{_EXPERTS[inner].format(e=e)}"
                  for e in range(cfg.num_experts)] for i in layers], 1
-    name, n_in = _LAYER_TABLES.get(cfg.family, _LAYER)[inner]
+    name, n_in = rec.layer[inner]
     return [f"model.layers.{i}.{name}" for i in layers], n_in
 
 
@@ -379,7 +203,7 @@ def load_params(path: str, mesh: Mesh, param_sharding: str = "replicated", *,
     wanted = {n for keys in paths for n in _flat(_hf_names(keys, cfg)[0])}
     files = _tensor_index(path)
     # our name -> the name in the files (a family with several key layouts reads any)
-    canonical = _KEY_LAYOUTS.get(cfg.family, lambda name: name)
+    canonical = _family_hf(cfg.family).canonical_name or (lambda name: name)
     stored = {canonical(k): k for k in files}
     files = {canonical(k): f for k, f in files.items()}
     # Checked before reading anything: a tensor we would drop changes the model's function.

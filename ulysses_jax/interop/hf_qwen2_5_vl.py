@@ -23,11 +23,14 @@ activations other than SiLU and a vision width other than the text's are refused
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ..config import ModelConfig, VisionConfig
+from . import hf_llama
+from .hf_family import CONV, FLAT, HFFamily, dtype_name
 from .hf_variants import min_max_position_embeddings, rope_scaling_from_hf, rope_scaling_to_hf
 
 ARCH = "Qwen2_5_VLForConditionalGeneration"
-FLAT, CONV = -1, -2  # hf.py's n_in codes: a bias reshaped; a conv weight's out axis moved
 # Our path under visual (block paths stacked over the depth) -> (HF name under visual., n_in)
 _VISION = {
     ("patch_embed",): ("patch_embed.proj.weight", CONV),
@@ -93,12 +96,13 @@ def _rope(text: dict) -> tuple[dict, list]:
     return rope, section
 
 
-def config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
+def config_from_hf(hf: dict, *, dtype: Any, **overrides) -> ModelConfig:
     """A qwen2_5_vl config.json (flat or nested) as a ModelConfig (family qwen2_5_vl).
 
     Raises:
-      ValueError: what the model does not implement, or missing keys.
+      ValueError: a bad dtype, what the model does not implement, or missing keys.
     """
+    dtype = dtype_name(dtype)
     text = {**hf, **(hf.get("text_config") or {})}
     vision = {**_VISION_DEFAULTS, **{k: v for k, v in (hf.get("vision_config") or {}).items()
                                      if v is not None}}
@@ -193,3 +197,9 @@ def config_to_hf(cfg: ModelConfig, arch: str | None,
             "vision_config": vision, "tie_word_embeddings": cfg.tie_embeddings,
             **{k: getattr(cfg, k) for k in _TOKEN_IDS},
             "torch_dtype": "float32", "dtype": "float32"}
+
+
+# The text decoder's blocks are Qwen2's (hf_llama.LAYER); the tower is named by vision_names.
+HF = HFFamily(archs={"qwen2_5_vl": ARCH}, layer=hf_llama.LAYER, config_from_hf=config_from_hf,
+              config_to_hf=config_to_hf, canonical_name=canonical_name,
+              names={"visual": vision_names})

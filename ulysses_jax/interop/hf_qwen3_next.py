@@ -17,12 +17,15 @@ yarn). Other scalings, biases and activations are refused with a ValueError nami
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ..config import ModelConfig
+from .hf_family import HFFamily, dtype_name
 from .hf_variants import min_max_position_embeddings, rope_scaling_from_hf, rope_scaling_to_hf
 
 ARCH = "Qwen3NextForCausalLM"
 
-# Our parameter path inside one block -> (HF tensor name, n_in), as hf._LAYER.
+# Our parameter path inside one block -> (HF tensor name, n_in), as hf_llama.LAYER.
 LAYER = {
     ("attn_norm", "scale"): ("input_layernorm.weight", 0),
     ("mlp_norm", "scale"): ("post_attention_layernorm.weight", 0),
@@ -67,12 +70,13 @@ def _pattern(kinds: str) -> str:
     return next(kinds[:p] for p in range(1, n + 1) if (kinds[:p] * -(-n // p))[:n] == kinds)
 
 
-def config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
+def config_from_hf(hf: dict, *, dtype: Any, **overrides) -> ModelConfig:
     """A qwen3_next config.json as a ModelConfig (family qwen3_next).
 
     Raises:
-      ValueError: what the model does not implement, or missing keys.
+      ValueError: a bad dtype, what the model does not implement, or missing keys.
     """
+    dtype = dtype_name(dtype)
     hf = {**_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
     problems = []
     if hf["hidden_act"] != "silu":
@@ -127,8 +131,12 @@ def config_from_hf(hf: dict, *, dtype: str, **overrides) -> ModelConfig:
         **{**moe, **overrides})
 
 
-def config_to_hf(cfg: ModelConfig, max_position_embeddings: int | None) -> dict:
-    """The config.json of a family-qwen3_next Decoder."""
+def config_to_hf(cfg: ModelConfig, arch: str | None,
+                 max_position_embeddings: int | None) -> dict:
+    """The config.json of a family-qwen3_next Decoder (arch None or qwen3_next)."""
+    if arch not in (None, "qwen3_next"):
+        raise ValueError(f"arch {arch!r} does not fit a qwen3_next-family model; use "
+                         f"arch='qwen3_next'")
     if cfg.qkv_bias or not cfg.qk_norm:
         raise ValueError(f"Qwen3-Next attention has q/k norms and no biases; qk_norm="
                          f"{cfg.qk_norm}, qkv_bias={cfg.qkv_bias}")
@@ -165,3 +173,7 @@ def config_to_hf(cfg: ModelConfig, max_position_embeddings: int | None) -> dict:
           "router_aux_loss_coef": cfg.router_aux_loss_coef,
           "torch_dtype": "float32", "dtype": "float32"}
     return hf
+
+
+HF = HFFamily(archs={"qwen3_next": ARCH}, layer=LAYER, config_from_hf=config_from_hf,
+              config_to_hf=config_to_hf)

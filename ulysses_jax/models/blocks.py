@@ -1,21 +1,14 @@
-"""The family registry's model half: each family's decoder block class.
+"""Each family's decoder block class, as its record names it (``families.Family.block``).
 
-The traits of a family (what the config validates and the shared layers read) live below the
-config in ``ulysses_jax/families.py``; the block classes are model code and live here, beside
-the modules that define them. The decoder builds its layers from ``block_class``.
+The record lives below the config in ``ulysses_jax/families.py``; the block classes are model
+code and live in their modules beside this one (``llama.py``, ``gemma.py``,
+``qwen3_next.py``). The decoder builds its layers from ``block_class``.
 """
 from __future__ import annotations
 
-from .gemma import GemmaBlock
-from .llama import Block
-from .qwen3_next import Qwen3NextBlock
+from ..families import FAMILIES, load
 
-BLOCKS = {
-    "llama": Block,
-    "gemma": GemmaBlock,
-    "qwen3_next": Qwen3NextBlock,
-    "qwen2_5_vl": Block,  # the Qwen2 text block; the vision tower is the decoder's (vision.py)
-}
+BLOCKS = {name: load(f.block) for name, f in FAMILIES.items()}
 
 
 def block_class(name: str) -> type:
