@@ -16,7 +16,7 @@ finishes (a timeout keeps what ran); a failing section records its error and the
                    packed cuDNN layout), the chunked kernel with and without segment skipping,
                    cuDNN on the same length without documents (a bound), torch SDPA (causal,
                    no documents: torch has no packed path there); 8k and 32k, head dims 128, 64.
-  window_attention sliding window W=1024 (issue 15): cuDNN's window (plain; packed layout,
+  window_attention sliding window W=1024: cuDNN's window (plain; packed layout,
                    which decides cudnn.PACKED_WINDOW_CHECKED) and the chunked kernel, bf16,
                    against the fp32 reference with the window; forward+backward times at 8k
                    and 32k, 32 query / 8 kv heads of 128, cuDNN and chunked, with and
@@ -34,10 +34,10 @@ finishes (a timeout keeps what ran); a failing section records its error and the
                    parameters; the first step's losses are equal (B starts at 0).
   transformers     transformers' LlamaForCausalLM of the same shape (bf16, SDPA, gradient
                    checkpointing, forward+backward, no optimizer): tokens/s and peak memory.
-  generate         generation (issue 38): the same preset's model (random weights, bf16) and
+  generate         generation: the same preset's model (random weights, bf16) and
                    transformers' of its shape (bf16, SDPA): prefill tokens/s of one 32k-token
                    prompt and decode ms per token over 32 greedy tokens, ours and theirs.
-  grpo             GRPO (issue 40) end to end with train.py's loop: the 1B preset's model
+  grpo             GRPO end to end with train.py's loop: the 1B preset's model
                    (random weights, bf16, the byte tokenizer) on one GPU, 2 prompts of 8,192
                    tokens x 4 completions of up to 512, 3 steps (no warm-up): per step the
                    sampling seconds, the step's seconds, completion lengths (metrics.jsonl).
@@ -46,7 +46,7 @@ finishes (a timeout keeps what ran); a failing section records its error and the
   offload_8b       the one-GPU 8B preset (host offload of checkpoints and optimizer): the GPU
                    compiler's memory analysis at the preset's length against the CPU
                    planner's, and one executed step at 131,072 tokens (time, peak bytes).
-  qwen3_next       Gated DeltaNet (issue 21): the chunked delta rule with the convolution in
+  qwen3_next       Gated DeltaNet: the chunked delta rule with the convolution in
                    bf16 against the fp32 step-by-step recurrence (forward and gradients, packed
                    documents; max |err| / max |ref| <= 1e-2); forward+backward time of one
                    Qwen3-Next-80B-shaped DeltaNet core (32 value heads of 128) against cuDNN
@@ -57,7 +57,7 @@ finishes (a timeout keeps what ran); a failing section records its error and the
                    8 CPU devices as in CI), in a subprocess with --pytest-timeout; pass and
                    fail counts and the failures' names.
 ``--smoke`` shrinks every size so the script can be checked on a CPU (the GPU-only parts
-report themselves skipped). Targets (issue 11): at least 45,000 tokens/s at 8k and 28,000 at
+report themselves skipped). Targets: at least 45,000 tokens/s at 8k and 28,000 at
 32k, MFU at least 45% at 32k.
 """
 from __future__ import annotations
@@ -251,7 +251,7 @@ def _packed_attention(smoke: bool, repeats: int = 5) -> dict:
 
 
 def _window_attention(smoke: bool, repeats: int = 5) -> dict:
-    """Sliding window (issue 15): cuDNN's window (plain and packed layout) and the chunked
+    """Sliding window: cuDNN's window (plain and packed layout) and the chunked
     kernel, bf16, against the fp32 reference (forward and gradients); then times of one
     forward + backward with and without the window. What "auto" picks is recorded too."""
     import jax
@@ -538,7 +538,7 @@ def _transformers(smoke: bool, steps: int = 5) -> dict:
 
 
 def _generate(smoke: bool, new: int = 32) -> dict:
-    """Generation (issue 38) on one GPU: the 1B preset's model (random weights, bf16) and
+    """Generation on one GPU: the 1B preset's model (random weights, bf16) and
     transformers' LlamaForCausalLM of the same shape (bf16, SDPA): prefill tokens/s of one
     32k prompt, decode ms per token over ``new`` greedy tokens (no stop id)."""
     import jax
@@ -649,7 +649,7 @@ def _longest_8b(smoke: bool) -> dict:
 
 
 def _offload_8b(smoke: bool, seq_len: int | None) -> dict:
-    """Issue 13 on a GPU: (a) the GPU compiler's memory analysis of the one-GPU 8B preset
+    """The long-sequence presets on a GPU: (a) the GPU compiler's memory analysis of the one-GPU 8B preset
     (configs/llama3-8b-1gpu.yaml, at its seq_len or --offload-seq-len), next to the CPU
     planner's numbers recorded in the preset; (b) one executed 8B step at 131,072 tokens with
     the offload options on: time, peak device bytes in use, loss."""

@@ -15,7 +15,7 @@ buffers moved to the host column by the live-range model: training/dry_run.py). 
 compilers place buffers differently; the GPU column is the one a GPU would allocate.
 
 ``--validate`` compiles the 1B step for one H200 at 8k and 32k tokens as the H200 itself
-compiled it on 2026-11-30, and sets the deviceless temporaries beside that run's.
+compiled it (../shared/H200.md, jax 0.11.2), and sets the deviceless temporaries beside that run's.
 
 ``--generation`` adds the prefill of one 32,768-token prompt and one decode step after it
 (64 new tokens of cache room) for the 1B and Llama-3-8B models at P = 8, from shapes
@@ -55,7 +55,7 @@ GENERATION = {"llama-1b-32k": 32768, "llama3-8b-128k": 32768}
 
 
 # The deviceless compile against a real one: the 1B step on one H200 as the GPU itself
-# compiled it on 2026-11-30 (jax 0.11.2; XLA's temporaries, GiB; ../shared/H200.md, "CPU-compiled
+# compiled it (jax 0.11.2; XLA's temporaries, GiB; ../shared/H200.md, "CPU-compiled
 # memory against the GPU": chunked kernel, save_dots, replicated parameters, batch 1).
 VALIDATION_PRESET, VALIDATION_TARGET = "llama-1b-32k", "h200"
 VALIDATION = {8192: 11.2, 32768: 30.6}
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                     help="also the 1B and 8B prefill (32k prompt) and decode programs, P = 8")
     ap.add_argument("--validate", action="store_true",
                     help="also the 1B step for one H200 at 8k and 32k, against the temporaries "
-                         "the real H200 compiled on 2026-11-30")
+                         "the real H200 compiled")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per compile")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--markdown", action="store_true",

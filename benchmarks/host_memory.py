@@ -11,7 +11,7 @@ samples it every 2 ms for the peaks) and reported above its value before the sta
 against what the estimate holds live by the end of each phase. The estimate is meant to be a
 lower bound: each phase's peak should be at least its estimate.
 
-Seen on 2026-12-02 (the 2-core, 24 GB CPU machine; jax 0.10.2, orbax-checkpoint 0.12.8),
+Seen on the 2-core, 24 GB CPU machine (jax 0.10.2, orbax-checkpoint 0.12.8),
 each phase's peak RSS above the start in GiB, the estimate in brackets:
 
     phase                               replicated       zero3

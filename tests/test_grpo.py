@@ -1,4 +1,4 @@
-"""GRPO's loss, token weights and rewards (issue 40), against TRL's GRPOTrainer formulas
+"""GRPO's loss, token weights and rewards, against TRL's GRPOTrainer formulas
 (the runs: test_grpo_train.py; the real checkpoint: test_real_grpo.py):
 
 - the policy loss (training/objectives/grpo.py) on given completions, computed with

@@ -111,7 +111,7 @@ def _whole_replicas_on_cpu() -> None:
     per replica so that the replicas copy to the host in parallel. CPU devices share the
     host's memory, so the slices buy nothing there, and each is an eager slice that XLA
     compiles for its shape: a tiny run's two saves took 0.7 to 1.0 s longer with them and a
-    135M model's final save about 6 s (2026-12-04, 8 fake CPU devices). Where the first
+    135M model's final save about 6 s (8 fake CPU devices). Where the first
     device is not a CPU (GPUs), Orbax's choice stands.
     """
     if jax.devices()[0].platform != "cpu" or getattr(_whole_replicas_on_cpu, "done", False):

@@ -2,8 +2,8 @@
 anything is allocated.
 
 On CPU devices every device's arrays live in the same RAM, so a replicated parameter costs
-one copy per device there: issue 29 saw a few-hundred-million-parameter checkpoint replicated
-on 4 fake devices killed by the OS (exit -9, nothing printed) where ``param_sharding=zero3``
+one copy per device there: a few-hundred-million-parameter checkpoint replicated on 4 fake
+devices is killed by the OS (exit -9, nothing printed) where ``param_sharding=zero3``
 trained. The trainer calls ``check`` before it builds the train state; a run that cannot fit
 raises ``ConfigError`` naming the numbers and the settings that help.
 

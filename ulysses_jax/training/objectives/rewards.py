@@ -1,4 +1,4 @@
-"""GRPO's rewards and advantages (issue 40, first part): reward functions called as TRL's
+"""GRPO's rewards and advantages: reward functions called as TRL's
 GRPOTrainer calls them, their built-ins, and TRL's group-relative advantages.
 
 A reward function is called ``f(prompts=..., completions=..., completion_ids=..., **columns)``
