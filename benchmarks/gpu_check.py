@@ -649,7 +649,7 @@ def _longest_8b(smoke: bool) -> dict:
 
 
 def _offload_8b(smoke: bool, seq_len: int | None) -> dict:
-    """The long-sequence presets on a GPU: (a) the GPU compiler's memory analysis of the one-GPU 8B preset
+    """The one-GPU 8B preset on a GPU: (a) the GPU compiler's memory analysis of it
     (configs/llama3-8b-1gpu.yaml, at its seq_len or --offload-seq-len), next to the CPU
     planner's numbers recorded in the preset; (b) one executed 8B step at 131,072 tokens with
     the offload options on: time, peak device bytes in use, loss."""
