@@ -11,10 +11,12 @@ rendezvous key at once: "Check failed: id < num_threads", heap corruption). Comp
 runs. ``hlo.unordered_loop_collectives`` finds the pairs that lose their order;
 ``benchmarks/cache_collective_repro.py`` shows the crash.
 
-``fence()`` keeps those programs out of the cache on the CPU backend: they are not written, and
-an entry read back is dropped and compiled again. Other programs, and every program on other
-backends, use the cache as before. train.py, the evaluate and generate CLIs and the test suite
-install it. At exit, a process that kept programs out names them in one line on stderr
+The programs are built as the math reads, with no data edges added for this: on CPU devices
+the train step of every configuration ``tests/test_cacheable.py`` compiles has such pairs.
+``fence()`` keeps those programs out of the cache on the CPU backend: they are not written,
+and an entry read back is dropped and compiled again. Other programs, and every program on
+other backends, use the cache as before. train.py, the evaluate and generate CLIs and the test
+suite install it. At exit, a process that kept programs out names them in one line on stderr
 (``summary``). It acts only where a persistent cache directory is set
 (``jax_compilation_cache_dir``): JAX calls its cache hooks whenever the cache is enabled, with
 or without a directory, and a run without one has nothing to read back, so it is neither
