@@ -1,33 +1,34 @@
-"""Issue 29's crash outside the suite: the held-out loss-by-position program
-(training/position_loss.token_losses) of a tiny decoder on a 2-device CPU mesh, as it was
-before issue 37 (``--unordered``: traced without ``ulysses_jax.ordering``'s data paths), read
-back from JAX's persistent compilation cache, deadlocks in its collectives or dies while its
-results are read; compiled fresh it runs. Today's program (no ``--unordered``) has a data path
-to every collective and reads back safely.
+"""The crash the compilation-cache fence prevents, outside the suite: the held-out
+loss-by-position program (training/position_loss.token_losses) of a tiny decoder on a 2-device
+CPU mesh, read back from JAX's persistent compilation cache, deadlocks in its collectives or
+dies while its results are read; compiled fresh it runs.
 
-    python benchmarks/cache_collective_repro.py --unordered --cache DIR --runs 1   # writes DIR
-    python benchmarks/cache_collective_repro.py --unordered --cache DIR --runs 50  # reads back
-    python benchmarks/cache_collective_repro.py --unordered --runs 50              # no cache
-    python benchmarks/cache_collective_repro.py --unordered --cache DIR --runs 50 --fence
-    python benchmarks/cache_collective_repro.py --cache DIR2 --runs 1; ... --cache DIR2 --runs 50
+    python benchmarks/cache_collective_repro.py --cache DIR --runs 1           # writes DIR
+    python benchmarks/cache_collective_repro.py --cache DIR --runs 50          # reads back
+    python benchmarks/cache_collective_repro.py --runs 50                      # no cache
+    python benchmarks/cache_collective_repro.py --cache DIR --runs 50 --fence
+    python benchmarks/cache_collective_repro.py --ordered --cache DIR2 --runs 1; ... --runs 50
 
 Each run executes the program ``--runs`` times on one batch and checks that every result
-equals the first; "ok" and the mean loss at the end. XLA_FLAGS are the suite's CPU flags
-(tests/conftest.py: LLVM optimisations off, the older loop emitters), with 2 devices.
+equals the first; "ok" and the mean loss at the end, and the programs the fence kept out.
+XLA_FLAGS are the suite's CPU flags (tests/conftest.py: LLVM optimisations off, the older loop
+emitters), with 2 devices.
 
-Seen on 2026-12-02 (jax/jaxlib 0.10.2, the 2-core CPU machine): the writing run "ok"; every
-reading run died (4 of 4 in one session, 3 of 3 in the next): aborts ("Termination timeout for
-`all gather RendezvousKey{... op_id=1}`" on one device thread while the other waits in `reduce
-scatter ... op_id=1` of the same run id) and deaths without a message (exit 139, SIGSEGV);
-runs without the cache "ok".
+The cause: the read-back executable no longer orders the program's embedding loop (the
+vocabulary-split lookup: an all-gather and a reduce-scatter per chunk) against the all-gather
+of the segment ids beside it (attention's, hoisted out of the layer loop by XLA)
+(``hlo.unordered_loop_collectives``; docs/TRAINING.md, "Compilation cache"). Seen with
+jax/jaxlib 0.10.2 on the 2-core CPU machine: the writing run "ok"; every reading run died
+(9 of 9: aborts, "Termination timeout for `all gather RendezvousKey{... op_id=1}`" on one
+device thread while the other waits in `reduce scatter ... op_id=1`, or "corrupted
+double-linked list", and exits 139, SIGSEGV); runs without the cache "ok". With ``--fence`` (``ulysses_jax.compile_cache.fence()``) the
+program is kept out of the cache: written with the fence, read back with it, or written
+without it and read back with it, every run was "ok".
 
-The cause: the read-back executable no longer orders the program's embedding loop (an
-all-gather and a reduce-scatter per chunk) against the all-gather of the segment ids beside it
-(attention's, hoisted out of the layer loop by XLA)
-(``hlo.unordered_loop_collectives``; docs/TRAINING.md, "Compilation cache"). With ``--fence``
-(``ulysses_jax.compile_cache.fence()``) the program is kept out of the cache: written with the
-fence, read back with it, or written without it and read back with it, every run was "ok"
-(2026-12-02, 3 + 2 runs); the last line names the programs kept out.
+``--ordered``: the same decoder with two layers and the embedding a lookup of replicated rows
+(``model.vocab_parallel=false``): every collective beside the layer loop (a loop of
+all-to-alls) feeds it or reads its result, so the analysis finds no pair, and the program
+written to and read back from the cache runs.
 """
 from __future__ import annotations
 
@@ -43,16 +44,8 @@ from ulysses_jax.mesh import request_cpu_devices  # noqa: E402
 SMALL = ["seq_len=128", "batch_size=2", "model.d_model=32", "model.n_layers=1",
          "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=8", "model.ffn_dim=64",
          "model.loss_chunk=16", "model.vocab_size=384", "mesh.seq=2", "mesh.data=1"]
-
-
-def _traced_unordered(fn):
-    """``fn`` (jitted) traced without ordering's data paths on its first call."""
-    from ulysses_jax import ordering
-
-    def call(*args):
-        with ordering.disabled():
-            return fn(*args)
-    return call
+# --ordered: no loop of collectives beside a collective that data leaves unordered
+ORDERED = ["model.vocab_parallel=false", "model.n_layers=2"]
 
 
 def main(argv=None) -> int:
@@ -61,9 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=50, help="executions of the program")
     ap.add_argument("--fence", action="store_true",
                     help="install ulysses_jax.compile_cache.fence() first (the guard)")
-    ap.add_argument("--unordered", action="store_true",
-                    help="the program as it was before issue 37: traced without "
-                         "ulysses_jax.ordering's data paths")
+    ap.add_argument("--ordered", action="store_true",
+                    help="the decoder whose collectives data dependencies order "
+                         "(model.vocab_parallel=false, 2 layers): safe to read back")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs must be at least 1, got {args.runs}")
@@ -85,12 +78,11 @@ def main(argv=None) -> int:
     from ulysses_jax.training.position_loss import token_losses
     from ulysses_jax.training.train_step import init_state
 
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL)
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                      SMALL + (ORDERED if args.ordered else []))
     mesh = make_mesh(seq=2, data=1, devices=jax.devices()[:2])
     graphdef, state, _, _ = init_state(cfg, mesh)
     fn = token_losses(mesh, graphdef, cfg.model.loss_chunk)
-    if args.unordered:
-        fn = _traced_unordered(fn)
     b, s = cfg.batch_size, cfg.seq_len
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (b, s + 1), np.int32)
     batch = shard_batch({"tokens": tokens[:, :-1], "targets": tokens[:, 1:],

@@ -84,7 +84,8 @@ if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", "0") not in ("", "0"):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # Programs whose loop collectives a read-back executable would not order (deadlocks and
-    # crashes, ulysses_jax/compile_cache.py) are compiled fresh in every test instead.
+    # crashes, ulysses_jax/compile_cache.py; every train step) are compiled fresh instead,
+    # once per worker (the fence keeps each in memory), and not named at exit.
     from ulysses_jax.compile_cache import fence
     fence(warn=False)
 

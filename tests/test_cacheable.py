@@ -1,35 +1,38 @@
-"""Every program train.py and the evaluate CLI compile on CPU devices can be read back from
-JAX's persistent compilation cache (issue 37): no collective step that only a shared
-communicator orders against a loop of collectives (``hlo.unordered_loop_collectives``), on
-every mesh kind and family, with LoRA, accumulation and the memory options.
+"""What the compilation-cache fence does with every program train.py and the evaluate CLI
+compile on CPU devices: on every mesh kind and family, with LoRA, accumulation and the memory
+options, a program is written to JAX's persistent compilation cache exactly when
+``hlo.unordered_loop_collectives`` finds no collective step that only a shared communicator
+orders against a loop of collectives, the others are kept out, and the one line the fence
+prints names exactly those (``compile_cache.summary``). ``test_compile_cache.py`` shows that
+such pairs are what a read-back executable runs out of order.
 
 The programs: the train step, the trainer's held-out loss (``make_eval_step``) and the
 loss-by-position program of the evaluate CLI and the trainer (``position_loss.token_losses``);
 export compiles none. Shapes are small but keep every loop a loop: 32 tokens per device and
 loss chunks of 16 (a loop of one trip is unrolled by XLA, and its collectives with it).
-``test_compile_cache.py`` shows that these pairs are what a read-back executable runs out of
-order, and that the same programs traced without ``ulysses_jax.ordering`` have them.
-
-A layer stack that runs once (the tiny Qwen3-Next preset's attention layer after its three
-DeltaNet layers) is a loop XLA removes; under ZeRO-3 its weights' gathers would then run
-beside the loops before and after it (42 pairs at 2 data x 2 seq before the edges,
-2026-12-04). ``test_edges_of_stacks_that_run_once_change_no_number`` shows the edges that
-order them (``param_layout.layer_after``, ``ordering.saved_after_cotangent``) leave the
-numbers as they were.
+The models add no data edges to order their collectives, so every case's train step has pairs
+(attention's gather of the segment ids beside the embedding's loop, a parameter gradient's
+reduction beside a backward loop, ...); the programs recorded as safe in ``CASES`` are those
+whose collectives data orders.
 """
-import contextlib
 import os
+import re
+import subprocess
+import sys
+from collections import OrderedDict
 
+import jax
 import pytest
 
-from conftest import need_devices
+from conftest import DEVICES, cli_env, need_devices
+from ulysses_jax import compile_cache
 from ulysses_jax.config import load_config
 from ulysses_jax.hlo import unordered_loop_collectives
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["seq_len=256", "batch_size=4", "model.loss_chunk=16"]
 
-# name -> (preset, overrides, also the evaluation programs)
+# name -> (preset, overrides, also the evaluation programs[, the programs safe to cache])
 CASES = {
     "tiny": ("tiny", [], True),                                   # the main command's preset
     "hybrid": ("tiny", ["mesh.seq=4", "mesh.ring=2"], True),
@@ -38,8 +41,11 @@ CASES = {
                                     "model.layer_pattern=LG", "model.remat=full",
                                     "model.offload_checkpoints=true", "model.mlp_chunk=8"],
                            False),
+    # the embedding a lookup of replicated rows (no loop): the evaluation programs' gathers
+    # feed the layer loop or read its result
     "offload_no_vocab_split": ("tiny", ["optimizer.offload=true",
-                                        "model.vocab_parallel=false"], True),
+                                        "model.vocab_parallel=false"], True,
+                               {"eval step", "token losses"}),
     # ZeRO-3, tied and untied heads: the tied head's gradient moves from the loss's
     # vocabulary split to the embedding's split before the layers' backward loop
     "zero3": ("tiny", ["param_sharding=zero3", "mesh.data=2", "mesh.seq=4"], True),
@@ -90,51 +96,86 @@ def _programs(cfg, with_eval: bool):
     return out
 
 
+@pytest.fixture
+def fenced_cache(tmp_path, monkeypatch):
+    """A persistent cache in ``tmp_path`` for this test's compiles, every program cached that
+    the fence lets in, and the fence's records fresh (restored after)."""
+    from jax._src import compilation_cache
+    if DEVICES[0].platform != "cpu":
+        pytest.skip("the CPU runtime's cache")
+    compile_cache.fence(warn=False)
+    monkeypatch.setattr(compile_cache, "_kept_out", {})
+    monkeypatch.setattr(compile_cache, "_live", OrderedDict())
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = [getattr(jax.config, n) for n in names]
+    for n, v in zip(names, (str(tmp_path), 0.0, 0)):
+        jax.config.update(n, v)
+    compilation_cache.reset_cache()
+    try:
+        yield tmp_path
+    finally:
+        for n, v in zip(names, before):
+            jax.config.update(n, v)
+        compilation_cache.reset_cache()
+
+
+def _module(text: str) -> str:
+    """The program's module name, which names its cache entry and the fence's record."""
+    return re.match(r"HloModule ([\w.\-]+)", text).group(1)
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_programs_have_no_unordered_loop_collectives(name):
+def test_the_fence_keeps_out_exactly_the_programs_with_unordered_pairs(name, fenced_cache):
     need_devices(8)
-    preset, over, with_eval = CASES[name]
+    preset, over, with_eval, *safe = CASES[name]
+    safe = safe[0] if safe else set()
     cfg = load_config(os.path.join(ROOT, "configs", f"{preset}.yaml"), SMALL + over)
     programs = _programs(cfg, with_eval)
     assert "while" in programs["train step"]  # loops are there to be ordered
-    for program, text in programs.items():
-        assert unordered_loop_collectives(text) == [], (name, program)
+    modules = {program: _module(text) for program, text in programs.items()}
+    assert len(set(modules.values())) == len(modules), modules
+    unsafe = {program for program, text in programs.items() if unordered_loop_collectives(text)}
+    assert unsafe == set(programs) - safe, (name, unsafe)
+    entries = os.listdir(fenced_cache)
+    written = {program for program, module in modules.items()
+               if any(e.startswith(module + "-") for e in entries)}
+    assert written == set(programs) - unsafe, (name, written, entries)
+    assert set(compile_cache.kept_out()) == {modules[p] for p in unsafe}
+    line = compile_cache.summary()
+    assert line is not None and "\n" not in line
+    listed = set(re.search(r": ([\w.\-]+(?:, [\w.\-]+)*) \(docs/", line).group(1).split(", "))
+    assert listed == {modules[p] for p in unsafe}, line
 
 
-def test_edges_of_stacks_that_run_once_change_no_number():
-    """Qwen3-Next under ZeRO-3 with a DeltaNet layer then an attention layer: two stacks
-    that run once, whose weights take edges from the layer's input and, in the backward
-    pass, from its cotangent. One train step with the edges and one traced without any
-    (``ordering.disabled``), from the same state and batch: the same loss, gradient norm and
-    parameters (1e-6); the program without them is the one with unordered pairs."""
-    import jax
-    import numpy as np
-
-    from ulysses_jax import ordering
-    from ulysses_jax.data import run_data, text as data_lib
-    from ulysses_jax.training.train_step import init_state, make_train_step
-    from ulysses_jax.training.trainer import build_mesh, token_order
-    need_devices(4)
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny-qwen3-next.yaml"), [
-        "seq_len=64", "batch_size=4", "model.n_layers=2", "model.mixer_pattern=DA",
-        "model.d_model=32", "model.moe_ffn_dim=16", "model.moe_shared_ffn_dim=16",
-        "model.loss_chunk=8", "param_sharding=zero3", "mesh.data=2", "mesh.seq=2"])
-    mesh = build_mesh(cfg)
-    rows, _ = run_data.load_data(cfg)
-    batch = data_lib.BatchIterator(rows, cfg.batch_size, cfg.seed).next_global(
-        mesh, token_order(cfg))
-    graphdef, state, shardings, tx = init_state(cfg, mesh)
-    again = jax.tree.map(lambda a: a.copy(), state)  # the step donates its state
-    results = []
-    for edges, start in ((True, state), (False, again)):
-        with contextlib.nullcontext() if edges else ordering.disabled():
-            step = make_train_step(cfg, mesh, graphdef, tx, shardings).lower(
-                start, batch).compile()
-        assert bool(unordered_loop_collectives(step.as_text())) != edges, edges
-        new, metrics = step(start, batch)
-        results.append((jax.device_get(new["params"]), jax.device_get(metrics)))
-    (params, metrics), (plain_params, plain_metrics) = results
-    for key in ("loss", "grad_norm"):
-        assert abs(metrics[key] - plain_metrics[key]) <= 1e-6 * abs(plain_metrics[key]), key
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(plain_params), strict=True):
-        assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
+@pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="the CPU runtime's cache")
+def test_a_run_with_a_cache_names_what_it_kept_out_in_one_line(tmp_path):
+    """The README's main command (the tiny preset, here 2 short steps and an evaluation) with
+    a persistent cache on CPU devices, twice: each run prints one line about the cache, at
+    exit, naming the train step and the held-out loss (their pairs: attention's gather of
+    the segment ids beside the embedding's loop); none of the named programs is in the
+    cache, the others are, and the second run reads those back and ends with the same
+    losses."""
+    cache = tmp_path / "cache"
+    runs = []
+    for i in range(2):
+        out = subprocess.run(
+            [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--workdir",
+             str(tmp_path / f"run{i}"), "--no-progress", "steps=2", "seq_len=128",
+             "eval_every=2", "eval_batches=1", "checkpoint_every=2"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+            env=cli_env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
+                        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"))
+        assert out.returncode == 0, out.stderr[-2000:]
+        said = [line for line in out.stderr.splitlines() if "cache" in line]
+        assert len(said) == 1 and said[0].startswith("compilation cache: "), said
+        assert out.stderr.rstrip().endswith(said[0])  # at exit
+        runs.append((said[0], [line for line in out.stdout.splitlines()
+                               if line.startswith("done:")]))
+        listed = re.search(r": ([\w.\-]+(?:, [\w.\-]+)*) \(docs/", said[0]).group(1)
+        listed = listed.split(", ")
+        assert {"jit_step", "jit_evaluate"} <= set(listed), said
+        entries = os.listdir(cache)
+        assert not any(e.startswith(name + "-") for name in listed for e in entries), entries
+        assert any(e.startswith("jit_init") for e in entries), entries  # the others are in
+    assert runs[0] == runs[1] and runs[0][1], runs

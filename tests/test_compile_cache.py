@@ -1,10 +1,11 @@
-"""The persistent-cache fence (ulysses_jax/compile_cache.py, issue 29): which compiled programs
-lose the order of their collectives when read back from JAX's persistent compilation cache
+"""The persistent-cache fence (ulysses_jax/compile_cache.py): which compiled programs lose the
+order of their collectives when read back from JAX's persistent compilation cache
 (hlo.unordered_loop_collectives), and that the fenced cache neither writes nor runs them.
 
 The crash itself: ``benchmarks/cache_collective_repro.py --cache DIR`` (a 2-device CPU
 program, the held-out loss-by-position program of a tiny decoder) aborts or segfaults on every
-run that reads DIR back without the fence; the subprocess tests below run it with the fence.
+run that reads DIR back without the fence; the subprocess tests below run it with the fence,
+and read back without it only the program whose collectives data orders (``--ordered``).
 """
 import os
 import subprocess
@@ -17,7 +18,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import DEVICES, cli_env, need_devices
-from ulysses_jax import ordering
 from ulysses_jax.compile_cache import unsafe_pairs
 from ulysses_jax.hlo import unordered_loop_collectives
 
@@ -67,10 +67,8 @@ def test_collectives_ordered_by_data_are_safe():
     assert unordered_loop_collectives(plain.as_text()) == []
 
 
-def test_the_loss_by_position_program_is_found_and_now_ordered():
-    """The program of the crash (issue 29), traced as it was (without ordering's data paths):
-    its embedding loop (all-gather, reduce-scatter per chunk) and the all-gather of the
-    segment ids beside it. Traced as today, no pair is left (issue 37)."""
+def _repro_program(extra=()):
+    """The compiled loss-by-position program of ``cache_collective_repro.py``."""
     need_devices(2)
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from cache_collective_repro import SMALL
@@ -78,19 +76,31 @@ def test_the_loss_by_position_program_is_found_and_now_ordered():
     from ulysses_jax.config import load_config
     from ulysses_jax.training.position_loss import token_losses
     from ulysses_jax.training.train_step import init_state
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL)
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL + list(extra))
     mesh = make_mesh(seq=2, data=1, devices=DEVICES[:2])
     graphdef, state, _, _ = init_state(cfg, mesh)
     b, s = cfg.batch_size, cfg.seq_len
     batch = {k: jax.ShapeDtypeStruct((b, s), np.float32 if k == "loss_mask" else np.int32,
                                      sharding=NamedSharding(mesh, P("data", "seq")))
              for k in ("tokens", "targets", "positions", "segment_ids", "loss_mask")}
-    with ordering.disabled():
-        fn = token_losses(mesh, graphdef, cfg.model.loss_chunk)
-        pairs = unordered_loop_collectives(fn.lower(state["params"], batch).compile().as_text())
-    assert any("while" in a or "while" in b for _, a, b in pairs), pairs
     fn = token_losses(mesh, graphdef, cfg.model.loss_chunk)
-    assert unordered_loop_collectives(fn.lower(state["params"], batch).compile().as_text()) == []
+    return fn.lower(state["params"], batch).compile()
+
+
+def test_the_loss_by_position_program_is_found_and_the_ordered_one_is_not():
+    """The program of the crash: its embedding loop (all-gather, reduce-scatter per chunk)
+    and the all-gather of the segment ids beside it, found in the HLO text and in the
+    executable the fence reads. The ``--ordered`` program (the embedding a lookup, two
+    layers) has a loop of all-to-alls and no pair."""
+    compiled = _repro_program()
+    pairs = unordered_loop_collectives(compiled.as_text())
+    assert any("while" in a or "while" in b for _, a, b in pairs), pairs
+    assert any(x.startswith("all") and "gather" in x for _, a, b in pairs for x in (a, b)), pairs
+    assert unsafe_pairs(compiled.runtime_executable()) == pairs
+    from cache_collective_repro import ORDERED
+    ordered = _repro_program(ORDERED).as_text()
+    assert ordered.count(" while(") >= 2 and "all-to-all" in ordered  # the layer loop's
+    assert unordered_loop_collectives(ordered) == []
 
 
 def _repro(cache, *extra):
@@ -104,34 +114,36 @@ def test_fenced_cache_keeps_the_program_out_and_reads_back_without_crashing(tmp_
     """A fenced process does not write the loss-by-position program; an unfenced one does; a
     fenced process reading that cache drops it, compiles it fresh and runs it 30 times with
     equal results (an unfenced reading process aborts or segfaults there)."""
-    fenced_write = _repro(tmp_path, "--unordered", "--fence", "--runs", "1")
+    fenced_write = _repro(tmp_path, "--fence", "--runs", "1")
     assert fenced_write.returncode == 0, fenced_write.stderr[-2000:]
     assert "kept out of the cache: ['jit_run']" in fenced_write.stdout
     cached = os.listdir(tmp_path)
     assert any(f.startswith("jit_init") for f in cached), cached  # the cache is in use
     assert not any(f.startswith("jit_run") for f in cached), cached
-    unfenced_write = _repro(tmp_path, "--unordered", "--runs", "1")
+    unfenced_write = _repro(tmp_path, "--runs", "1")
     assert unfenced_write.returncode == 0, unfenced_write.stderr[-2000:]
     assert any(f.startswith("jit_run") for f in os.listdir(tmp_path))
-    fenced_read = _repro(tmp_path, "--unordered", "--fence", "--runs", "30")
+    fenced_read = _repro(tmp_path, "--fence", "--runs", "30")
     assert fenced_read.returncode == 0, fenced_read.stderr[-2000:]
     assert "kept out of the cache: ['jit_run']" in fenced_read.stdout
     assert fenced_read.stdout.split()[:2] == fenced_write.stdout.split()[:2]  # "ok", the loss
 
 
 @pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="the CPU runtime's cache")
-def test_todays_program_reads_back_from_the_cache_and_runs(tmp_path):
-    """The same program as traced today (ordering's data paths, issue 37): written to the cache
-    without the fence, then read back without it and run 30 times with equal results and the
-    loss of a fresh compile (the unordered one aborts or segfaults there)."""
-    write = _repro(tmp_path, "--runs", "1")
+def test_a_program_without_pairs_reads_back_from_the_cache_and_runs(tmp_path):
+    """The ``--ordered`` program (no pair: a loop of collectives that data orders against
+    the collectives beside it): written to the cache without the fence, then read back
+    without it and run 30 times with equal results and the loss of a fresh compile (the
+    program with a pair aborts or segfaults there)."""
+    write = _repro(tmp_path, "--ordered", "--runs", "1")
     assert write.returncode == 0, write.stderr[-2000:]
     assert any(f.startswith("jit_run") for f in os.listdir(tmp_path))
-    read = _repro(tmp_path, "--runs", "30")
+    read = _repro(tmp_path, "--ordered", "--runs", "30")
     assert read.returncode == 0, read.stderr[-2000:]
     assert read.stdout.split()[:2] == write.stdout.split()[:2]  # "ok", the same loss
-    fresh = subprocess.run([sys.executable, REPRO, "--runs", "1"], capture_output=True,
-                           text=True, timeout=300, env=cli_env(JAX_PLATFORMS="cpu"))
+    fresh = subprocess.run([sys.executable, REPRO, "--ordered", "--runs", "1"],
+                           capture_output=True, text=True, timeout=300,
+                           env=cli_env(JAX_PLATFORMS="cpu"))
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert fresh.stdout.split()[:2] == read.stdout.split()[:2]
 
@@ -147,7 +159,7 @@ def test_fence_without_a_cache_directory_neither_analyses_nor_warns():
     """JAX calls its cache hooks with or without a cache directory; without one the fence
     passes them through: the unordered program is not analysed (nothing kept out) and
     nothing is said about a cache nobody asked for."""
-    out = subprocess.run([sys.executable, REPRO, "--unordered", "--fence", "--runs", "1"],
+    out = subprocess.run([sys.executable, REPRO, "--fence", "--runs", "1"],
                          capture_output=True, text=True, timeout=300, env=_env_without_cache())
     assert out.returncode == 0, out.stderr[-2000:]
     assert "kept out of the cache: []" in out.stdout, out.stdout

@@ -11,12 +11,16 @@ rendezvous key at once: "Check failed: id < num_threads", heap corruption). Comp
 runs. ``hlo.unordered_loop_collectives`` finds the pairs that lose their order;
 ``benchmarks/cache_collective_repro.py`` shows the crash.
 
-``fence()`` keeps those programs out of the cache on the CPU backend: they are not written, and
-an entry read back is dropped and compiled again. Other programs, and every program on other
-backends, use the cache as before. train.py, the evaluate CLI and the test suite install it.
-It acts only where a persistent cache directory is set (``jax_compilation_cache_dir``): JAX
-calls its cache hooks whenever the cache is enabled, with or without a directory, and a run
-without one has nothing to read back, so it is neither analysed nor warned about.
+The programs are built as the math reads, with no data edges added for this: on CPU devices
+the train step of every configuration ``tests/test_cacheable.py`` compiles has such pairs.
+``fence()`` keeps those programs out of the cache on the CPU backend: they are not written,
+and an entry read back is dropped and compiled again. Other programs, and every program on
+other backends, use the cache as before. train.py, the evaluate and generate CLIs and the test
+suite install it. At exit, a process that kept programs out names them in one line on stderr
+(``summary``). It acts only where a persistent cache directory is set
+(``jax_compilation_cache_dir``): JAX calls its cache hooks whenever the cache is enabled, with
+or without a directory, and a run without one has nothing to read back, so it is neither
+analysed nor reported.
 
 A program kept out is compiled once per process, not once per use: the executable compiled
 in this process (never serialized, so its collectives keep their order) is kept in memory
@@ -26,7 +30,9 @@ in-memory cache does for one jitted function. Tests that build the same train st
 """
 from __future__ import annotations
 
+import atexit
 import inspect
+import sys
 import threading
 import warnings
 from collections import OrderedDict
@@ -35,10 +41,11 @@ from .hlo import unordered_loop_collectives
 
 _lock = threading.Lock()
 _installed = False
-_kept_out: dict[str, list] = {}     # program name -> its unordered pairs
+_kept_out: dict[str, list] = {}     # program name -> its unordered pairs, first kept out first
 _live: OrderedDict = OrderedDict()  # cache key -> (executable compiled here, compile time)
 _LIVE_MAX = 256                     # executables kept in memory, the least recently used go
 _warn = True
+_reporting = False                  # the exit report is registered
 
 
 class CacheFenceWarning(UserWarning):
@@ -58,24 +65,39 @@ def kept_out() -> dict[str, list]:
         return dict(_kept_out)
 
 
+def summary() -> str | None:
+    """One line naming the programs this process kept out of the cache, or None for none."""
+    with _lock:
+        names = list(_kept_out)
+    if not names:
+        return None
+    return (f"compilation cache: {len(names)} CPU program(s) compiled fresh in each run, not "
+            f"cached (read back, their loop collectives would lose their order): "
+            f"{', '.join(names)} (docs/TRAINING.md, 'Compilation cache')")
+
+
+def _report() -> None:
+    line = summary()
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
 def _keep_out(name: str, pairs: list, key: str | None = None, live=None) -> None:
     """Records a program kept out; ``live``: (executable compiled in this process, its compile
-    time), kept in memory under the cache ``key``."""
+    time), kept in memory under the cache ``key``. The first one registers the exit report
+    (unless the fence was installed with ``warn=False``)."""
+    global _reporting
     with _lock:
-        first = name not in _kept_out
         _kept_out[name] = pairs
         if key is not None and live is not None:
             _live[key] = live
             _live.move_to_end(key)
             while len(_live) > _LIVE_MAX:
                 _live.popitem(last=False)
-    if first and _warn:
-        comp, a, b = pairs[0]
-        warnings.warn(
-            f"{name} is compiled fresh, not taken from the persistent compilation cache: on CPU "
-            f"devices an executable read back from it loses the order of collectives that "
-            f"run in loops ({a} and {b} in {comp}, {len(pairs)} pair(s)), which deadlocks or "
-            f"crashes (docs/TRAINING.md, 'Compilation cache')", CacheFenceWarning, stacklevel=2)
+        register = _warn and not _reporting
+        _reporting = _reporting or register
+    if register:
+        atexit.register(_report)
 
 
 def fence(warn: bool = True) -> bool:
@@ -83,8 +105,9 @@ def fence(warn: bool = True) -> bool:
     compilation cache (this process, from now on; installing twice is harmless).
 
     Args:
-      warn: a ``CacheFenceWarning`` the first time each program is kept out (the first call's
-        choice stands: the test suite installs it quietly before train.py's ``main`` does).
+      warn: name the programs kept out in one line on stderr at exit (``summary``; the first
+        call's choice stands: the test suite installs it quietly before train.py's ``main``
+        does).
 
     Returns:
       True when the fence is in place; False when this JAX keeps its cache elsewhere, in which

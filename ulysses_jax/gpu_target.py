@@ -23,9 +23,7 @@ What the deviceless compile needs, kept in this one place:
     the kernel choice (``attention.kernels.device_facts``) see the target GPU;
   - XLA:GPU's ``hlo_host_device_type_call_wrapper`` pass aborts on the host computations of
     the optimizer-offload step ("Parameter instructions cannot be added to a computation after
-    it has been built", jax 0.12.0.1; ``DISABLED_PASSES``);
-  - the programs get no compilation-cache ordering edges (``ordering``): those are for
-    XLA:CPU programs, and the process's own backend is the CPU here.
+    it has been built", jax 0.12.0.1; ``DISABLED_PASSES``).
 """
 from __future__ import annotations
 
@@ -35,8 +33,6 @@ import glob
 import importlib.util
 import os
 import re
-
-from . import ordering
 
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
@@ -174,8 +170,7 @@ def capability_of(device) -> tuple[int, int] | None:
 @contextlib.contextmanager
 def compiling_for(target: Target):
     """Traces and compiles inside see ``target``: jax's cuDNN checks answer with its compute
-    capability, the attention kernels are chosen for it, and no compilation-cache ordering
-    edges are added (module docstring)."""
+    capability, and the attention kernels are chosen for it (module docstring)."""
     from jax._src.cudnn import fused_attention_stablehlo as fused
     from .attention import kernels
 
@@ -190,8 +185,7 @@ def compiling_for(target: Target):
     fused.check_compute_capability, fused.is_cuda_compute_capability_equal = at_least, equal
     kernels.COMPILING_FOR = ("gpu", target.capability)
     try:
-        with ordering.disabled():
-            yield target
+        yield target
     finally:
         (fused.check_compute_capability, fused.is_cuda_compute_capability_equal,
          kernels.COMPILING_FOR) = saved

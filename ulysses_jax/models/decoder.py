@@ -39,15 +39,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from ..config import LAYER_KINDS, ModelConfig
-from .. import ordering
 from ..mesh import act_spec, shard
 from . import vocab
 from ..families import family
 from .blocks import block_class as _block_class
-from .layers import gathered as _gathered, grads_first, norm
+from .layers import gathered as _gathered, norm
 from .moe import STAT_KEYS, is_moe_layer
 from .multimodal import prepare
-from .param_layout import layer_after
 from .vision import VisionTower, merge_features
 
 _LAYER_INPUT = "layer_input"
@@ -129,16 +127,12 @@ class Decoder(nnx.Module):
     ``layout`` matters only on a mesh with a ring axis: "natural" (tokens in order; attention
     reorders internally) or "zigzag" (the batch is already in ``ring.zigzag_permutation``
     order, as the training data loader produces it, with true positions). ``head_chunks``:
-    see ``ulysses_attention``. ``param_sharding``: the run's layout of the parameters
-    ("replicated" or "zero3"), which the objectives' ordering edges depend on
-    (``objectives.sft.run_model``).
+    see ``ulysses_attention``.
     """
 
     def __init__(self, cfg: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs, layout: str = "natural",
-                 head_chunks: int = 1, stream_layers: bool = False,
-                 param_sharding: str = "replicated"):
+                 head_chunks: int = 1, stream_layers: bool = False):
         self.cfg, self.mesh = cfg, mesh
-        self.param_sharding = param_sharding
         # The layer weights live in host memory (optimizer.offload): each layer's are moved
         # to the device inside the layer loop, so one layer's weights are on it at a time,
         # and their gradients go back to the host the same way (the transpose of the move).
@@ -203,34 +197,16 @@ class Decoder(nnx.Module):
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        # The final norm's weight, gathered first of all (ZeRO-3; a no-op when replicated),
-        # with the embedding after it: a gather of the parameter alone would run beside the
-        # layers' loop (ordering.py, the compilation cache).
-        norm_def, norm_state = nnx.split(self.final_norm)
-        norm_state = jax.tree.map(lambda w: _gathered(w, w.dtype, self.mesh), norm_state)
-        tokens = ordering.after(tokens, norm_state)
         x = self.embed_tokens(tokens)                                               # [B, S, D]
         if vision is not None:
             self._need_tower()
             with jax.named_scope("vision"):
-                # The embedding's backward (a loop of collectives) runs after the tower's
-                # parameter gradients are reduced, not beside the tower's backward loop.
-                x, visual = grads_first(x, self.visual)
-                # The tower runs after the embedding's loop: the gather of its output (an
-                # all-reduce) would otherwise run beside that loop.
-                vision = {**vision, "pixels": ordering.after(vision["pixels"], x)}
-                x = merge_features(x, visual(vision, zero3=self.param_sharding == "zero3"),
-                                   vision["feature_index"], self.mesh)
-        # What attention gathers of these (XLA takes it out of the layer loop) is gathered
-        # after the embedding, not beside its loop (ordering.py, the compilation cache).
-        positions, segment_ids = ordering.after((positions, segment_ids), x)
+                x = merge_features(x, self.visual(vision), vision["feature_index"], self.mesh)
         with jax.named_scope("layers"):
             x, stats = self._run_layers(x, positions, segment_ids)
-        if stats is not None:  # the router statistics' all-reduce, before the backward pass
-            x = ordering.after(x, stats)
-        # The final norm's weight gradient is reduced over the devices before the layers'
-        # backward loop starts, not beside it (ordering.py, the compilation cache).
-        x, norm_state = ordering.grads_first(x, norm_state)
+        # The final norm's weight replicated at its point of use (gathered under ZeRO-3).
+        norm_def, norm_state = nnx.split(self.final_norm)
+        norm_state = jax.tree.map(lambda w: _gathered(w, w.dtype, self.mesh), norm_state)
         return nnx.merge(norm_def, norm_state)(x), stats
 
     def embed_tokens(self, tokens, split: bool = True) -> jax.Array:
@@ -283,15 +259,11 @@ class Decoder(nnx.Module):
         for (first, unit, repeats), units in zip(layer_groups(self.cfg), groups):
             graphdefs, states = zip(*(nnx.split(m) for m in units))
             static, ids = unit_kinds(self.cfg, first, unit, repeats)
-            once = (repeats == 1 and self.param_sharding == "zero3"
-                    and self.mesh is not None)
 
             def apply(graphdef, kind):
                 def fn(x, state, kind_id):
                     if stream:
                         state = jax.device_put(state, jax.memory.Space.Device)
-                    if once:  # a loop XLA removes: its weights' gathers after x
-                        state = layer_after(state, x, self.mesh)
                     if offload:  # the checkpoint the backward pass recomputes the layer from
                         x = checkpoint_name(x, _LAYER_INPUT)                         # [B, S, D]
                     return nnx.merge(graphdef, state)(x, positions, segment_ids,
@@ -300,8 +272,7 @@ class Decoder(nnx.Module):
                 if self.cfg.remat != "none":
                     policy = _REMAT_POLICIES["full_offload" if offload else self.cfg.remat]
                     fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
-                # ... and in the backward pass, after the cotangent (the loss's loops)
-                return ordering.saved_after_cotangent(fn) if once else fn
+                return fn
 
             blocks = [apply(g, k) for g, k in zip(graphdefs, static)]
 

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from ..config import ModelConfig
 from ..mesh import act_spec, shard
 from . import lora
-from .layers import MLP, Attention, grads_first, norm
+from .layers import MLP, Attention, norm
 
 
 class GemmaBlock(nnx.Module):
@@ -54,17 +54,9 @@ class GemmaBlock(nnx.Module):
     def __call__(self, x, positions, segment_ids, kind="G"):
         mesh, chunk = self.mesh, self.chunk
         with jax.named_scope("attention"):
-            # The parameter gradients of the norm and of attention are reduced before the
-            # backward pass leaves each (layers.grads_first, the compilation cache).
-            x, attn_norm = grads_first(x, self.attn_norm)
-            normed = attn_norm.over_chunks(x, mesh, chunk)                            # [B, S, D]
-            normed, attn = grads_first(normed, self.attn)
-            o = attn(normed, positions, segment_ids, kind)                           # [B, S, D]
-            # The parameter gradients of everything after attention are reduced before
-            # attention's backward runs (layers.grads_first, the compilation cache).
-            o, post, mlp_norm, mlp, mlp_post = grads_first(
-                o, self.attn_post_norm, self.mlp_norm, self.mlp, self.mlp_post_norm)
-            x = x + post.over_chunks(o, mesh, chunk)
+            normed = self.attn_norm.over_chunks(x, mesh, chunk)                       # [B, S, D]
+            o = self.attn(normed, positions, segment_ids, kind)                      # [B, S, D]
+            x = x + self.attn_post_norm.over_chunks(o, mesh, chunk)
         with jax.named_scope("mlp"):
-            x = x + mlp(x, mlp_norm, mlp_post)
+            x = x + self.mlp(x, self.mlp_norm, self.mlp_post_norm)
         return (x if mesh is None else shard(x, mesh, act_spec(mesh, 1))), None

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .. import ordering
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..config import INT32_MAX, LAYER_KINDS, ModelConfig
 from ..mesh import act_spec
@@ -63,38 +62,20 @@ def lora_adapt(module: nnx.Module, weights: dict, cfg: ModelConfig, dtype, mesh:
     ``module`` (models/lora.py; A and B gathered like the weights), or y where it has none."""
     adapters = lora.adapters(module, weights)  # {} unless model.lora.rank > 0
 
-    def adapt(y, target, spec, inputs, pair=None):
-        """``pair``: the adapter's (A, B) to use instead of the module's (the same values,
-        passed through ``ordering.grads_first``)."""
+    def adapt(y, target, spec, inputs):
         if target not in adapters:
             return y
-        a, b = (gathered(w, dtype, mesh) for w in (pair or adapters[target]))
+        a, b = (gathered(w, dtype, mesh) for w in adapters[target])
         return y + lora.delta(spec, inputs, a, b, lora.scaling(cfg.lora))
 
-    adapt.adapters = adapters
     return adapt
 
 
 def out_projection(o, wo, adapt, dtype, mesh: Mesh | None):
     """Attention's output projection with its "o" adapter (``lora_adapt``): o [B, S, N, H],
-    wo [N, H, D] -> [B, S, D]. wo's gradient (and its adapter's) is reduced before the
-    backward pass enters attention itself (ordering.py, the compilation cache)."""
-    o, (wo, pair) = ordering.grads_first(o, (wo, adapt.adapters.get("o")))
+    wo [N, H, D] -> [B, S, D]."""
     y = jnp.einsum("BSNH,NHD->BSD", o, gathered(wo, dtype, mesh))
-    return adapt(y, "o", "BSNH,NHD->BSD", o, pair)
-
-
-def grads_first(x, *modules):
-    """``ordering.grads_first`` over modules: (x, *modules), the same values, where the
-    backward pass gives x's cotangent a data path from the cotangents of every parameter of
-    ``modules`` (None entries pass through). A block calls it on the token mixer's output
-    with the parameters used after it, so their gradient reductions run before the mixer's
-    backward (a loop or branch of collectives on some meshes), not beside it."""
-    present = [m for m in modules if m is not None]
-    split = [nnx.split(m) for m in present]
-    x, states = ordering.grads_first(x, [state for _, state in split])
-    merged = iter([nnx.merge(graphdef, state) for (graphdef, _), state in zip(split, states)])
-    return (x, *[None if m is None else next(merged) for m in modules])
+    return adapt(y, "o", "BSNH,NHD->BSD", o)
 
 
 class RMSNorm(nnx.Module):

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from ..config import ModelConfig
 from ..mesh import act_spec, shard
 from . import lora
-from .layers import MLP, Attention, grads_first, norm
+from .layers import MLP, Attention, norm
 from .moe import MoE
 
 
@@ -52,28 +52,23 @@ class Block(nnx.Module):
         """``kind``: the layer's attention kind (``Attention.__call__``)."""
         # Named scopes label the ops (profiles, ulysses_jax/memory.py's categories).
         with jax.named_scope("attention"):
-            x, normed, attn = self._mixer_input(x, self.attn)
-            o = attn(normed, positions, segment_ids, kind)                           # [B, S, D]
+            normed = self._mixer_input(x)                                            # [B, S, D]
+            o = self.attn(normed, positions, segment_ids, kind)                      # [B, S, D]
         return self.feed_forward(x, segment_ids, o)
 
-    def _mixer_input(self, x, *mixers):
-        """(x, its norm [B, S, D], *mixers): the same values, where the parameter gradients
-        of the norm and of the token mixers are reduced before the backward pass leaves
-        each (layers.grads_first, the compilation cache)."""
-        x, attn_norm = grads_first(x, self.attn_norm)
-        normed = attn_norm.over_chunks(x, self.mesh, self.chunk)                      # [B, S, D]
-        return (x, *grads_first(normed, *mixers))
+    def _mixer_input(self, x):
+        """The token mixer's input: x [B, S, D] normed (over ``model.mlp_chunk`` tokens at a
+        time)."""
+        return self.attn_norm.over_chunks(x, self.mesh, self.chunk)                  # [B, S, D]
 
     def feed_forward(self, x, segment_ids, mixed=None):
         """x + mlp(norm(x)), dense or MoE; returns (x resharded, router stats or None).
 
-        ``mixed``: the token mixer's output, added to x first; the MLP half's parameter
-        gradients are then reduced before the mixer's backward runs (``layers.grads_first``).
+        ``mixed``: the token mixer's output, added to x first.
         """
         stats = None
         mlp_norm, mlp, moe = self.mlp_norm, self.mlp, self.moe
         if mixed is not None:
-            mixed, mlp_norm, mlp, moe = grads_first(mixed, mlp_norm, mlp, moe)
             x = x + mixed
         with jax.named_scope("mlp"):
             if moe is None:

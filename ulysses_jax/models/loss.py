@@ -89,8 +89,7 @@ def chunked_cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chu
             return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(b, s), sums)
         if per_row:
             return row_sums(sums, m, axes)
-        # One all-reduce for both: the count then waits for the loss, which read the layers'
-        # output, so it never runs beside their loop (ordering.py, the compilation cache).
+        # One all-reduce for the loss and the count.
         total, count = jax.lax.psum(jnp.stack([jnp.sum(sums), jnp.sum(m)]), axes)
         return total / jnp.maximum(count, 1.0), count
 

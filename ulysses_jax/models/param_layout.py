@@ -9,10 +9,8 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .. import ordering
 from .expert_parallel import expert_spec
 from .moe import is_expert_param
 
@@ -53,38 +51,3 @@ def _names(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path
                  if not isinstance(k, jax.tree_util.GetAttrKey))
 
-
-def in_split(y, mesh: Mesh):
-    """``y`` (a pytree of ZeRO-3 parameters other than experts' weights) constrained to its
-    stored split (``param_spec``)."""
-    return jax.tree.map(lambda w: jax.lax.with_sharding_constraint(
-        w, NamedSharding(mesh, param_spec(w.shape, mesh, "zero3"))), y)
-
-
-def after_in_split(y, x, mesh: Mesh):
-    """``ordering.after(y, x)`` for ZeRO-3 parameters ``y``, the edge taken in their stored
-    split, so that whatever gathers or moves them next reads its result. Left free, the
-    partitioner gathers (or moves) a weight first and adds the edge to the result: the
-    gather then has no path from x and runs beside the loop x came from (the compilation
-    cache, ``ordering``). The identity where ``ordering`` adds no edges."""
-    if not ordering.active():
-        return y
-    return in_split(ordering.after(y, x), mesh)
-
-
-def layer_after(state, x, mesh: Mesh):
-    """``after_in_split`` for one layer's ZeRO-3 state (an ``nnx.State``) and its input x:
-    every float weight but the experts' (split over their expert axis and used inside expert
-    parallelism's ``shard_map``, where their inputs order them) computed after x, in its
-    stored split. For a layer stack that runs once: XLA removes a loop of one trip, and the
-    gathers of its weights, which the loop's body would order, then run beside the loops
-    before it (the embedding's, the previous stack's). x is read outside ``shard_map``, so
-    its first element travels to every device: one scalar collective, after x. The identity
-    where ``ordering`` adds no edges."""
-    if not ordering.active():
-        return state
-    return ordering.after_where(
-        state, (x,),
-        lambda path, w: jnp.issubdtype(w.dtype, jnp.floating) and not is_expert_param(
-            _names(path)),
-        then=lambda w: in_split(w, mesh))

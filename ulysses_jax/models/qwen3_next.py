@@ -37,7 +37,6 @@ from jax.sharding import Mesh
 from ..attention import DEFAULT_MAX_SEGMENTS, ulysses_attention
 from ..attention.linear import gated_deltanet
 from ..config import INT32_MAX, ModelConfig
-from .. import ordering
 from .layers import gathered as _gathered, lora_adapt, norm, out_projection
 from ..families import family
 from . import lora
@@ -185,13 +184,10 @@ class GatedDeltaNet(nnx.Module):
         -> [B, S, D]."""
         mesh = self.mesh
         s_lora = lora.scaling(self.cfg.lora) if adapters else 0.0
-        # The gradients of the output norm and projection are reduced before the recurrence's
-        # backward runs (ordering.py, the compilation cache).
-        o, (scale, out_proj, out_adapter) = ordering.grads_first(
-            o, (self.norm_scale[...], self.out_proj[...], adapters.get("linear_out")))
-        scale = _gathered(scale, jnp.float32, mesh)
+        out_adapter = adapters.get("linear_out")
+        scale = _gathered(self.norm_scale[...], jnp.float32, mesh)
         o = gated_rms_norm(o, scale, z, self.cfg.norm_eps)                        # [B, S, Hv, V]
-        y = jnp.einsum("BSNV,NVD->BSD", o, _gathered(out_proj, dtype, mesh))
+        y = jnp.einsum("BSNV,NVD->BSD", o, _gathered(self.out_proj[...], dtype, mesh))
         if out_adapter is not None:
             y = y + lora.delta("BSNV,NVD->BSD", o, *out_adapter, s_lora)
         return y
@@ -222,11 +218,11 @@ class Qwen3NextBlock(Block):
 
     def __call__(self, x, positions, segment_ids, kind="G"):
         with jax.named_scope("attention"):
-            x, normed, linear_attn, attn = self._mixer_input(x, self.linear_attn, self.attn)
-            if attn is None:
-                o = linear_attn(normed, segment_ids)                                 # [B, S, D]
+            normed = self._mixer_input(x)                                            # [B, S, D]
+            if self.attn is None:
+                o = self.linear_attn(normed, segment_ids)                            # [B, S, D]
             else:
-                o = attn(normed, positions, segment_ids)                             # [B, S, D]
+                o = self.attn(normed, positions, segment_ids)                        # [B, S, D]
         return self.feed_forward(x, segment_ids, o)
 
 

@@ -42,7 +42,6 @@ from ..config import ModelConfig
 from ..mesh import act_spec, shard
 from .layers import RMSNorm, gathered, gelu_exact
 from .norms import rms_norm
-from .param_layout import after_in_split
 from .rope import angles, rotate
 
 _BLOCK = 256  # query / key block of the tower's chunked attention (windows are 64 patches)
@@ -158,16 +157,13 @@ class VisionTower(nnx.Module):
             return 1
         return int(np.prod([self.mesh.shape[a] for a in split_axes(self.mesh)]))
 
-    def __call__(self, vision: dict, zero3: bool = False) -> jax.Array:
+    def __call__(self, vision: dict) -> jax.Array:
         """The merged features of all images / frames, in their original order first.
 
         Args:
           vision: ``multimodal.prepare``'s arrays: ``pixels`` [G*C, K], ``rope_hw`` [G*C, 2],
             ``window_segments`` and ``frame_segments`` [G*C] (slots in window order, G groups
             of C, ``shards()``), ``unit_order`` [G*C / M^2].
-          zero3: the parameters are split (``param_sharding=zero3``): the gathers of the
-            patch embedding's and the merger's weights then wait for the pixels and for the
-            blocks' output, not beside the loops before them (``ordering``, the cache).
         Returns:
           [G*C / M^2, D] in the compute dtype: row u < U is unit u of the images then videos.
         """
@@ -191,9 +187,8 @@ class VisionTower(nnx.Module):
             return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * n_weights + (spec,) * n_in,
                                  out_specs=spec)
 
-        after = partial(after_in_split, mesh=mesh) if zero3 else (lambda y, _: y)
         x, rope_angles = split(partial(_embed, cfg=cfg, inv=self.inv_freq()), 2, 1)(
-            gather(after(params["patch_embed"], vision["pixels"])), vision["pixels"],
+            gather(params["patch_embed"]), vision["pixels"],
             vision["rope_hw"])                                                        # [G*C, Dv]
         block = split(partial(_block, eps=v.norm_eps), 3, 1)
 
@@ -208,7 +203,7 @@ class VisionTower(nnx.Module):
         full[list(v.fullatt_block_indexes)] = True
         x, _ = jax.lax.scan(body, x, (params["blocks"], jnp.asarray(full)))
         merger = {k: w for k, w in params.items() if k.startswith("merge")}
-        units = split(partial(_merge, cfg=cfg), 1, 1)(gather(after(merger, x)), x)  # [G*C/M^2, D]
+        units = split(partial(_merge, cfg=cfg), 1, 1)(gather(merger), x)  # [G*C/M^2, D]
         return jnp.take(units, vision["unit_order"], axis=0)
 
 

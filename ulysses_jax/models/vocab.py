@@ -41,7 +41,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .. import ordering
 from .loss import largest_divisor_at_most, row_sums
 from ..mesh import DATA, RING, SEQ, act_spec, axis_size, seq_axes
 
@@ -158,10 +157,6 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
             hc, tc, mc = args                                             # hc: [B, C, D]
             c = hc.shape[1]
             h_all = lax.all_gather(hc, axes, axis=1, tiled=True)          # [B, P*C, D]
-            # The targets are gathered after the hidden states exist: XLA takes this gather
-            # out of the chunk loop, and without the data path it would run beside the
-            # layers' loop (ordering.py, the compilation cache).
-            tc = ordering.after(tc, hc)
             ids, own = _owned(lax.all_gather(tc, axes, axis=1, tiled=True), cols, axes)
             logits = jnp.einsum("BTD,DV->BTV", h_all, w.astype(hc.dtype),
                                 preferred_element_type=_F32)              # [B, P*C, Vl]
@@ -193,7 +188,7 @@ def cross_entropy(hidden, w_head, targets, loss_mask, *, mesh: Mesh, chunk: int 
             return jax.tree.map(_unchunk, sums)
         if per_row:
             return row_sums(sums, m, all_axes)
-        # One all-reduce for both: the count waits for the loss (ordering.py).
+        # One all-reduce for the loss and the count.
         total, count = lax.psum(jnp.stack([jnp.sum(sums), jnp.sum(m)]), all_axes)
         return total / jnp.maximum(count, 1.0), count
 

@@ -91,9 +91,7 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
       global batch's means), the others (``moe_*``) their mean over micro-batches.
     """
     stacked = micro_batches(batch, k, mesh, batch_shardings)
-    # Every micro-batch's count c_i, reduced over the devices before the loop (one
-    # reduction the loop reads), not inside it beside the model's loops (ordering.py, the
-    # compilation cache).
+    # Every micro-batch's count c_i, reduced over the devices once, before the loop.
     counts = jnp.sum(stacked["loss_mask"].astype(jnp.float32),
                      axis=tuple(range(1, stacked["loss_mask"].ndim)))              # [k]
     weights = counts / jnp.maximum(jnp.sum(counts), 1.0)                          # c_i / C

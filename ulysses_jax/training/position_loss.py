@@ -14,7 +14,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..mesh import act_spec
-from ..models.param_layout import after_in_split
 from ..models.loss import largest_divisor_at_most
 
 
@@ -80,11 +79,7 @@ def token_losses(mesh, graphdef, chunk: int = 1024, prepare=None):
         model = nnx.merge(graphdef, params if prepare is None else prepare(params))
         hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"],
                               batch.get("vision"))
-        w = model.head_weight()
-        if model.param_sharding == "zero3":
-            # gathered after the layers, not beside their loop (the compilation cache)
-            w = after_in_split(w, hidden, mesh)
-        w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))
+        w = jax.lax.with_sharding_constraint(model.head_weight(), NamedSharding(mesh, P()))
         cap = model.cfg.final_softcap
         fn = jax.shard_map(lambda h, w, t: body(h, w, t, cap), mesh=mesh,
                            in_specs=(act_spec(mesh, 1), P(), act_spec(mesh)),

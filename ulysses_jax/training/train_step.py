@@ -22,7 +22,6 @@ from jax.experimental import multihost_utils
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .. import ordering
 from ..config import Config, rows_per_batch
 from ..data.text import FIELDS
 from ..data.vision_batches import abstract_vision
@@ -45,7 +44,7 @@ def build_model(cfg: Config, mesh: Mesh, seed: int | None = None) -> Decoder:
     layout = "zigzag" if axis_size(mesh, RING) > 1 else "natural"
     return Decoder(cfg.model, mesh=mesh, rngs=nnx.Rngs(cfg.seed if seed is None else seed),
                    layout=layout, head_chunks=cfg.ulysses.chunks,
-                   stream_layers=cfg.optimizer.offload, param_sharding=cfg.param_sharding)
+                   stream_layers=cfg.optimizer.offload)
 
 
 def model_params(cfg: Config, mesh: Mesh) -> dict:
@@ -237,16 +236,6 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
                 micro_grads, trained, batch, accum, mesh, in_batch,
                 on_host if offload else lora.trainable_params(on_device, lo), on_host=offload,
                 weighting=objective.weighting)
-        # The optimizer's reductions (the global norm over split parameters) wait for every
-        # replicated gradient, the last of the backward pass among them, so none runs beside
-        # a backward loop (ordering.py, the compilation cache).
-        # Under ZeRO-3 the embedding's gradient, made last (by the backward pass's last loop
-        # of collectives), is split: the reductions wait for it by name.
-        last = [g for g, sh in zip(jax.tree.leaves(grads), jax.tree.leaves(trained_shardings))
-                if sh.is_fully_replicated]
-        if cfg.param_sharding == "zero3" and isinstance(grads, dict) and "embed" in grads:
-            last.append(grads["embed"])
-        grads = ordering.after(grads, last)
         with jax.named_scope("optimizer"):
             if offload:  # gradients to the host (the layers' are there already), update there
                 grads = jax.device_put(grads, on_host)

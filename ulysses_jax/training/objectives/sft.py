@@ -13,7 +13,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from ... import ordering
 from ...config import Config, ConfigError, rows_per_batch
 from ...data import run_data, text as data_lib, vision_batches
 from ...data.run_data import log
@@ -21,7 +20,6 @@ from ...families import family
 from ...models import vocab
 from ...models.loss import chunked_cross_entropy
 from ...models.moe import aux_loss
-from ...models.param_layout import after_in_split, in_split
 from ..position_loss import bucket_bounds, bucket_sums, token_losses
 from ..train_step import host, make_eval_step, params_for_compute, scalar, token_order
 from .base import Objective
@@ -52,27 +50,7 @@ def run_model(graphdef, params, batch):
     model = nnx.merge(graphdef, params)
     hidden, stats = model.hidden_and_stats(batch["tokens"], batch["positions"],
                                            batch["segment_ids"], batch.get("vision"))
-    head = model.head_weight()
-    zero3 = model.param_sharding == "zero3"
-    if zero3:
-        # Under ZeRO-3 the loss moves the head from the parameters' split to its vocabulary
-        # split (an all-to-all and a gather): after the layers' loop, not beside it. The
-        # edges here are taken with the head in the parameters' split, so that the move
-        # reads their result and its gradient's move back feeds them (left free, the
-        # partitioner moved the head before the edge and its gradient after it: an untied
-        # head on 2 data x 2 seq devices).
-        head = after_in_split(head, hidden, model.mesh)
-    if model.lm_head is not None or zero3:
-        # An untied head's gradient is gathered to its replicated layout before the backward
-        # pass goes on into the layers, not beside their loop (ordering.py); so is a tied
-        # head's under ZeRO-3, where it moves from the loss's vocabulary split to the
-        # embedding's split (an all-to-all). (Replicated, a tied head's gradient is part of
-        # the embedding's, gathered after the last backward loop, and keeping it whole
-        # through the layers' backward pass would cost a [V, D] of memory there.)
-        hidden, head = ordering.grads_first(hidden, head)
-        if zero3 and ordering.active():
-            head = in_split(head, model.mesh)
-    return model, hidden, head, stats
+    return model, hidden, model.head_weight(), stats
 
 
 def next_token_loss(model, hidden, head, batch, mesh: Mesh, per_row: bool = False,
