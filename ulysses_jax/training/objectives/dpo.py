@@ -37,7 +37,7 @@ from ...models import lora
 from ..train_step import batch_shardings, params_for_compute, scalar, token_order
 from . import reference
 from .base import ROW, Field, Objective
-from .sft import (RowBatches, RowSource, is_preference, next_token_loss, run_model,
+from .sft import (RowBatches, RowSource, data_line, is_preference, next_token_loss, run_model,
                   with_router_loss)
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -208,10 +208,7 @@ class DPO(Objective):
                               f"ulysses_jax.data prepare SRC --preference --out STORE")
         cfg = run_data.with_segment_bound(cfg, train_rows, held_rows)
         iterator = data_lib.BatchIterator(train_rows, rows_per_batch(cfg), cfg.seed)
-        log(f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"
-            f"{'' if held_rows is None else f', {held_rows.num_rows} held-out rows'}; "
-            f"mesh data={cfg.mesh.data} x ring={cfg.mesh.ring} x seq={cfg.mesh.seq} on "
-            f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices")
+        log(data_line(cfg, mesh, train_rows, held_rows))
         return cfg, RowSource(iterator, train_rows, held_rows)
 
     def batches(self, source, mesh, layout, state, start, workdir, progress):

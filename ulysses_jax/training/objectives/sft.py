@@ -105,6 +105,14 @@ def is_preference(rows) -> bool:
     return store is not None and store.preference
 
 
+def data_line(cfg: Config, mesh: Mesh, train_rows, held_rows) -> str:
+    """The start-up line of a run over ``data.source``'s rows: the rows and the mesh."""
+    return (f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"
+            f"{'' if held_rows is None else f', {held_rows.num_rows} held-out rows'}; "
+            f"mesh data={cfg.mesh.data} x ring={cfg.mesh.ring} x seq={cfg.mesh.seq} on "
+            f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices")
+
+
 @dataclasses.dataclass
 class RowSource:
     """The rows of a run that reads ``data.source``: the train rows' iterator (its position
@@ -208,10 +216,7 @@ class SFT(Objective):
                                                          run_data.pixel_options(train_rows))
         else:
             iterator = data_lib.BatchIterator(train_rows, rows_per_batch(cfg), cfg.seed)
-        log(f"data: {train_rows.num_rows} train rows of {cfg.seq_len} tokens"
-            f"{'' if held_rows is None else f', {held_rows.num_rows} held-out rows'}; "
-            f"mesh data={cfg.mesh.data} x ring={cfg.mesh.ring} x seq={cfg.mesh.seq} on "
-            f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices")
+        log(data_line(cfg, mesh, train_rows, held_rows))
         return cfg, RowSource(iterator, train_rows, held_rows)
 
     def batches(self, source, mesh, layout, state, start, workdir, progress):
