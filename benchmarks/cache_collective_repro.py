@@ -11,7 +11,7 @@ dies while its results are read; compiled fresh it runs.
 
 Each run executes the program ``--runs`` times on one batch and checks that every result
 equals the first; "ok" and the mean loss at the end, and the programs the fence kept out.
-XLA_FLAGS are the suite's CPU flags (tests/conftest.py: LLVM optimisations off, the older loop
+XLA_FLAGS are the suite's CPU flags (tests/utils/devices.py: LLVM optimisations off, the older loop
 emitters), with 2 devices.
 
 The cause: the read-back executable no longer orders the program's embedding loop (the

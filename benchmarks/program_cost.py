@@ -4,7 +4,7 @@ and the size of the compiled HLO; the persistent compilation cache off.
 
     python benchmarks/program_cost.py [--config configs/tiny.yaml] [OVERRIDES ...]
 
-With the test suite's XLA flags (tests/conftest.py: 8 fake devices, LLVM optimisations off,
+With the test suite's XLA flags (tests/utils/devices.py: 8 fake devices, LLVM optimisations off,
 the older loop emitters where jaxlib still has them (0.10), one codegen module) and its
 locations without Python tracebacks, so the figures are what a test pays per program. CPU
 seconds of this process (time.process_time), which the machine's other jobs disturb less
@@ -28,7 +28,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
                            "--xla_cpu_parallel_codegen_split_count=1"
                            + (" --xla_cpu_use_fusion_emitters=false" if _LOOP_EMITTERS else "")
                            ).strip()
-os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")  # as tests/conftest.py
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")  # as tests/utils/devices.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 

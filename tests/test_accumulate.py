@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from conftest import DEVICES
-from test_chat import CHATML, write_tokenizer_dir
+from tests.test_chat import CHATML, write_tokenizer_dir
+from tests.utils.devices import DEVICES
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.data import run_data, text as data_lib
 from ulysses_jax.data.prepare import prepare

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from conftest import DEVICES, cli_env
-from test_train import ROOT, SMALL
+from tests.test_train import ROOT, SMALL
+from tests.utils.devices import DEVICES, cli_env
 from ulysses_jax import plan, plot
 
 sys.path.insert(0, ROOT)

@@ -24,7 +24,7 @@ from collections import OrderedDict
 import jax
 import pytest
 
-from conftest import DEVICES, cli_env, need_devices
+from tests.utils.devices import DEVICES, cli_env, need_devices
 from ulysses_jax import compile_cache
 from ulysses_jax.config import load_config
 from ulysses_jax.hlo import unordered_loop_collectives

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from test_chat import CHATML, LLAMA3, TRAP, supervised_runs, write_tokenizer_dir
+from tests.test_chat import CHATML, LLAMA3, TRAP, supervised_runs, write_tokenizer_dir
 from ulysses_jax.data import chat, chat_templates
 from ulysses_jax.data.__main__ import main as data_cli
 from ulysses_jax.data.prepare import prepare

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 # Private: Orbax's commit step (rename of the temp dir), patched to delay or fail a commit.
 from orbax.checkpoint._src.path import atomicity
 
-from conftest import need_devices
+from tests.utils.devices import need_devices
 from ulysses_jax.training.checkpoint import (Checkpointer, IncompatibleCheckpoint,
                                              NoCheckpointRestores, SaveFailed)
 from ulysses_jax.mesh import DATA, SEQ, make_mesh

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import need_devices, tolerance
+from tests.utils.devices import need_devices
+from tests.utils.numerics import tolerance
 from ulysses_jax import make_mesh, reference_attention, ulysses_attention
 from ulysses_jax.attention.chunked import _backward, _delta, _forward, _pad_inputs, _Plan, chunked_attention
 from ulysses_jax.attention.kernels import local_attention, resolve_impl

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import DEVICES, cli_env, need_devices
+from tests.utils.devices import DEVICES, cli_env, need_devices
 from ulysses_jax.compile_cache import unsafe_pairs
 from ulysses_jax.hlo import unordered_loop_collectives
 

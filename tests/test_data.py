@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import need_devices
+from tests.utils.devices import need_devices
 from ulysses_jax.data import text as data
 from ulysses_jax.mesh import make_mesh
 

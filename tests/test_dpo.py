@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import need_devices
-from test_chat import CHATML, write_tokenizer_dir
+from tests.test_chat import CHATML, write_tokenizer_dir
+from tests.utils.devices import need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, DPOConfig, LoraConfig, load_config
 from ulysses_jax.data import prepare as prepare_lib
@@ -63,7 +63,7 @@ def test_prepare_text_and_conversational_pairs(tmp_path, capsys):
     store = TokenStore(str(tmp_path / "store"))
     from ulysses_jax.data.text import load_tokenizer
     tok = load_tokenizer(tok_dir)
-    from test_chat import decode
+    from tests.test_chat import decode
     for d, (prompt, chosen, rejected) in enumerate([
             ("Say hi", " hi<|im_end|>", " the answer is 42<|im_end|>"),
             ("<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n", "hi<|im_end|>",
@@ -424,7 +424,7 @@ def test_two_processes_train_as_one(pair_store, seq1, tmp_path):
     import socket
     import subprocess
     import sys
-    from conftest import cli_env
+    from tests.utils.devices import cli_env
     from ulysses_jax.training.checkpoint import Checkpointer
     _, one = seq1
     with socket.socket() as sock:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import DEVICES, relocated_store_run, small_corpus
+from tests.utils.data import relocated_store_run, small_corpus
+from tests.utils.devices import DEVICES
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.evaluate import NEEDLE, evaluate, main, passkey_batch

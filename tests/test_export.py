@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DEVICES, relocated_store_run, small_corpus
+from tests.utils.data import relocated_store_run, small_corpus
+from tests.utils.devices import DEVICES
 
 torch = pytest.importorskip("torch", reason="torch is not installed (requirements-baseline.txt)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")

@@ -19,8 +19,8 @@ import time
 import jax
 import pytest
 
-from conftest import DEVICES, cli_env
-from test_train import ROOT, SMALL
+from tests.test_train import ROOT, SMALL
+from tests.utils.devices import DEVICES, cli_env
 from ulysses_jax.config import load_config
 from ulysses_jax.training.checkpoint import Checkpointer
 from ulysses_jax.training.trainer import TrainingDiverged, train

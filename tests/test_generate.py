@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import DEVICES, need_devices
+from tests.utils.devices import DEVICES, need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.generate import main as generate_main

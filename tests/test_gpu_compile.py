@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import cli_env
+from tests.utils.devices import cli_env
 from ulysses_jax import gpu_target, make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.hlo import attention_kernels, collective_counts

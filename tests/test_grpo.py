@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from test_dpo import V, assert_adapter_grads, llama, peft_policy  # noqa: F401 (llama: fixture)
+from tests.test_dpo import V, assert_adapter_grads, llama, peft_policy  # noqa: F401 (llama: fixture)
 from ulysses_jax.models import lora
 from ulysses_jax.training.objectives.grpo import GRPOLoss, grpo_loss, token_logps
 

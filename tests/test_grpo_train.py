@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import need_devices
+from tests.utils.devices import need_devices
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.training.grpo import COMPLETIONS
 
@@ -239,7 +239,7 @@ def test_two_processes_train_as_one(prompts, tmp_path, monkeypatch):
     step, then a GRPO step), completions.jsonl written once, the checkpoint of step 2."""
     import socket
     import subprocess
-    from conftest import cli_env
+    from tests.utils.devices import cli_env
     from ulysses_jax.training.checkpoint import Checkpointer
     need_devices(4)
     (tmp_path / "two_rewards.py").write_text(

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import need_devices, tolerance
+from tests.utils.devices import need_devices
+from tests.utils.numerics import tolerance
 from ulysses_jax import make_mesh, reference_attention, ulysses_attention
 from ulysses_jax.attention.heads import pad_heads
 from ulysses_jax.head_layout import head_layout

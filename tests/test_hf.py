@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import need_devices
+from tests.utils.devices import need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.hf import (ARCHS, config_from_hf, config_to_hf, from_pretrained, load_params,

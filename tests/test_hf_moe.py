@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from conftest import need_devices
+from tests.utils.devices import need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig, load_config
 from ulysses_jax.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import cli_env, need_devices
-from test_hf import TOL, _hf_logits, _our_logits, _randomize, _rel
+from tests.test_hf import TOL, _hf_logits, _our_logits, _randomize, _rel
+from tests.utils.devices import cli_env, need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained

@@ -10,8 +10,9 @@ import jax
 import pytest
 from flax import nnx
 
-from conftest import DEVICES, need_devices, small_corpus
-from test_train import ROOT, SMALL
+from tests.test_train import ROOT, SMALL
+from tests.utils.data import small_corpus
+from tests.utils.devices import DEVICES, need_devices
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.training import host_memory

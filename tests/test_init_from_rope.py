@@ -9,7 +9,8 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import DEVICES, small_corpus
+from tests.utils.data import small_corpus
+from tests.utils.devices import DEVICES
 from ulysses_jax.config import RopeScalingConfig, load_config
 from ulysses_jax.training.dry_run import dry_run
 from ulysses_jax.training.resume import resolve_init_from

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import DEVICES, need_devices
+from tests.utils.devices import DEVICES, need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, LoraConfig, load_config
 from ulysses_jax.hf import config_from_hf, load_params, read_config

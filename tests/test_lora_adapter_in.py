@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import DEVICES, need_devices
-from test_lora import SMALL, TOL, TRAIN, _randomize, _rel
+from tests.test_lora import SMALL, TOL, TRAIN, _randomize, _rel
+from tests.utils.devices import DEVICES, need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.interop.peft_adapter import adapter_targets

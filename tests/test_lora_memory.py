@@ -24,8 +24,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import DEVICES, need_devices
-from test_model import _batch
+from tests.test_model import _batch
+from tests.utils.devices import DEVICES, need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.models import lora

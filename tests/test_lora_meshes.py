@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DEVICES, need_devices
-from test_lora import TRAIN
+from tests.test_lora import TRAIN
+from tests.utils.devices import DEVICES, need_devices
 from ulysses_jax.config import load_config
 from ulysses_jax.runs import read_params
 from ulysses_jax.models import lora

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from test_chat import CHATML, SPECIAL, decode, supervised_runs, write_tokenizer_dir
+from tests.test_chat import CHATML, SPECIAL, decode, supervised_runs, write_tokenizer_dir
 from ulysses_jax.data.__main__ import main as data_cli
 from ulysses_jax.data import chat, images, media, packing, prepare as prepare_lib
 from ulysses_jax.data.text import load_tokenizer
@@ -32,7 +32,7 @@ VL_TEMPLATE = (
 @pytest.fixture
 def vl_tok(tmp_path, monkeypatch):
     """A tokenizer directory with the Qwen2-VL special tokens and VL_TEMPLATE."""
-    import test_chat
+    from tests import test_chat
     monkeypatch.setattr(test_chat, "SPECIAL", SPECIAL + VISION)
     return write_tokenizer_dir(tmp_path / "vltok", VL_TEMPLATE)
 
@@ -311,7 +311,7 @@ def test_template_that_drops_images_is_refused(tmp_path, vl_tok):
 def test_text_only_chat_store_unchanged(tmp_path, vl_tok):
     """No media: the store has exactly the files and tokens of a text-only chat store (and its
     template's copy), and other pixel options change nothing (nothing to do)."""
-    from test_chat import TRAP
+    from tests.test_chat import TRAP
     src = write_jsonl(tmp_path / "c.jsonl", [TRAP, TRAP[1:3]])
     manifest, built = prep(src, tmp_path / "s", vl_tok)
     assert built and "media" not in manifest

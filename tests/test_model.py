@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import need_devices
+from tests.utils.devices import need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.models.loss import chunked_cross_entropy, plain_cross_entropy

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from test_model import _batch, _logits, _loss_and_grads, _rel_close, _setup
+from tests.test_model import _batch, _logits, _loss_and_grads, _rel_close, _setup
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.models.decoder import layer_groups
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import DEVICES
+from tests.utils.devices import DEVICES
 from ulysses_jax import config as config_lib
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.data import prepare as prepare_lib

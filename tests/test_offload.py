@@ -13,8 +13,8 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import DEVICES, LOOP_EMITTERS, cli_env
-from test_model import _batch, _built, _cfg, _layout
+from tests.test_model import _batch, _built, _cfg, _layout
+from tests.utils.devices import DEVICES, LOOP_EMITTERS, cli_env
 from ulysses_jax.training.optimizer import scale_by_adam_stored
 from ulysses_jax.training.train_step import make_train_step
 
@@ -78,9 +78,9 @@ def test_offload_options_keep_the_numbers(option):
     norms and parameters after three AdamW steps.
 
     On jaxlib 0.10 both programs are compiled with XLA:CPU's default code generation, which
-    the suite otherwise turns off for speed (conftest.LOOP_EMITTERS): with the older loop
-    emitters the two programs round the embedding gradient differently (by 2e-7 of its
-    largest value), and AdamW, which divides each moment by its own root, turns that rounding
+    the suite otherwise turns off for speed (LOOP_EMITTERS, tests/utils/devices.py): with the
+    older loop emitters the two programs round the embedding gradient differently (by 2e-7 of
+    its largest value), and AdamW, which divides each moment by its own root, turns that rounding
     on elements whose gradient is nearly zero into parameter differences of up to 1.2e-5
     (0.2% of the value) in three steps. jaxlib 0.11 and later have only the default."""
     default = {"xla_cpu_use_fusion_emitters": True} if LOOP_EMITTERS else None

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import need_devices, tolerance
+from tests.utils.devices import need_devices
+from tests.utils.numerics import tolerance
 from ulysses_jax import make_mesh, reference_attention, ulysses_attention
 from ulysses_jax.attention import cudnn, ulysses
 from ulysses_jax.attention.kernels import resolve_impl
@@ -260,7 +261,7 @@ def test_mesh_of_cpu_devices_never_gets_cudnn():
 def test_model_train_step_through_packed_kernel(packed_on_cpu, remat):
     """The packed kernel (its lax.cond included) inside the model's layer scan, under remat
     and grad: loss and gradients equal the model on the chunked kernel."""
-    from test_model import _batch, _loss_and_grads, _rel_close, _setup
+    from tests.test_model import _batch, _loss_and_grads, _rel_close, _setup
     batch = _batch(21)
     over = {"model.remat": remat, "model.max_segments": 4}
     _, mesh, g, s, _, _ = _setup(2, 1, **over)

@@ -131,7 +131,7 @@ def test_conversation_ids_equal_transformers(tmp_path, kind):
 def test_byte_level_tokenizers_encode_pieces_alone(tmp_path):
     """Tokenizers that prepend nothing (Llama 3, Qwen, GPT-2 style; bytes) keep encoding each
     piece on its own, as before."""
-    from test_chat import write_tokenizer_dir
+    from tests.test_chat import write_tokenizer_dir
     tok = load_tokenizer(write_tokenizer_dir(tmp_path / "tok", CHATML))
     assert pieces.prepend_setting(tok) == []
     text = ["<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n", "hi<|im_end|>", "\n"]

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import need_devices
+from tests.utils.devices import need_devices
 from ulysses_jax import plan
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.training.dry_run import dry_run

@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from conftest import need_devices
+from tests.utils.devices import need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, LoraConfig, load_config
 from ulysses_jax.hf import config_from_hf, from_pretrained, save_pretrained, to_hf_tensors

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import need_devices
+from tests.utils.devices import need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.attention import deltanet, linear
 from ulysses_jax.config import ConfigError, load_config

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import DEVICES, cli_env, need_devices
+from tests.utils.devices import DEVICES, cli_env, need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.data.__main__ import main as data_main
 from ulysses_jax.evaluate import main as evaluate_main
@@ -255,8 +255,8 @@ def _convert(gguf_file: str, out) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def llvm_optimised():
     """The programs of this module's tests (and of the modules that import this fixture) are
-    compiled with LLVM's optimisations, which conftest turns off for the suite's tiny
-    programs: the 135M model's decode steps run 3x faster with them (0.63 s against 1.85 s
+    compiled with LLVM's optimisations, which tests/utils/devices.py turns off for the suite's
+    tiny programs: the 135M model's decode steps run 3x faster with them (0.63 s against 1.85 s
     for 11 steps of 4 rows, 2026-12-05), for compiles that cost more but are few."""
     was = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
@@ -369,10 +369,10 @@ def test_generate_cli_on_three_devices(smollm2, tmp_path):
 
 def _cli(*args) -> str:
     """Runs ``python *args`` in the repository on the test devices; returns its stdout."""
-    # LLVM's optimisations back on (conftest turns them off for the tiny test programs): this
-    # model's train step then runs in half the time, for a compile paid once. The suite's other
-    # code-generation settings stay (the same time either way: 24.0 against 23.4 s of this
-    # SFT run alone, 2026-12-05).
+    # LLVM's optimisations back on (tests/utils/devices.py turns them off for the tiny test
+    # programs): this model's train step then runs in half the time, for a compile paid once.
+    # The suite's other code-generation settings stay (the same time either way: 24.0 against
+    # 23.4 s of this SFT run alone, 2026-12-05).
     env = cli_env(JAX_DISABLE_MOST_OPTIMIZATIONS="0")
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from conftest import DEVICES, need_devices
-from test_real_checkpoint import CONVERSATIONS, llvm_optimised, smollm2  # noqa: F401 (fixtures)
+from tests.test_real_checkpoint import CONVERSATIONS, llvm_optimised, smollm2  # noqa: F401 (fixtures)
+from tests.utils.devices import DEVICES, need_devices
 from ulysses_jax.evaluate import main as evaluate_main
 from ulysses_jax.export import main as export_main
 

@@ -12,8 +12,8 @@ import json
 import numpy as np
 import pytest
 
-from conftest import DEVICES, need_devices
-from test_real_checkpoint import llvm_optimised, smollm2  # noqa: F401 (fixtures)
+from tests.test_real_checkpoint import llvm_optimised, smollm2  # noqa: F401 (fixtures)
+from tests.utils.devices import DEVICES, need_devices
 
 pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
                                 reason="the run uses fake CPU devices")

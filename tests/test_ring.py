@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import need_devices, tolerance
+from tests.utils.devices import need_devices
+from tests.utils.numerics import tolerance
 from ulysses_jax import (act_spec, hybrid_attention, inverse_zigzag_permutation, make_mesh,
                          reference_attention, seq_axes, ulysses_attention, zigzag_permutation)
 from ulysses_jax.hlo import collective_counts, collective_shapes

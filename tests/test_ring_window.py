@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import need_devices, tolerance
+from tests.utils.devices import need_devices
+from tests.utils.numerics import tolerance
 from ulysses_jax import (hybrid_attention, inverse_zigzag_permutation, make_mesh,
                          reference_attention, ulysses_attention, zigzag_permutation)
 from ulysses_jax.attention.ring import block_counts, ring_steps

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import need_devices
-from test_hf import _randomize, _rel
+from tests.test_hf import _randomize, _rel
+from tests.utils.devices import need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, ModelConfig, RopeScalingConfig, load_config
 from ulysses_jax.hf import config_from_hf, from_pretrained, save_pretrained

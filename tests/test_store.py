@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from test_data import EOS, check_epoch, fresh_text, unique_docs
+from tests.test_data import EOS, check_epoch, fresh_text, unique_docs
 from ulysses_jax.data.__main__ import main as data_cli
 from ulysses_jax.data import packing, prepare as prepare_lib, text as data
 from ulysses_jax.data.store import StoreWriter, TokenStore, name_hash, token_dtype

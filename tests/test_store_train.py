@@ -9,8 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import DEVICES
-from test_chat import CHATML, write_tokenizer_dir
+from tests.test_chat import CHATML, write_tokenizer_dir
+from tests.utils.devices import DEVICES
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.data.prepare import prepare
 from ulysses_jax.training.trainer import train

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import DEVICES, cli_env
+from tests.utils.devices import DEVICES, cli_env
 from ulysses_jax.training.checkpoint import Checkpointer
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.plot import plot_metrics

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import gpu_devices, need_devices, tolerance
+from tests.utils.devices import gpu_devices, need_devices
+from tests.utils.numerics import tolerance
 from ulysses_jax import (make_mesh, reference_attention, ulysses_attention, seq_to_heads,
                          heads_to_seq)
 from ulysses_jax.hlo import collective_counts, collective_shapes

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import cli_env, need_devices
-from test_mm_data import noise, vl_tok, write_jsonl  # noqa: F401  (vl_tok is a fixture)
+from tests.test_mm_data import noise, vl_tok, write_jsonl  # noqa: F401  (vl_tok is a fixture)
+from tests.utils.devices import cli_env, need_devices
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.runs import load

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tolerance
+from tests.utils.numerics import tolerance
 from ulysses_jax import reference_attention
 from ulysses_jax.attention import cudnn, kernels
 from ulysses_jax.attention.chunked import (_backward, _delta, _forward, _pad_inputs, _Plan,
