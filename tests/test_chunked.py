@@ -1,34 +1,17 @@
 """Chunked (flash-style) attention: values and gradients against the dense reference, the
 Ulysses path, compiled memory, and causal block skipping."""
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.utils.attention import attention_inputs
 from tests.utils.devices import need_devices
 from tests.utils.numerics import tolerance
 from ulysses_jax import make_mesh, reference_attention, ulysses_attention
 from ulysses_jax.attention.chunked import _backward, _delta, _forward, _pad_inputs, _Plan, chunked_attention
 from ulysses_jax.attention.kernels import local_attention, resolve_impl
-
-
-@functools.partial(jax.jit,
-                   static_argnames=("b", "t", "s", "n", "kh", "h", "dtype", "segments"))
-def _inputs(seed, b, t, s, n, kh, h, dtype=jnp.float32, segments=False):
-    # One program per shape (the same values as the ops run one by one).
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(ks[0], (b, t, n, h), dtype)
-    k = jax.random.normal(ks[1], (b, s, kh, h), dtype)
-    v = jax.random.normal(ks[2], (b, s, kh, h), dtype)
-    seg = None
-    if segments:  # random document boundaries, at least one inside each row
-        starts = jax.random.bernoulli(ks[3], 0.15, (b, s)).at[:, s // 3].set(True)
-        seg = jnp.cumsum(starts, axis=1).astype(jnp.int32)
-    ct = jax.random.normal(ks[4], (b, t, n, h), dtype)
-    return q, k, v, seg, ct
 
 
 def _value_and_grads(fn, q, k, v, ct):
@@ -59,7 +42,7 @@ def _assert_matches(fn, ref, q, k, v, ct):
     (False, 4, 2, False, 40, 50, 16, 12),   # cross attention, T != S
 ])
 def test_matches_reference(causal, n, kh, segments, t, s, bq, bk):
-    q, k, v, seg, ct = _inputs(0, 2, t, s, n, kh, 8, segments=segments)
+    q, k, v, seg, ct = attention_inputs(0, 2, s, n, kh, 8, t=t, segments=segments)
     fn = lambda q, k, v: chunked_attention(q, k, v, causal=causal, segment_ids=seg,
                                            block_q=bq, block_k=bk)
     ref = lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=seg)
@@ -67,7 +50,7 @@ def test_matches_reference(causal, n, kh, segments, t, s, bq, bk):
 
 
 def test_bf16_forward_and_custom_scale():
-    q, k, v, seg, _ = _inputs(1, 1, 40, 40, 4, 2, 8, dtype=jnp.bfloat16, segments=True)
+    q, k, v, seg, _ = attention_inputs(1, 1, 40, 4, 2, 8, dtype=jnp.bfloat16, segments=True)
     out = jax.jit(lambda q, k, v: chunked_attention(q, k, v, causal=True, segment_ids=seg,
                                                     block_q=16, block_k=12, scale=0.3))(q, k, v)
     ref = jax.jit(lambda q, k, v: reference_attention(q, k, v, causal=True, segment_ids=seg,
@@ -81,7 +64,7 @@ def test_bf16_forward_and_custom_scale():
 def test_ulysses_chunked_matches_reference(causal, segments, s):
     mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
     # 8 query heads over 2 kv heads: P=4 > K=2, so kv heads are replicated before the exchange.
-    q, k, v, seg, ct = _inputs(2, 1, s, s, 8, 2, 16, segments=segments)
+    q, k, v, seg, ct = attention_inputs(2, 1, s, 8, 2, 16, segments=segments)
     fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal, segment_ids=seg,
                                            impl="chunked")
     ref = lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=seg)
@@ -115,7 +98,7 @@ def _tiles_with_visible_keys(t, s, bq, bk, causal):
 def test_causal_skips_blocks_above_the_diagonal(s, bq, bk):
     # cost_analysis() counts a while loop's body once, so it cannot see the skipping; count the
     # tiles the forward and backward loops actually compute instead.
-    q, k, v, _, ct = _inputs(3, 1, s, s, 2, 1, 4)
+    q, k, v, _, ct = attention_inputs(3, 1, s, 2, 1, 4)
     visits = {}
     for causal in (True, False):
         plan = _Plan(s, s, bq, bk, causal)
@@ -137,7 +120,7 @@ def test_resolve_auto_and_errors():
     with pytest.raises(ValueError, match="packed layout"):  # never a dense [S, S] mask
         resolve_impl("cudnn", jnp.bfloat16, 64, backend="gpu", segments=True)
     assert resolve_impl("chunked", jnp.float32, 64, backend="cpu") == "chunked"
-    q, k, v, _, _ = _inputs(4, 1, 8, 12, 4, 2, 8)
+    q, k, v, _, _ = attention_inputs(4, 1, 12, 4, 2, 8, t=8)
     with pytest.raises(ValueError, match="T == S, got T 8, S 12"):
         chunked_attention(q, k, v, causal=True)
     with pytest.raises(ValueError, match="query heads 4 not divisible by kv heads 3"):
@@ -189,7 +172,7 @@ def test_packed_rows_skip_tiles_between_documents(causal, b, s, bq, bk):
     # 2 query heads per kv head: the backward loops over key blocks outside; 4: over query
     # blocks outside (chunked._backward). Both visit the same tiles.
     for n in (4, 2):
-        q, k, v, _, ct = _inputs(5, b, s, s, n, 1, 4)
+        q, k, v, _, ct = attention_inputs(5, b, s, n, 1, 4)
         assert _visits(q, k, v, jnp.asarray(seg), ct, plan) == (want, want), n
     before = _visits(q, k, v, jnp.asarray(seg), ct, _Plan(s, s, bq, bk, causal,
                                                            skip_segments=False))
@@ -212,7 +195,7 @@ def test_segment_skipping_is_exact_for_any_ids(ids):
     else:
         seg = np.full((b, s), 3)
     seg = jnp.asarray(seg, jnp.int32)
-    q, k, v, _, ct = _inputs(6, b, s, s, 4, 2, 8)
+    q, k, v, _, ct = attention_inputs(6, b, s, 4, 2, 8)
     for causal in (True, False):
         fn = lambda q, k, v: chunked_attention(q, k, v, causal=causal, segment_ids=seg,
                                                block_q=16, block_k=12)
@@ -224,7 +207,7 @@ def test_key_range_with_no_shared_document_gives_no_output():
     """A ring pair whose query chunk and key chunk share no document: output 0, logsumexp
     -inf, zero gradients (never NaN)."""
     from ulysses_jax.attention.chunked import block_backward, block_forward, block_plan
-    q, k, v, _, ct = _inputs(8, 1, 40, 40, 4, 2, 8)
+    q, k, v, _, ct = attention_inputs(8, 1, 40, 4, 2, 8)
     seg_q, seg_k = np.ones((1, 40), np.int32), np.full((1, 40), 2, np.int32)
     plan = block_plan(40, 40, False, 16, 16)
     out, lse = jax.jit(lambda *a: block_forward(*a, plan, 0.3))(q, k, v, seg_q, seg_k)

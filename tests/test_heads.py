@@ -1,8 +1,6 @@
 """Head counts the seq axis does not divide: the padded layout (each device gets the query
 heads and the kv copies they read), values and gradients against the dense reference on
 Ulysses and hybrid meshes, the bytes the exchange moves, and the one error left."""
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -10,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from tests.utils.attention import attention_inputs
 from tests.utils.devices import need_devices
 from tests.utils.numerics import tolerance
 from ulysses_jax import make_mesh, reference_attention, ulysses_attention
@@ -92,23 +91,12 @@ NUMERIC = [  # (seq U, ring R, query heads, kv heads, causal, segments)
     (2, 2, 7, 7, True, True)]      # hybrid: heads padded for the seq axis only
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
-def _inputs(seed, b, s, n, k, h, segments):
-    """One program per shape (the same bits as op by op)."""
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q, ct = (jax.random.normal(x, (b, s, n, h)) for x in (ks[0], ks[1]))
-    kk, v = (jax.random.normal(x, (b, s, k, h)) for x in (ks[2], ks[3]))
-    seg = None
-    if segments:
-        seg = jnp.cumsum(jax.random.bernoulli(ks[4], 0.15, (b, s)), 1).astype(jnp.int32)
-    return q, kk, v, seg, ct
-
-
 @pytest.mark.parametrize("u,r,n,k,causal,segments", NUMERIC)
 def test_uneven_heads_match_reference(u, r, n, k, causal, segments):
     mesh = make_mesh(seq=u, ring=r, data=1, devices=need_devices(u * r))
     s, b, h = 8 * u * r, 2, 8
-    q, kk, v, seg, ct = _inputs(n * 10 + u, b, s, n, k, h, segments)
+    q, kk, v, seg, ct = attention_inputs(n * 10 + u, b, s, n, k, h, segments=segments,
+                                         boundary=False, keys=("q", "ct", "k", "v", "seg"))
     fn = lambda q, kk, v: ulysses_attention(q, kk, v, mesh=mesh, causal=causal,
                                             segment_ids=seg)
     ref = lambda q, kk, v: reference_attention(q, kk, v, causal=causal, segment_ids=seg)

@@ -9,27 +9,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tests.utils.attention import attention_inputs
 from tests.utils.devices import need_devices
 from tests.utils.numerics import tolerance
 from ulysses_jax import (act_spec, hybrid_attention, inverse_zigzag_permutation, make_mesh,
                          reference_attention, seq_axes, ulysses_attention, zigzag_permutation)
 from ulysses_jax.hlo import collective_counts, collective_shapes
 from ulysses_jax.attention.ring import _FLAT, _half_shard_moves, _reorder, block_counts
-
-
-@functools.partial(jax.jit, static_argnames=("b", "s", "n", "kh", "h", "segments"))
-def _inputs(seed, b, s, n, kh, h=8, segments=False):
-    """One program per shape (the same bits as op by op)."""
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(ks[0], (b, s, n, h))
-    k = jax.random.normal(ks[1], (b, s, kh, h))
-    v = jax.random.normal(ks[2], (b, s, kh, h))
-    seg = None
-    if segments:
-        starts = jax.random.bernoulli(ks[3], 0.15, (b, s)).at[:, s // 3].set(True)
-        seg = jnp.cumsum(starts, axis=1).astype(jnp.int32)
-    ct = jax.random.normal(ks[4], (b, s, n, h))
-    return q, k, v, seg, ct
 
 
 def _attention_fn(mesh, causal, seg, layout, s):
@@ -142,14 +128,14 @@ NUMERIC_CASES = [
 @pytest.mark.parametrize("u,r,d,n,kh,causal,segments,layout,s", NUMERIC_CASES)
 def test_matches_reference(u, r, d, n, kh, causal, segments, layout, s):
     mesh = make_mesh(seq=u, ring=r, data=d, devices=need_devices(u * r * d))
-    q, k, v, seg, ct = _inputs(u * 100 + r * 10 + kh, b=2 * d, s=s, n=n, kh=kh,
-                               segments=segments)
+    q, k, v, seg, ct = attention_inputs(u * 100 + r * 10 + kh, b=2 * d, s=s, n=n, kh=kh,
+                                        segments=segments)
     _check_against_reference(mesh, q, k, v, seg, ct, causal, layout, sharded=d > 1)
 
 
 def test_zigzag_and_contiguous_agree():
     mesh = make_mesh(seq=2, ring=4, data=1, devices=need_devices(8))
-    q, k, v, seg, _ = _inputs(5, b=2, s=32, n=4, kh=2, segments=True)
+    q, k, v, seg, _ = attention_inputs(5, b=2, s=32, n=4, kh=2, segments=True)
     zig = jax.jit(_attention_fn(mesh, True, seg, "zigzag", 32))(q, k, v)
     con = jax.jit(_attention_fn(mesh, True, seg, "contiguous", 32))(q, k, v)
     chex.assert_trees_all_close(zig, con, atol=1e-5, rtol=1e-5)
@@ -160,7 +146,7 @@ def test_zigzag_and_contiguous_agree():
 def _tiled_reference(causal):
     """test_tiled_pairs_match_reference's dense output, loss and gradients (one program; the
     inputs do not depend on the layout or tiles)."""
-    q, k, v, seg, ct = _inputs(7, b=1, s=64, n=4, kh=2, segments=True)
+    q, k, v, seg, ct = attention_inputs(7, b=1, s=64, n=4, kh=2, segments=True)
 
     def loss(q, k, v):
         out = reference_attention(q, k, v, causal=causal, segment_ids=seg)
@@ -178,7 +164,7 @@ def _tiled_reference(causal):
 def test_tiled_pairs_match_reference(layout, causal, block_q, block_k):
     """Pairs cut into several score tiles give the reference's values and gradients."""
     mesh = make_mesh(seq=2, ring=2, data=1, devices=need_devices(4))
-    q, k, v, seg, ct = _inputs(7, b=1, s=64, n=4, kh=2, segments=True)
+    q, k, v, seg, ct = attention_inputs(7, b=1, s=64, n=4, kh=2, segments=True)
     perm = inv = np.arange(64)
     if layout == "zigzag":
         perm, inv = zigzag_permutation(64, 2), inverse_zigzag_permutation(64, 2)
@@ -239,7 +225,7 @@ def test_block_skipping_and_zigzag_balance(causal):
     backward), zigzag gives every ring rank the same work, contiguous does not."""
     u, r = 2, 4
     mesh = make_mesh(seq=u, ring=r, data=1, devices=need_devices(8))
-    q, k, v, seg, _ = _inputs(1, b=1, s=32, n=4, kh=2, segments=True)
+    q, k, v, seg, _ = attention_inputs(1, b=1, s=32, n=4, kh=2, segments=True)
     counts = {}
     for layout in ("zigzag", "contiguous"):
         c = block_counts(q, k, v, mesh=mesh, causal=causal, segment_ids=seg, layout=layout)
@@ -273,7 +259,7 @@ def _compiled(fn, *args):
 def test_compiled_collectives_ring(u, r, d, layout):
     mesh = make_mesh(seq=u, ring=r, data=d, devices=need_devices(u * r * d))
     b, s, n, kh, h = 2 * d, 32, 4, 2, 8
-    q, k, v, seg, _ = _inputs(3, b, s, n, kh, h, segments=True)
+    q, k, v, seg, _ = attention_inputs(3, b, s, n, kh, h, segments=True)
     fn = lambda q, k, v, seg: hybrid_attention(q, k, v, mesh=mesh, segment_ids=seg, layout=layout)
     fwd, bwd = _compiled(fn, q, k, v, seg)
     fc, bc = collective_counts(fwd), collective_counts(bwd)
@@ -293,7 +279,7 @@ def test_ulysses_path_unchanged_without_ring():
     """ring == 1: the same mesh and HLO as before: exactly 2 all-to-alls, no permutes."""
     mesh = make_mesh(seq=4, data=2, devices=need_devices(8), ring=1)
     assert mesh.axis_names == ("data", "seq")
-    q, k, v, _, _ = _inputs(4, b=2, s=32, n=8, kh=2)
+    q, k, v, _, _ = attention_inputs(4, b=2, s=32, n=8, kh=2)
     fwd, bwd = _compiled(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh), q, k, v)
     fc, bc = collective_counts(fwd), collective_counts(bwd)
     assert fc["all-to-all"] == 2 and fc["collective-permute"] == 0, fc

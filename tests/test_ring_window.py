@@ -1,32 +1,19 @@
 """Windows, scales and softcaps through the exchange: Ulysses and hybrid Ulysses x Ring
 against the dense reference, the ring offsets a window needs, the pairs each rank computes,
 and the K/V a window no longer sends (collective-permutes as executed)."""
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.utils.attention import attention_inputs
 from tests.utils.devices import need_devices
 from tests.utils.numerics import tolerance
 from ulysses_jax import (hybrid_attention, inverse_zigzag_permutation, make_mesh,
                          reference_attention, ulysses_attention, zigzag_permutation)
 from ulysses_jax.attention.ring import block_counts, ring_steps
 from ulysses_jax.hlo import executed_collectives
-
-
-@functools.partial(jax.jit, static_argnames=("b", "s", "n", "kh", "h", "segments"))
-def _inputs(seed, b, s, n, kh, h=8, segments=False):
-    """One program per shape (the same bits as op by op)."""
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q, ct = (jax.random.normal(x, (b, s, n, h)) for x in (ks[0], ks[4]))
-    k, v = (jax.random.normal(x, (b, s, kh, h)) for x in (ks[1], ks[2]))
-    seg = None
-    if segments:
-        seg = jnp.cumsum(jax.random.bernoulli(ks[3], 0.1, (b, s)), 1).astype(jnp.int32)
-    return q, k, v, seg, ct
 
 
 def _check(fn, q, k, v, seg, ct, causal, **variant):
@@ -47,7 +34,8 @@ def _check(fn, q, k, v, seg, ct, causal, **variant):
     (4, True, 9, None, True), (2, False, 5, 3.0, False)])
 def test_ulysses_variants_match_reference(p, causal, window, softcap, segments):
     mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
-    q, k, v, seg, ct = _inputs(p, 2, 16 * p, 4, 2, segments=segments)
+    q, k, v, seg, ct = attention_inputs(p, 2, 16 * p, 4, 2, segments=segments, rate=0.1,
+                                        boundary=False)
     variant = dict(window=window, softcap=softcap, scale=0.3)
     fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal, segment_ids=seg,
                                            **variant)
@@ -62,7 +50,8 @@ def test_ulysses_variants_match_reference(p, causal, window, softcap, segments):
 def test_ring_window_matches_reference(u, r, layout, causal, window, softcap, segments):
     mesh = make_mesh(seq=u, ring=r, data=1, devices=need_devices(u * r))
     s = 64
-    q, k, v, seg, ct = _inputs(u + r, 1, s, 4, 2, segments=segments)
+    q, k, v, seg, ct = attention_inputs(u + r, 1, s, 4, 2, segments=segments, rate=0.1,
+                                        boundary=False)
     perm = inv = np.arange(s)
     if layout == "zigzag":
         perm, inv = zigzag_permutation(s, r), inverse_zigzag_permutation(s, r)
@@ -94,7 +83,7 @@ def test_window_pairs_and_ring_steps(layout, causal, window):
     backward, on every rank; the ring runs only the offsets those pairs need."""
     u, r, s = 1, 8, 64
     mesh = make_mesh(seq=u, ring=r, data=1, devices=need_devices(u * r))
-    q, k, v, _, _ = _inputs(9, 1, s, 2, 1)
+    q, k, v, _, _ = attention_inputs(9, 1, s, 2, 1)
     nc = 2 if layout == "zigzag" else 1
     counts = block_counts(q, k, v, mesh=mesh, causal=causal, layout=layout, window=window)
     want = _meeting_pairs(r, nc, s // (r * nc), causal, window)

@@ -1,6 +1,4 @@
 """Ulysses attention against the dense one-device reference: layout, values, gradients, HLO."""
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,28 +6,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tests.utils.attention import attention_inputs
 from tests.utils.devices import gpu_devices, need_devices
 from tests.utils.numerics import tolerance
 from ulysses_jax import (make_mesh, reference_attention, ulysses_attention, seq_to_heads,
                          heads_to_seq)
 from ulysses_jax.hlo import collective_counts, collective_shapes
 from ulysses_jax.attention.ulysses import _pack_qkv, _unpack_qkv
-
-
-@functools.partial(jax.jit, static_argnames=("b", "s", "n", "kh", "h", "dtype", "segments"))
-def _inputs(seed, b, s, n, kh, h, dtype=jnp.float32, segments=False):
-    # One program per shape (the same values as the ops run one by one).
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(ks[0], (b, s, n, h), dtype)
-    k = jax.random.normal(ks[1], (b, s, kh, h), dtype)
-    v = jax.random.normal(ks[2], (b, s, kh, h), dtype)
-    seg = None
-    if segments:
-        # Random document boundaries, at least one inside each row.
-        starts = jax.random.bernoulli(ks[3], 0.15, (b, s)).at[:, s // 3].set(True)
-        seg = jnp.cumsum(starts, axis=1).astype(jnp.int32)
-    ct = jax.random.normal(ks[4], (b, s, n, h), dtype)
-    return q, k, v, seg, ct
 
 
 def _check_against_reference(mesh, q, k, v, seg, ct, causal, sharded=False):
@@ -132,7 +115,7 @@ NUMERIC_CASES = [(p, kh, causal) for p in (1, 2, 4, 8) for kh in _kv_cases(16, p
 @pytest.mark.parametrize("p,kh,causal", NUMERIC_CASES)
 def test_matches_reference_1d(p, kh, causal):
     mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
-    q, k, v, seg, ct = _inputs(p * 31 + kh, b=2, s=8 * p, n=16, kh=kh, h=8)
+    q, k, v, seg, ct = attention_inputs(p * 31 + kh, b=2, s=8 * p, n=16, kh=kh, h=8)
     _check_against_reference(mesh, q, k, v, seg, ct, causal)
 
 
@@ -143,15 +126,15 @@ def test_matches_reference_1d(p, kh, causal):
 ])
 def test_matches_reference_2d_segments(data, p, segments, sharded, causal):
     mesh = make_mesh(seq=p, data=data, devices=need_devices(data * p))
-    q, k, v, seg, ct = _inputs(data * 10 + p, b=2 * data, s=8 * p, n=8, kh=max(p // 2, 1), h=8,
-                               segments=segments)
+    q, k, v, seg, ct = attention_inputs(data * 10 + p, b=2 * data, s=8 * p, n=8,
+                                        kh=max(p // 2, 1), h=8, segments=segments)
     _check_against_reference(mesh, q, k, v, seg, ct, causal, sharded=sharded)
 
 
 def test_segments_are_isolated():
     """Changing one document's tokens must not change another document's outputs."""
     mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
-    q, k, v, _, _ = _inputs(7, b=1, s=32, n=4, kh=4, h=8)
+    q, k, v, _, _ = attention_inputs(7, b=1, s=32, n=4, kh=4, h=8)
     seg = np.where(np.arange(32) < 12, 0, 1)[None].astype(np.int32)
     attn = jax.jit(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=False,
                                                      segment_ids=seg))
@@ -170,7 +153,7 @@ def test_segments_are_isolated():
 def test_compiled_collectives(data, p, kh, segments):
     mesh = make_mesh(seq=p, data=data, devices=need_devices(data * p))
     b, s, n, h = 2 * data, 8 * p, 8, 8
-    q, k, v, seg, ct = _inputs(3, b, s, n, kh, h, segments=segments)
+    q, k, v, seg, ct = attention_inputs(3, b, s, n, kh, h, segments=segments)
     fwd = jax.jit(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=seg))
     fwd_bwd = jax.jit(jax.grad(
         lambda q, k, v: jnp.sum(ulysses_attention(q, k, v, mesh=mesh, segment_ids=seg) * ct),
@@ -213,7 +196,7 @@ def test_bad_shapes_raise(shape_q, shape_kv, seq, match):
 
 def test_bad_impl_and_mesh_raise():
     devs = need_devices(2)
-    q, k, v, _, _ = _inputs(0, 1, 8, 2, 2, 8)
+    q, k, v, _, _ = attention_inputs(0, 1, 8, 2, 2, 8)
     with pytest.raises(ValueError, match="unknown attention impl 'flash'"):
         ulysses_attention(q, k, v, mesh=make_mesh(seq=2, data=1, devices=devs), impl="flash")
     no_seq = jax.make_mesh((2,), ("data",), devices=devs)
@@ -226,7 +209,7 @@ def test_bad_impl_and_mesh_raise():
 
 def test_cudnn_on_cpu_raises():
     devs = need_devices(2)
-    q, k, v, _, _ = _inputs(0, 1, 8, 2, 2, 8, dtype=jnp.bfloat16)
+    q, k, v, _, _ = attention_inputs(0, 1, 8, 2, 2, 8, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="impl='cudnn' needs a GPU backend"):
         ulysses_attention(q, k, v, mesh=make_mesh(seq=2, data=1, devices=devs), impl="cudnn")
 
@@ -258,7 +241,7 @@ def test_cudnn_bf16_matches_reference(p, kh):
     devs = gpu_devices(p)
     mesh = make_mesh(seq=p, data=1, devices=devs)
     with jax.default_device(devs[0]):
-        q, k, v, _, ct = _inputs(11, b=2, s=256 * p, n=8, kh=kh, h=64, dtype=jnp.bfloat16)
+        q, k, v, _, ct = attention_inputs(11, b=2, s=256 * p, n=8, kh=kh, h=64, dtype=jnp.bfloat16)
         got = _gpu_fwd_bwd(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, impl="cudnn"),
                            q, k, v, ct)
         f32 = [x.astype(jnp.float32) for x in (q, k, v, ct)]
@@ -277,8 +260,8 @@ def test_cudnn_packed_bf16_matches_reference(p, kh):
         pytest.skip(why)
     mesh = make_mesh(seq=p, data=1, devices=devs)
     with jax.default_device(devs[0]):
-        q, k, v, seg, ct = _inputs(12, b=2, s=512 * p, n=8, kh=kh, h=64, dtype=jnp.bfloat16,
-                                   segments=True)
+        q, k, v, seg, ct = attention_inputs(12, b=2, s=512 * p, n=8, kh=kh, h=64,
+                                            dtype=jnp.bfloat16, segments=True)
         assert ulysses.mesh_kernel("auto", q, mesh, True, (8 // p, max(kh, p) // p)) == \
             "cudnn_packed"
         got = _gpu_fwd_bwd(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh,
@@ -294,7 +277,7 @@ def test_cudnn_packed_bf16_matches_reference(p, kh):
 def test_head_chunks_same_results_more_smaller_exchanges(p, n, kh, chunks):
     """head_chunks=C: same outputs and gradients as the reference; 2C all-to-alls forward."""
     mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
-    q, k, v, seg, ct = _inputs(40 + chunks, b=2, s=8 * p, n=n, kh=kh, h=8, segments=True)
+    q, k, v, seg, ct = attention_inputs(40 + chunks, b=2, s=8 * p, n=n, kh=kh, h=8, segments=True)
     tol = tolerance(q.dtype)
     fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=seg,
                                            head_chunks=chunks)
@@ -309,7 +292,7 @@ def test_head_chunks_same_results_more_smaller_exchanges(p, n, kh, chunks):
 
 def test_head_chunks_must_divide_local_kv_heads():
     mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
-    q, k, v, _, _ = _inputs(0, 1, 16, 8, 2, 8)
+    q, k, v, _, _ = attention_inputs(0, 1, 16, 8, 2, 8)
     with pytest.raises(ValueError, match="head_chunks 2 must be a positive divisor of the kv "
                                          "heads per device, 1"):
         ulysses_attention(q, k, v, mesh=mesh, head_chunks=2)

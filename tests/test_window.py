@@ -2,14 +2,13 @@
 reference against a loop, the chunked kernel (values, gradients, tiles visited, ring-pair
 offsets) and XLA's kernel against the reference, cuDNN's arguments through a stand-in, and
 the kernel choice."""
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.utils.attention import attention_inputs
 from tests.utils.numerics import tolerance
 from ulysses_jax import reference_attention
 from ulysses_jax.attention import cudnn, kernels
@@ -17,19 +16,6 @@ from ulysses_jax.attention.chunked import (_backward, _delta, _forward, _pad_inp
                                            block_backward, block_forward, block_plan,
                                            chunked_attention)
 from ulysses_jax.attention.kernels import local_attention, resolve_impl
-
-
-@functools.partial(jax.jit, static_argnames=("b", "s", "n", "kh", "h", "segments"))
-def _inputs(seed, b, s, n, kh, h=8, segments=False):
-    # One program per shape (the same values as the ops run one by one).
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q, ct = (jax.random.normal(x, (b, s, n, h)) for x in (ks[0], ks[4]))
-    k, v = (jax.random.normal(x, (b, s, kh, h)) for x in (ks[1], ks[2]))
-    seg = None
-    if segments:
-        starts = jax.random.bernoulli(ks[3], 0.1, (b, s)).at[:, s // 3].set(True)
-        seg = jnp.cumsum(starts, axis=1).astype(jnp.int32)
-    return q, k, v, seg, ct
 
 
 def _assert_matches(fn, ref, q, k, v, ct):
@@ -47,7 +33,7 @@ def _assert_matches(fn, ref, q, k, v, ct):
 def test_reference_window_and_softcap_by_loop():
     """The reference's definitions, by a loop: query i sees the W keys i-W+1..i (causal) or
     |i - j| < W; logits are c * tanh(scale * q.k / c) before masking."""
-    q, k, v, _, _ = _inputs(0, 1, 12, 1, 1)
+    q, k, v, _, _ = attention_inputs(0, 1, 12, 1, 1)
     w, c, scale = 4, 1.5, 0.7
     qn, kn, vn = (np.asarray(x, np.float64)[0, :, 0] for x in (q, k, v))
     ref = jax.jit(reference_attention, static_argnames=("causal", "scale", "window", "softcap"))
@@ -73,7 +59,7 @@ def test_reference_window_and_softcap_by_loop():
     (False, 9, 3.0, True, 13, 7),
 ])
 def test_chunked_window_matches_reference(causal, window, softcap, segments, bq, bk):
-    q, k, v, seg, ct = _inputs(1, 2, 50, 4, 2, segments=segments)
+    q, k, v, seg, ct = attention_inputs(1, 2, 50, 4, 2, segments=segments, rate=0.1)
     fn = lambda q, k, v: chunked_attention(q, k, v, causal=causal, segment_ids=seg, block_q=bq,
                                            block_k=bk, window=window, softcap=softcap, scale=0.3)
     ref = lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=seg,
@@ -94,7 +80,7 @@ def test_window_and_softcap_in_every_loop_order(n, kh, bq, bk, causal, window, s
     """The paths the kernel takes by shape (a kv head serving more than two query heads runs
     the query-outer backward; one query or key block skips that loop) apply the window, the
     softcap's derivative and the segment mask like the many-block key-outer path."""
-    q, k, v, seg, ct = _inputs(8, 2, 50, n, kh, segments=segments)
+    q, k, v, seg, ct = attention_inputs(8, 2, 50, n, kh, segments=segments, rate=0.1)
     fn = lambda q, k, v: chunked_attention(q, k, v, causal=causal, segment_ids=seg, block_q=bq,
                                            block_k=bk, window=window, softcap=softcap, scale=0.3)
     ref = lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=seg,
@@ -127,7 +113,7 @@ def _visits(plan, q, k, v, ct, offset=0):
 def test_window_visits_exactly_the_tiles_inside_it(s, bq, bk, causal, window, offset, n):
     """The loops' own counters equal a brute-force count of the tiles that hold a pair
     inside the window (forward and backward), also for a ring pair's offset."""
-    q, k, v, _, ct = _inputs(2, 1, s, n, 1, h=4)
+    q, k, v, _, ct = attention_inputs(2, 1, s, n, 1, h=4)
     plan = _Plan(s, s, bq, bk, causal, window=window)
     want = _tiles_in_window(s, bq, bk, causal, window, offset)
     assert _visits(plan, q, k, v, ct, offset) == (want, want)
@@ -164,7 +150,7 @@ def test_ring_pair_offset_uses_true_positions(n, kh, bq, bk):
     """block_forward / block_backward of a (query chunk, key chunk) pair 32 positions apart,
     window 20: rows 0..2 of the query chunk reach its last keys, the rest see nothing (output
     0, logsumexp -inf); values and gradients equal a dense pair computed directly."""
-    q, k, v, _, ct = _inputs(3, 1, 16, n, kh)
+    q, k, v, _, ct = attention_inputs(3, 1, 16, n, kh)
     plan = block_plan(16, 16, True, bq, bk, window=20, softcap=2.0)
     out, lse = jax.jit(lambda q, k, v: block_forward(q, k, v, None, None, plan, 0.4,
                                                      offset=32))(q, k, v)
@@ -183,7 +169,7 @@ def test_ring_pair_offset_uses_true_positions(n, kh, bq, bk):
 
 def test_xla_kernel_window_and_scale():
     causal = False  # both sides of the window (the causal side: test_cudnn_gets_...)
-    q, k, v, seg, ct = _inputs(4, 2, 40, 4, 2, segments=True)
+    q, k, v, seg, ct = attention_inputs(4, 2, 40, 4, 2, segments=True, rate=0.1)
     fn = lambda q, k, v: local_attention(q, k, v, causal=causal, segment_ids=seg, impl="xla",
                                          window=7, scale=0.3)
     ref = lambda q, k, v: reference_attention(q, k, v, causal=causal, segment_ids=seg,
@@ -201,7 +187,7 @@ def test_cudnn_gets_the_window_and_scale(monkeypatch):
         seen.append(kw)
         return real(q, k, v, **{**kw, "implementation": "xla"})
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
-    q, k, v, _, _ = _inputs(5, 1, 32, 4, 2)
+    q, k, v, _, _ = attention_inputs(5, 1, 32, 4, 2)
     # a fresh function: the stand-in must see this test's trace
     local = jax.jit(lambda q, k, v, **kw: local_attention(q, k, v, **kw),
                     static_argnames=("causal", "impl", "window", "scale"))
@@ -222,7 +208,7 @@ def test_packed_cudnn_gets_the_window(monkeypatch):
     calls = []
     monkeypatch.setattr(cudnn, "_cudnn_packed_call",
                         lambda *a, **kw: calls.append(kw) or jnp.zeros_like(a[0]))
-    q, k, v, _, _ = _inputs(6, 1, 32, 4, 2)
+    q, k, v, _, _ = attention_inputs(6, 1, 32, 4, 2)
     seg = np.asarray([[1] * 20 + [2] * 12], np.int32)
     out = jax.jit(lambda q, k, v: cudnn.packed_attention(q, k, v, seg, causal=True,
                                                         max_segments=4, window=6))(q, k, v)
@@ -264,7 +250,7 @@ def test_variant_refusals():
         resolve_impl("xla", jnp.float32, 64, softcap=30.0, backend="cpu")
     with pytest.raises(ValueError, match="without the causal mask"):
         resolve_impl("cudnn", jnp.bfloat16, 64, causal=False, window=8, **kw)
-    q, k, v, _, _ = _inputs(7, 1, 16, 2, 1)
+    q, k, v, _, _ = attention_inputs(7, 1, 16, 2, 1)
     for bad, match in ((dict(window=0), "window must be a positive int"),
                        (dict(window=2.5), "window must be a positive int"),
                        (dict(softcap=-1.0), "softcap must be positive")):
