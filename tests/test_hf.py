@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 from tests.utils.devices import need_devices
+from tests.utils.numerics import rel_error
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.hf import (ARCHS, config_from_hf, config_to_hf, from_pretrained, load_params,
@@ -79,10 +80,6 @@ def _tokens(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, V, (B, S)).astype(np.int32)
 
 
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> directory of a transformers-written checkpoint (see CHECKPOINTS)."""
@@ -118,7 +115,7 @@ def test_import_matches_transformers(checkpoints, name, p):
                             **CHECKPOINTS[name][3])
     got = _our_logits(model, tokens)
     assert got.shape == (B, S, V) and got.dtype == np.float32
-    assert _rel(got, want) <= TOL, (name, p, _rel(got, want))
+    assert rel_error(got, want) <= TOL, (name, p, rel_error(got, want))
     assert model.embed.sharding.mesh.shape == mesh.shape
 
 
@@ -158,7 +155,7 @@ def test_zero3_load_params_lands_sharded(checkpoints):
     model = from_pretrained(path, mesh=mesh, param_sharding="zero3", attn_impl="xla")
     assert model.cfg == cfg
     tokens = _tokens(7)
-    assert _rel(_our_logits(model, tokens), _hf_logits(path, tokens)) <= TOL
+    assert rel_error(_our_logits(model, tokens), _hf_logits(path, tokens)) <= TOL
 
 
 def _redraw(p, x, keys):
@@ -195,7 +192,7 @@ def test_export_round_trip(tmp_path, arch, qk_norm, qkv_bias, tie):
         assert loaded.o_proj.bias is None
     tokens = _tokens(11)
     ours = _our_logits(model, tokens)
-    assert _rel(ours, _hf_logits(str(tmp_path), tokens)) <= TOL
+    assert rel_error(ours, _hf_logits(str(tmp_path), tokens)) <= TOL
     back = from_pretrained(str(tmp_path), mesh=mesh, attn_impl="xla")
     assert back.cfg == dataclasses.replace(cfg, init_std=back.cfg.init_std)
     checked = 0

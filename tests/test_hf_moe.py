@@ -17,6 +17,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from tests.utils.devices import need_devices
+from tests.utils.numerics import rel_error
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig, load_config
 from ulysses_jax.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
@@ -53,10 +54,6 @@ def _randomize(module, seed):
 
 def _tokens(seed):
     return np.random.default_rng(seed).integers(0, V, (B, S)).astype(np.int32)
-
-
-def _rel(a, b):
-    return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
 
 
 def _hf_load(path):
@@ -111,7 +108,7 @@ def test_import_matches_transformers(checkpoints, name, p):
     model = from_pretrained(path, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
     logits, loss, aux = _ours(model, tokens, mesh)
     assert logits.shape == (B, S, V)
-    assert _rel(logits, want_logits) <= TOL, _rel(logits, want_logits)
+    assert rel_error(logits, want_logits) <= TOL, rel_error(logits, want_logits)
     np.testing.assert_allclose(aux, want_aux, rtol=TOL)
     np.testing.assert_allclose(loss, want_loss, rtol=TOL)
     assert abs(BASE["router_aux_loss_coef"] * want_aux) > 100 * TOL * want_loss  # aux counts
@@ -156,7 +153,7 @@ def test_export_round_trip(tmp_path):
     tokens = _tokens(11)
     want_logits, want_loss, want_aux = _hf_outputs(str(tmp_path), tokens)
     logits, loss, aux = _ours(model, tokens, mesh)
-    assert _rel(logits, want_logits) <= TOL
+    assert rel_error(logits, want_logits) <= TOL
     np.testing.assert_allclose((loss, aux), (want_loss, want_aux), rtol=TOL)
     back = from_pretrained(str(tmp_path), mesh=mesh, attn_impl="xla")
     assert back.cfg == dataclasses.replace(cfg, init_std=back.cfg.init_std)
@@ -214,12 +211,12 @@ def test_sliding_window_import_matches_transformers(checkpoints):
     model = from_pretrained(path, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
     assert (model.cfg.sliding_window, model.cfg.layer_kinds()) == (8, "LL")
     logits, loss, aux = _ours(model, tokens, mesh)
-    assert _rel(logits, want_logits) <= TOL, _rel(logits, want_logits)
+    assert rel_error(logits, want_logits) <= TOL, rel_error(logits, want_logits)
     np.testing.assert_allclose((loss, aux), (want_loss, want_aux), rtol=TOL)
     full = nnx.eval_shape(lambda: Decoder(dataclasses.replace(model.cfg, sliding_window=0),
                                           mesh=mesh, rngs=nnx.Rngs(0)))  # every weight replaced
     nnx.update(full, nnx.state(model, nnx.Param))
-    assert _rel(_ours(full, tokens, mesh)[0], want_logits) > 100 * TOL
+    assert rel_error(_ours(full, tokens, mesh)[0], want_logits) > 100 * TOL
 
 
 def test_init_from_qwen3_moe_checkpoint(checkpoints, tmp_path):

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.test_hf import TOL, _hf_logits, _our_logits, _randomize, _rel
+from tests.test_hf import TOL, _hf_logits, _our_logits, _randomize
 from tests.utils.devices import cli_env, need_devices
+from tests.utils.numerics import rel_error
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
@@ -75,7 +76,7 @@ def test_import_matches_transformers(checkpoints, name, p):
     mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
     model = from_pretrained(checkpoints[name], mesh=mesh, attn_impl="auto")
     assert 0 < model.cfg.sliding_window < S
-    assert _rel(_our_logits(model, tokens), want) <= TOL, (name, p)
+    assert rel_error(_our_logits(model, tokens), want) <= TOL, (name, p)
 
 
 def test_configs_read_what_transformers_applies(checkpoints):
@@ -100,7 +101,7 @@ def test_configs_read_what_transformers_applies(checkpoints):
         model = _with(checkpoints[name], mesh, **{field: off})
         if name not in want:
             want[name] = _hf_logits(checkpoints[name], tokens)
-        assert _rel(_our_logits(model, tokens), want[name]) > 10 * TOL
+        assert rel_error(_our_logits(model, tokens), want[name]) > 10 * TOL
         checked += 1
     assert checked == 4
 
@@ -138,7 +139,7 @@ def test_export_round_trip(tmp_path, family, arch, over):
     hf = json.load(open(tmp_path / "config.json"))
     assert hf["model_type"] == arch
     tokens = _tokens(11)
-    assert _rel(_our_logits(model, tokens), _hf_logits(str(tmp_path), tokens)) <= TOL
+    assert rel_error(_our_logits(model, tokens), _hf_logits(str(tmp_path), tokens)) <= TOL
     back = from_pretrained(str(tmp_path), mesh=mesh)
     assert back.cfg.layer_kinds() == cfg.layer_kinds()
     assert back.cfg == dataclasses.replace(cfg, init_std=back.cfg.init_std,
@@ -157,7 +158,7 @@ def test_gemma3_has_no_attention_softcap_as_in_transformers(checkpoints, tmp_pat
         seq=1, data=1, devices=need_devices(1)))
     assert model.cfg.attn_softcap == 0.0
     tokens = _tokens(6)
-    assert _rel(_our_logits(model, tokens), _hf_logits(str(tmp_path / "g3"), tokens)) <= TOL
+    assert rel_error(_our_logits(model, tokens), _hf_logits(str(tmp_path / "g3"), tokens)) <= TOL
     with pytest.raises(ValueError, match=r"gemma3_text applies no attention logit softcap .* "
                                          r"attn_softcap=50.0"):
         config_to_hf(ModelConfig(family="gemma", qk_norm=True, attn_softcap=50.0))

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 from tests.utils.devices import DEVICES, need_devices
+from tests.utils.numerics import rel_error
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, LoraConfig, load_config
 from ulysses_jax.hf import config_from_hf, load_params, read_config
@@ -126,10 +127,6 @@ def _peft_reference(wrapped, batch):
     return logits.detach().numpy(), float(loss), grads
 
 
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_peft(checkpoints, name):
     """Logits, loss and every adapter gradient equal peft's (at mesh.seq 1, 2 and 4)."""
@@ -168,16 +165,16 @@ def test_matches_peft(checkpoints, name):
             return logits, obj, grads
 
         logits, loss, grads = run(_host(trained), sharded)
-        assert _rel(np.asarray(logits), want_logits) <= TOL, (name, p)
+        assert rel_error(np.asarray(logits), want_logits) <= TOL, (name, p)
         assert abs(float(loss) - want_loss) / abs(want_loss) <= TOL, (name, p, loss, want_loss)
         got = adapter_tensors(cfg, grads)
         assert sorted(got) == sorted(want_grads)
         for n, g in got.items():
-            assert _rel(g, want_grads[n]) <= TOL, (name, p, n, _rel(g, want_grads[n]))
+            assert rel_error(g, want_grads[n]) <= TOL, (name, p, n, rel_error(g, want_grads[n]))
             checked += 1
-        print(f"{name} seq={p}: logits {_rel(np.asarray(logits), want_logits):.2e}, loss "
+        print(f"{name} seq={p}: logits {rel_error(np.asarray(logits), want_logits):.2e}, loss "
               f"{abs(float(loss) - want_loss) / abs(want_loss):.2e}, adapter grads max "
-              f"{max(_rel(g, want_grads[n]) for n, g in got.items()):.2e}")
+              f"{max(rel_error(g, want_grads[n]) for n, g in got.items()):.2e}")
     assert checked == len(sizes) * len(want_grads)
 
 
@@ -344,8 +341,8 @@ def _exports_give_our_logits(run: str, step: int, base: str, out) -> None:
         peft_model = peft.PeftModel.from_pretrained(hf(base), str(out / "adapter")).eval()
         via_peft = peft_model(tok).logits.numpy()
         via_merge = hf(str(out / "merged"))(tok).logits.numpy()
-    assert _rel(via_peft, ours) <= TOL, _rel(via_peft, ours)
-    assert _rel(via_merge, ours) <= TOL, _rel(via_merge, ours)
+    assert rel_error(via_peft, ours) <= TOL, rel_error(via_peft, ours)
+    assert rel_error(via_merge, ours) <= TOL, rel_error(via_merge, ours)
 
 
 @pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="trainer tests run on fake CPU devices")
@@ -519,7 +516,7 @@ def test_token_chunked_mlp_equals_unchunked():
     (l0, g0), (l1, g1) = results
     assert abs(l0 - l1) <= 1e-5 * abs(l0)
     for path, a, b in zip(_paths(g0), jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        assert _rel(b, a) <= 1e-4, path
+        assert rel_error(b, a) <= 1e-4, path
 
 
 @pytest.mark.parametrize("over,match", [

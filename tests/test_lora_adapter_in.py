@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.test_lora import SMALL, TOL, TRAIN, _randomize, _rel
+from tests.test_lora import SMALL, TOL, TRAIN, _randomize
 from tests.utils.devices import DEVICES, need_devices
+from tests.utils.numerics import rel_error
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.interop.peft_adapter import adapter_targets
@@ -101,7 +102,7 @@ def test_start_equals_peft(tiny, tmp_path, seq):
         mask = torch.from_numpy(batch["loss_mask"]).reshape(-1)
         want_loss = float((ce * mask).sum() / mask.sum())
     ours = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(state["params"], batch["tokens"])
-    assert _rel(np.asarray(ours), logits.numpy()) <= TOL
+    assert rel_error(np.asarray(ours), logits.numpy()) <= TOL
     sharded = {k: jax.device_put(v, batch_shardings(mesh)[k]) for k, v in batch.items()}
     _, metrics = make_train_step(cfg, mesh, graphdef, tx, shardings)(state, sharded)
     assert abs(float(metrics["loss"]) - want_loss) <= TOL * want_loss, (metrics, want_loss)
@@ -148,7 +149,7 @@ def test_training_continues_resumes_and_exports(tiny, tmp_path, capsys):
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(_hf(base), out).eval()(
             torch.from_numpy(tokens).long()).logits.numpy()
-    assert _rel(ours, theirs) <= TOL, _rel(ours, theirs)
+    assert rel_error(ours, theirs) <= TOL, rel_error(ours, theirs)
 
 
 # --- errors: from the files and shapes alone -------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from tests.utils.devices import need_devices
+from tests.utils.numerics import assert_rel_close
 from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.models.loss import chunked_cross_entropy, plain_cross_entropy
@@ -101,13 +102,6 @@ def _loss_and_grads(graphdef, state, batch, mesh):
         state["params"])
 
 
-def _rel_close(a, b, rtol):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        x, y = np.asarray(x), np.asarray(y)
-        scale = max(np.abs(y).max(), 1e-12)
-        assert np.abs(x - y).max() / scale <= rtol, (np.abs(x - y).max(), scale)
-
-
 @pytest.mark.parametrize("seq,data,sharding", [(4, 1, "replicated"), (4, 2, "replicated"),
                                                (4, 2, "zero3")])
 def test_sharded_model_equals_one_device(seq, data, sharding):
@@ -119,8 +113,8 @@ def test_sharded_model_equals_one_device(seq, data, sharding):
     chex.assert_trees_all_close(logits, logits1, atol=1e-5, rtol=1e-5)
     loss1, grads1 = _shared_loss_and_grads(cfg1, s1["params"], batch)
     loss, grads = _shared_loss_and_grads(cfg, s["params"], batch)
-    _rel_close(loss, loss1, 1e-4)
-    _rel_close(grads, grads1, 1e-4)
+    assert_rel_close(loss, loss1, 1e-4)
+    assert_rel_close(grads, grads1, 1e-4)
     assert float(loss) > 0
 
 
@@ -183,7 +177,7 @@ def test_positions_matter_and_are_global():
     _, _, g4, s4, _, _ = _setup(4, 1, **big)
     f = jax.jit(_logits, static_argnums=0)
     a1, a4 = f(g1, s1["params"], shifted), f(g4, s4["params"], shifted)
-    _rel_close(a4, a1, 1e-5)  # relative to the largest logit: these weights make logits large
+    assert_rel_close(a4, a1, 1e-5)  # relative to the largest logit: these weights make logits large
     assert not np.allclose(np.asarray(a1), np.asarray(f(g1, s1["params"], batch)), atol=1e-2)
     a_local = f(g1, s1["params"], local)
     assert not np.allclose(np.asarray(a_local), np.asarray(f(g4, s4["params"], batch)), atol=1e-2)
@@ -205,7 +199,7 @@ def test_chunked_loss_equals_plain_loss():
     lp, gp = jax.jit(jax.value_and_grad(plain))(s["params"])
     lc, gc = jax.jit(jax.value_and_grad(chunked))(s["params"])
     np.testing.assert_allclose(float(lc), float(lp), rtol=1e-5)
-    _rel_close(gc, gp, 1e-4)
+    assert_rel_close(gc, gp, 1e-4)
 
 
 def test_compiled_step_holds_no_full_logits():
@@ -259,8 +253,8 @@ def test_vocab_parallel_does_not_change_numbers(seq, ring, data, vocab, tied):
         batch = {k: v[:, zigzag_permutation(64, ring)] for k, v in batch.items()}
     l0, g0 = _loss_and_grads(gr, sr, batch, mesh)
     l1, g1 = _loss_and_grads(g, s, batch, mesh)
-    _rel_close(l1, l0, 1e-5)
-    _rel_close(g1, g0, 1e-5)
+    assert_rel_close(l1, l0, 1e-5)
+    assert_rel_close(g1, g0, 1e-5)
 
 
 @pytest.mark.parametrize("vocab", [16384, 16382])  # 16382: padded to 16384 at P=4
@@ -304,8 +298,8 @@ def _assert_option_keeps_numbers(batch, option, **base):
     cfgo, _, _, so, _, _ = _shared_setup(2, 1, **base, **option)
     l0, g0 = _shared_loss_and_grads(cfg, s["params"], batch)
     l1, g1 = _shared_loss_and_grads(cfgo, so["params"], batch)
-    _rel_close(l1, l0, 1e-5)
-    _rel_close(g1, g0, 1e-5)
+    assert_rel_close(l1, l0, 1e-5)
+    assert_rel_close(g1, g0, 1e-5)
 
 
 @pytest.mark.parametrize("remat,seed", [("full", 10), ("save_dots", 10), ("offload", 13)])
@@ -334,8 +328,8 @@ def test_tiled_mlp_same_numbers_less_memory():
     c0, c1 = compiled(g, s["params"]), compiled(gt, st["params"])
     l0, g0 = c0(s["params"])
     l1, g1 = c1(st["params"])
-    _rel_close(l1, l0, 1e-5)
-    _rel_close(g1, g0, 1e-5)
+    assert_rel_close(l1, l0, 1e-5)
+    assert_rel_close(g1, g0, 1e-5)
     untiled, tiled = (c.memory_analysis().temp_size_in_bytes for c in (c0, c1))
     ffn_bytes = 2 * (256 // 2) * 2048 * 4  # one fp32 [B, S/P, F] buffer
     assert tiled < untiled - ffn_bytes, (tiled, untiled, ffn_bytes)
@@ -368,8 +362,8 @@ def test_ring_mesh_model_matches_one_device():
     zigzag = {k: v[:, order] for k, v in batch.items()}
     loss1, grads1 = _shared_loss_and_grads(cfg1, s1["params"], batch)
     loss, grads = _shared_loss_and_grads(cfg, s["params"], zigzag)
-    _rel_close(loss, loss1, 1e-5)
-    _rel_close(grads, grads1, 1e-4)
+    assert_rel_close(loss, loss1, 1e-5)
+    assert_rel_close(grads, grads1, 1e-4)
 
 
 def test_ulysses_head_chunks_do_not_change_numbers():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.test_model import _batch, _logits, _loss_and_grads, _rel_close, _setup
+from tests.test_model import _batch, _logits, _loss_and_grads, _setup
+from tests.utils.numerics import assert_rel_close
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.models.decoder import layer_groups
 
@@ -34,8 +35,8 @@ def test_variant_model_sharded_equals_one_device(seq, ring, over):
         from ulysses_jax.attention.ring import zigzag_permutation
         batch = {k: v[:, zigzag_permutation(64, ring)] for k, v in batch.items()}
     loss, grads = _loss_and_grads(g, s, batch, mesh)
-    _rel_close(loss, loss1, 1e-4)
-    _rel_close(grads, grads1, 1e-4)
+    assert_rel_close(loss, loss1, 1e-4)
+    assert_rel_close(grads, grads1, 1e-4)
 
 
 def _cfg(*items):
@@ -88,8 +89,8 @@ def test_gemma_norms_fuse_into_the_tiled_mlp():
     p1, p = _perturb_scales(s1["params"]), _perturb_scales(s["params"])
     loss1, grads1 = _loss_and_grads(g1, {"params": p1}, batch, mesh1)
     loss, grads = _loss_and_grads(g, {"params": p}, batch, mesh)
-    _rel_close(loss, loss1, 1e-4)
-    _rel_close(grads, grads1, 1e-4)
+    assert_rel_close(loss, loss1, 1e-4)
+    assert_rel_close(grads, grads1, 1e-4)
     post = grads["layers"]["mlp_post_norm"]["scale"]
     assert float(jnp.abs(post).max()) > 0
 

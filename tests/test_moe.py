@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from tests.utils.devices import need_devices
+from tests.utils.numerics import assert_rel_close
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, ModelConfig, load_config
 from ulysses_jax.hlo import collective_counts, collective_shapes
@@ -51,16 +52,6 @@ def _place(mesh, x, valid, weights):
     router, *experts = weights
     experts = [jax.device_put(w, NamedSharding(mesh, expert_spec(3, mesh))) for w in experts]
     return x, valid, [router, *experts]
-
-
-def _rel_close(a, b, rtol):
-    checked = 0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert np.abs(x - y).max() <= rtol * max(np.abs(y).max(), 1e-12), (np.abs(x - y).max(),
-                                                                         np.abs(y).max())
-        checked += 1
-    assert checked
 
 
 def _reference_stats(x, valid, weights, norm, keep=None):
@@ -111,7 +102,7 @@ def test_expert_parallel_equals_dense_reference(data, ring, seq, norm):
     chex.assert_trees_all_close(y, y_ref, atol=1e-5, rtol=1e-5)
     chex.assert_trees_all_close(stats, {**stats_ref, "dropped": 0.0}, atol=1e-5, rtol=1e-5)
     assert float(stats["tokens"]) == float(np.asarray(valid).sum()) < b * s  # padding left out
-    _rel_close(g, g_ref, 1e-4)
+    assert_rel_close(g, g_ref, 1e-4)
 
 
 def _numpy_keep(top_i, mesh_shape, b, s, slots):
@@ -294,13 +285,13 @@ def test_sharded_moe_model_equals_one_device():
     mesh, g, p = _model(_cfg(seq, data, **over), p1)
     (obj1, (ce1, m1)), grads1 = _objective(g1, p1, batch, mesh1)
     (obj, (ce, m)), grads = _objective(g, p, batch, mesh)
-    _rel_close((obj, ce, m["moe_aux_loss"], m["moe_load"]),
-               (obj1, ce1, m1["moe_aux_loss"], m1["moe_load"]), 1e-5)
+    assert_rel_close((obj, ce, m["moe_aux_loss"], m["moe_load"]),
+                     (obj1, ce1, m1["moe_aux_loss"], m1["moe_load"]), 1e-5)
     np.testing.assert_allclose(float(obj), float(ce) + 0.1 * float(m["moe_aux_loss"]),
                                rtol=1e-6)
     np.testing.assert_allclose(float(np.sum(np.asarray(m["moe_load"]))), 1.0, rtol=1e-6)
     assert float(m["moe_dropped"]) == 0.0
-    _rel_close(grads, grads1, 1e-4)
+    assert_rel_close(grads, grads1, 1e-4)
     router = [x for path, x in jax.tree_util.tree_leaves_with_path(grads)
               if "router" in jax.tree_util.keystr(path)]
     assert router and all(float(np.abs(np.asarray(x)).max()) > 0 for x in router)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.utils.devices import need_devices
-from tests.utils.numerics import tolerance
+from tests.utils.numerics import assert_rel_close, tolerance
 from ulysses_jax import make_mesh, reference_attention, ulysses_attention
 from ulysses_jax.attention import cudnn, ulysses
 from ulysses_jax.attention.kernels import resolve_impl
@@ -261,7 +261,7 @@ def test_mesh_of_cpu_devices_never_gets_cudnn():
 def test_model_train_step_through_packed_kernel(packed_on_cpu, remat):
     """The packed kernel (its lax.cond included) inside the model's layer scan, under remat
     and grad: loss and gradients equal the model on the chunked kernel."""
-    from tests.test_model import _batch, _loss_and_grads, _rel_close, _setup
+    from tests.test_model import _batch, _loss_and_grads, _setup
     batch = _batch(21)
     over = {"model.remat": remat, "model.max_segments": 4}
     _, mesh, g, s, _, _ = _setup(2, 1, **over)
@@ -270,5 +270,5 @@ def test_model_train_step_through_packed_kernel(packed_on_cpu, remat):
     packed_on_cpu(lambda *a, **kw: traced.append(1) or _dense_from_offsets(*a, **kw))
     l1, g1 = _loss_and_grads(g, s, batch, mesh)
     assert traced  # the packed call is in the program
-    _rel_close(l1, l0, 1e-5)
-    _rel_close(g1, g0, 1e-5)
+    assert_rel_close(l1, l0, 1e-5)
+    assert_rel_close(g1, g0, 1e-5)

@@ -25,6 +25,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tests.utils.devices import need_devices
+from tests.utils.numerics import rel_error
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, LoraConfig, load_config
 from ulysses_jax.hf import config_from_hf, from_pretrained, save_pretrained, to_hf_tensors
@@ -80,10 +81,6 @@ def hf_model(checkpoint):
 def _hf_load(path):
     return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         path, attn_implementation="eager", dtype=torch.float32).eval()
-
-
-def _rel(a, b):
-    return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
 
 
 def _media(rng, grids):
@@ -284,7 +281,7 @@ def test_import_matches_transformers(checkpoint, hf_model, p):
     model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
     logits, loss = _ours(model, tokens, images, mesh)
     assert logits.shape == (B, S, V)
-    assert _rel(logits, out.logits.numpy()) <= TOL, _rel(logits, out.logits.numpy())
+    assert rel_error(logits, out.logits.numpy()) <= TOL, rel_error(logits, out.logits.numpy())
     np.testing.assert_allclose(loss, float(out.loss), rtol=TOL)
     # the keyword call (transformers' inputs, prepared on the host) is the same function
     direct = _call(model, tokens, **images)
@@ -292,7 +289,7 @@ def test_import_matches_transformers(checkpoint, hf_model, p):
     if p == 1:  # the images matter: text-only positions and embeddings give other logits
         with torch.no_grad():
             blind = hf_model(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
-        assert _rel(blind[0], out.logits.numpy()[0]) > 100 * TOL
+        assert rel_error(blind[0], out.logits.numpy()[0]) > 100 * TOL
 
 
 def _run_step(model, mesh, tokens, images, capacity=None):
@@ -342,7 +339,7 @@ def test_split_and_replicated_towers_agree(checkpoint, one_device_step, split):
     assert model.visual.shards() == (4 if split else 1)
     for capacity in (None, 256):
         got, loss, grads = _run_step(model, mesh, tokens, images, capacity)
-        assert _rel(got, want) <= 1e-5
+        assert rel_error(got, want) <= 1e-5
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
         vision_leaves = 0
         for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads),
@@ -374,7 +371,7 @@ def test_a_shard_without_images_runs_the_same_program(checkpoint, hf_model):
     mesh = make_mesh(seq=4, data=1, devices=need_devices(4))
     model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
     logits, _ = _ours(model, tokens, images, mesh)
-    assert _rel(logits, want) <= TOL
+    assert rel_error(logits, want) <= TOL
 
 
 def test_packed_documents_with_images_equal_each_document_alone(checkpoint, hf_model):
@@ -399,8 +396,8 @@ def test_packed_documents_with_images_equal_each_document_alone(checkpoint, hf_m
                             labels=False).logits.numpy()
         second = _hf_forward(hf_model, tokens[:, cut:], dict(pixel_values=pix2, image_grid_thw=g2),
                              labels=False).logits.numpy()
-    assert _rel(logits[:, :cut], first) <= TOL
-    assert _rel(logits[:, cut:], second) <= TOL
+    assert rel_error(logits[:, :cut], first) <= TOL
+    assert rel_error(logits[:, cut:], second) <= TOL
 
 
 def test_vision_gradients_match_transformers(checkpoint):
@@ -460,7 +457,7 @@ def test_export_round_trip(checkpoint, hf_model, tmp_path):
     with torch.no_grad():
         want = _hf_forward(hf_model, tokens, images).logits.numpy()
         again = _hf_forward(_hf_load(str(tmp_path)), tokens, images).logits.numpy()
-    assert _rel(again, want) <= 1e-6
+    assert rel_error(again, want) <= 1e-6
     reloaded = from_pretrained(str(tmp_path), mesh=mesh, dtype=jnp.float32, attn_impl="xla")
     assert dataclasses.replace(reloaded.cfg) == model.cfg
 
@@ -602,7 +599,7 @@ def test_generation_matches_transformers(checkpoint, hf_generated, data, p):
     got = gen.generate(prompts, max_new_tokens=6, keep_logits=True, media=media)
     for (ids, logits), c in zip(hf_generated, got, strict=True):
         assert c.ids == ids, (c.ids, ids)
-        assert _rel(np.stack(c.logits), logits) <= TOL, _rel(np.stack(c.logits), logits)
+        assert rel_error(np.stack(c.logits), logits) <= TOL, rel_error(np.stack(c.logits), logits)
     with pytest.raises(GenerationError, match="the tokens hold 6 image placeholders"):
         gen.generate(prompts, max_new_tokens=2)
 
@@ -675,13 +672,13 @@ def test_lora_on_the_decoder_matches_peft(checkpoint, peft_vl, p):
         return logits, obj, grads
 
     logits, loss, grads = run(trained, batch)
-    assert _rel(logits, out.logits.detach().numpy()) <= TOL, p
+    assert rel_error(logits, out.logits.detach().numpy()) <= TOL, p
     assert abs(float(loss) - float(out.loss)) / float(out.loss) <= TOL, (p, loss, out.loss)
     got = adapter_tensors(cfg, grads)
     assert sorted(got) == sorted(want_grads)
-    worst = max(_rel(g, want_grads[n]) for n, g in got.items())
+    worst = max(rel_error(g, want_grads[n]) for n, g in got.items())
     assert worst <= TOL, (p, worst)
-    print(f"qwen2.5-vl LoRA seq={p}: logits {_rel(logits, out.logits.detach().numpy()):.2e}, "
+    print(f"qwen2.5-vl LoRA seq={p}: logits {rel_error(logits, out.logits.detach().numpy()):.2e}, "
           f"loss {abs(float(loss) - float(out.loss)) / float(out.loss):.2e}, adapter grads "
           f"max {worst:.2e}")
     if p == 1:  # the tower as a trained group: every tower parameter, nothing else new

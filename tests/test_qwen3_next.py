@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 from tests.utils.devices import need_devices
+from tests.utils.numerics import rel_error
 from ulysses_jax import make_mesh
 from ulysses_jax.attention import deltanet, linear
 from ulysses_jax.config import ConfigError, load_config
@@ -207,10 +208,6 @@ def _tokens(seed, s=S):
     return np.random.default_rng(seed).integers(0, V, (B, s)).astype(np.int32)
 
 
-def _rel(a, b):
-    return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
-
-
 def _ours(model, tokens, mesh, segment_ids=None, positions=None):
     """Our logits and objective; targets pre-shifted, the last position unscored."""
     b, s = tokens.shape
@@ -252,7 +249,7 @@ def test_import_matches_transformers(checkpoint, p):
     model = from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32, attn_impl="xla")
     logits, loss = _ours(model, tokens, mesh)
     assert logits.shape == (B, S, V)
-    assert _rel(logits, out.logits.numpy()) <= TOL, _rel(logits, out.logits.numpy())
+    assert rel_error(logits, out.logits.numpy()) <= TOL, rel_error(logits, out.logits.numpy())
     np.testing.assert_allclose(loss, float(out.loss), rtol=TOL)
 
 
@@ -272,8 +269,8 @@ def test_packed_documents_equal_each_document_alone(checkpoint):
     with torch.no_grad():
         first = hf(torch.from_numpy(tokens[:, :cut]).long()).logits.numpy()
         second = hf(torch.from_numpy(tokens[:, cut:]).long()).logits.numpy()
-    assert _rel(logits[:, :cut], first) <= TOL
-    assert _rel(logits[:, cut:], second) <= TOL
+    assert rel_error(logits[:, :cut], first) <= TOL
+    assert rel_error(logits[:, cut:], second) <= TOL
 
 
 def test_export_round_trip(checkpoint, tmp_path):
@@ -290,7 +287,7 @@ def test_export_round_trip(checkpoint, tmp_path):
     with torch.no_grad():
         want = _hf_load(checkpoint)(torch.from_numpy(tokens).long()).logits.numpy()
         again = _hf_load(str(tmp_path))(torch.from_numpy(tokens).long()).logits.numpy()
-    assert _rel(again, want) <= 1e-6
+    assert rel_error(again, want) <= 1e-6
     reloaded = from_pretrained(str(tmp_path), mesh=mesh, dtype=jnp.float32, attn_impl="xla")
     assert dataclasses.replace(reloaded.cfg) == model.cfg
 
@@ -416,7 +413,7 @@ def test_yarn_scaled_checkpoint_matches_transformers_at_long_positions(tmp_path)
                             rope_exact_from=2**31 - 1)   # transformers' fp32 angles
     assert model.cfg.rope_scaling.type == "yarn" and model.cfg.partial_rotary_factor == 0.5
     logits, _ = _ours(model, tokens, mesh, positions=pos)
-    assert _rel(logits, want.numpy()) <= 3e-4, _rel(logits, want.numpy())
+    assert rel_error(logits, want.numpy()) <= 3e-4, rel_error(logits, want.numpy())
 
 
 def test_tiny_preset_trains_with_the_seq1_loss_curve(tmp_path):

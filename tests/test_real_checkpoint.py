@@ -40,6 +40,7 @@ import pytest
 from flax import nnx
 
 from tests.utils.devices import DEVICES, cli_env, need_devices
+from tests.utils.numerics import rel_error
 from ulysses_jax import make_mesh
 from ulysses_jax.data.__main__ import main as data_main
 from ulysses_jax.evaluate import main as evaluate_main
@@ -133,10 +134,6 @@ def _next_token_loss(logits: np.ndarray, tokens: np.ndarray) -> float:
     x = logits[:, :-1].astype(np.float64)                                      # [B, S-1, V]
     lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)    # [B, S-1]
     return float(np.mean(lse - np.take_along_axis(x, tokens[:, 1:, None], -1)[..., 0]))
-
-
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def _built_once(tmp_path_factory, name: str, build) -> str:
@@ -310,7 +307,7 @@ def test_logits_match_transformers(smollm2, p):
     assert (model.cfg.n_heads, model.cfg.n_kv_heads, model.cfg.n_layers) == (9, 3, 30)
     got = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(smollm2.tokens)))
     assert got.shape == smollm2.logits.shape and got.dtype == np.float32
-    assert _rel(got, smollm2.logits) <= TOL, (p, _rel(got, smollm2.logits))
+    assert rel_error(got, smollm2.logits) <= TOL, (p, rel_error(got, smollm2.logits))
     loss = _next_token_loss(got, smollm2.tokens)
     # Measured 3.35 on these 2 x 47 targets (chance: log V = 10.8); 7.3 to 7.9 on six
     # shufflings of them.
@@ -493,8 +490,8 @@ def test_export_loads_in_transformers_with_our_logits_and_template(smollm2, sft)
         state, _ = ckpt.restore(abstract, 3)
     ours = np.asarray(nnx.jit(lambda m, t: m(t))(nnx.merge(graphdef, state["params"]),
                                                   jnp.asarray(smollm2.tokens)))
-    assert _rel(theirs, ours) <= TOL, _rel(theirs, ours)
-    assert _rel(theirs, smollm2.logits) > 100 * TOL  # the trained weights, not the initial
+    assert rel_error(theirs, ours) <= TOL, rel_error(theirs, ours)
+    assert rel_error(theirs, smollm2.logits) > 100 * TOL  # the trained weights, not the initial
 
     exported = transformers.AutoTokenizer.from_pretrained(sft.export)
     assert exported.chat_template == smollm2.tokenizer.chat_template

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.test_hf import _randomize, _rel
+from tests.test_hf import _randomize
 from tests.utils.devices import need_devices
+from tests.utils.numerics import rel_error
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, ModelConfig, RopeScalingConfig, load_config
 from ulysses_jax.hf import config_from_hf, from_pretrained, save_pretrained
@@ -274,7 +275,7 @@ def test_logits_match_transformers(checkpoints, name, p):
     mesh = make_mesh(seq=p, data=1, devices=need_devices(p))
     model = from_pretrained(checkpoints[name], mesh=mesh, attn_impl="xla")
     assert model.cfg.rope_scaling.type in ("llama3", "yarn", "linear")
-    assert _rel(_our_logits(model, tokens, positions), want) <= TOL, (name, p)
+    assert rel_error(_our_logits(model, tokens, positions), want) <= TOL, (name, p)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -286,7 +287,7 @@ def test_without_the_scaling_logits_differ(checkpoints, name):
     model = from_pretrained(checkpoints[name], mesh=mesh, attn_impl="xla")
     other = _with_config(model, rope_scaling=RopeScalingConfig())
     want = _hf_logits(checkpoints[name], tokens, positions)
-    assert _rel(_our_logits(other, tokens, positions), want) > 10 * TOL
+    assert rel_error(_our_logits(other, tokens, positions), want) > 10 * TOL
 
 
 def test_exact_angles_from_the_threshold_in_the_model(checkpoints):
@@ -304,9 +305,9 @@ def test_exact_angles_from_the_threshold_in_the_model(checkpoints):
 
     fp32, exact = 2**31 - 1, 0
     threshold_high = logits(2**17, high)
-    assert _rel(logits(2**17, low), logits(fp32, low)) <= 1e-7
-    assert _rel(threshold_high, logits(exact, high)) <= 1e-7
-    assert _rel(threshold_high, logits(fp32, high)) > TOL
+    assert rel_error(logits(2**17, low), logits(fp32, low)) <= 1e-7
+    assert rel_error(threshold_high, logits(exact, high)) <= 1e-7
+    assert rel_error(threshold_high, logits(fp32, high)) > TOL
 
 
 EXPORTS = {
@@ -350,7 +351,7 @@ def test_export_round_trip(tmp_path, name):
     assert hf["max_position_embeddings"] >= s.original_max_position_embeddings * s.factor
     tokens, positions = _inputs(2, seed=7)
     want = _hf_logits(str(tmp_path), tokens, positions)
-    assert _rel(_our_logits(model, tokens, positions), want) <= TOL
+    assert rel_error(_our_logits(model, tokens, positions), want) <= TOL
     back = from_pretrained(str(tmp_path), mesh=mesh, attn_impl="xla")
     assert back.cfg == dataclasses.replace(cfg, init_std=back.cfg.init_std,
                                            layer_pattern=back.cfg.layer_pattern)
