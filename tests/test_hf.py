@@ -20,6 +20,7 @@ from flax import nnx
 
 from tests.utils.devices import need_devices
 from tests.utils.numerics import rel_error
+from tests.utils.torch_models import BIASES, randomize
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.hf import (ARCHS, config_from_hf, config_to_hf, from_pretrained, load_params,
@@ -46,19 +47,6 @@ CHECKPOINTS = {
     "mistral_window": ("MistralConfig", dict(head_dim=16, sliding_window=64), {},
                        dict(max_seq_len=S)),
 }
-
-
-def _randomize(module, seed: int) -> None:
-    """Redraws every parameter: norm weights around 1, biases around 0 with std 0.3 (transformers
-    inits them to zeros), matrices with std 0.08."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if name.endswith(".bias"):
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(1.0 + 0.3 * noise if p.ndim == 1 else 0.08 * noise)
 
 
 def _hf_load(path):
@@ -88,7 +76,7 @@ def checkpoints(tmp_path_factory):
         torch.manual_seed(i)
         model = transformers.AutoModelForCausalLM.from_config(
             getattr(transformers, cls)(**SMALL, **kw))
-        _randomize(model, seed=i)
+        randomize(model, seed=i, special=[BIASES])
         save = dict(save)
         if save.pop("bf16", False):
             model = model.to(torch.bfloat16)

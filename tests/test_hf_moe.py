@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from tests.utils.devices import need_devices
 from tests.utils.numerics import rel_error
+from tests.utils.torch_models import randomize
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig, load_config
 from ulysses_jax.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
@@ -42,14 +43,6 @@ CHECKPOINTS = {
     "windowed": dict(num_hidden_layers=2, mlp_only_layers=[1], use_sliding_window=True,
                      sliding_window=8),
 }
-
-
-def _randomize(module, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            p.copy_(1.0 + 0.3 * noise if p.ndim == 1 else 0.08 * noise)
 
 
 def _tokens(seed):
@@ -92,7 +85,7 @@ def checkpoints(tmp_path_factory):
         torch.manual_seed(i)
         model = transformers.AutoModelForCausalLM.from_config(
             transformers.Qwen3MoeConfig(**BASE, **kw))
-        _randomize(model, seed=i)
+        randomize(model, seed=i)
         path = str(tmp_path_factory.mktemp(name))
         model.save_pretrained(path, safe_serialization=True)
         out[name] = path

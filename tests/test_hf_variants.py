@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.test_hf import TOL, _hf_logits, _our_logits, _randomize
+from tests.test_hf import TOL, _hf_logits, _our_logits
 from tests.utils.devices import cli_env, need_devices
 from tests.utils.numerics import rel_error
+from tests.utils.torch_models import BIASES, randomize
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
@@ -56,7 +57,7 @@ def checkpoints(tmp_path_factory):
         torch.manual_seed(10 + i)
         model = transformers.AutoModelForCausalLM.from_config(
             getattr(transformers, cls)(vocab_size=V, **kw))
-        _randomize(model, seed=10 + i)
+        randomize(model, seed=10 + i, special=[BIASES])
         path = str(tmp_path_factory.mktemp(name))
         model.save_pretrained(path, safe_serialization=True)
         out[name] = path

@@ -21,6 +21,7 @@ from flax import nnx
 
 from tests.utils.devices import DEVICES, need_devices
 from tests.utils.numerics import rel_error
+from tests.utils.torch_models import ADAPTERS, randomize
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, LoraConfig, load_config
 from ulysses_jax.hf import config_from_hf, load_params, read_config
@@ -69,19 +70,6 @@ CASES = {
 }
 
 
-def _randomize(model, seed: int, adapters_only: bool = False) -> None:
-    """Redraws parameters (all, or only peft's lora_A / lora_B): norm weights around 1,
-    matrices with std 0.08 (adapters 0.2)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if adapters_only and "lora_" not in name:
-                continue
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            std = 0.2 if "lora_" in name else 0.08
-            p.copy_(1.0 + 0.3 * noise if p.ndim == 1 else std * noise)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> (checkpoint dir, peft-wrapped transformers model with random adapters)."""
@@ -90,7 +78,7 @@ def checkpoints(tmp_path_factory):
         torch.manual_seed(i)
         model = transformers.AutoModelForCausalLM.from_config(
             getattr(transformers, cls)(**SMALL, **kw), attn_implementation="eager")
-        _randomize(model, seed=i)
+        randomize(model, seed=i)
         path = str(tmp_path_factory.mktemp(name))
         model.save_pretrained(path, safe_serialization=True)
         # The targets as our adapter export names them.
@@ -98,7 +86,7 @@ def checkpoints(tmp_path_factory):
         config = peft.LoraConfig(r=ours.rank, lora_alpha=ours.alpha, lora_dropout=0.0,
                                  use_rslora=ours.rslora, **peft_targets(cfg))
         wrapped = peft.get_peft_model(model, config).eval()
-        _randomize(wrapped, seed=100 + i, adapters_only=True)
+        randomize(wrapped, seed=100 + i, special=[ADAPTERS], only="lora_")
         out[name] = (path, wrapped)
     return out
 

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.test_lora import SMALL, TOL, TRAIN, _randomize
+from tests.test_lora import SMALL, TOL, TRAIN
 from tests.utils.devices import DEVICES, need_devices
 from tests.utils.numerics import rel_error
+from tests.utils.torch_models import ADAPTERS, randomize
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.interop.peft_adapter import adapter_targets
@@ -52,13 +53,13 @@ def tiny(tmp_path_factory):
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.LlamaConfig(**SMALL, head_dim=16, tie_word_embeddings=True),
         attn_implementation="eager")
-    _randomize(model, seed=3)
+    randomize(model, seed=3)
     base = str(tmp_path_factory.mktemp("base"))
     model.save_pretrained(base, safe_serialization=True)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS,
                              init_lora_weights=False)
     wrapped = peft.get_peft_model(_hf(base), config).eval()
-    _randomize(wrapped, seed=103, adapters_only=True)
+    randomize(wrapped, seed=103, special=[ADAPTERS], only="lora_")
     adapter = str(tmp_path_factory.mktemp("adapter"))
     wrapped.save_pretrained(adapter)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))

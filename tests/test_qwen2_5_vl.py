@@ -26,6 +26,7 @@ from safetensors.numpy import load_file, save_file
 
 from tests.utils.devices import need_devices
 from tests.utils.numerics import rel_error
+from tests.utils.torch_models import randomize
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, LoraConfig, load_config
 from ulysses_jax.hf import config_from_hf, from_pretrained, save_pretrained, to_hf_tensors
@@ -54,20 +55,12 @@ HF_CONFIG = dict(
     vision_end_token_id=VEND)
 
 
-def _randomize(module, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            p.copy_(0.3 * noise if p.ndim == 1 else 0.08 * noise)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration(
         transformers.Qwen2_5_VLConfig(**HF_CONFIG))
-    _randomize(model, 0)
+    randomize(model, 0, vector_mean=0.0)
     path = str(tmp_path_factory.mktemp("qwen2_5_vl"))
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -22,6 +22,7 @@ from flax import nnx
 
 from tests.utils.devices import need_devices
 from tests.utils.numerics import rel_error
+from tests.utils.torch_models import randomize
 from ulysses_jax import make_mesh
 from ulysses_jax.attention import deltanet, linear
 from ulysses_jax.config import ConfigError, load_config
@@ -177,15 +178,9 @@ def test_deltanet_head_rules():
 
 # ----------------------------------------------------------------------------- the model
 
-def _randomize(module, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if name.endswith("A_log"):
-                p.copy_(0.5 * noise)        # decays exp(-exp(A) softplus(.)) of all speeds
-            else:
-                p.copy_(0.3 * noise if p.ndim == 1 else 0.08 * noise)
+# The reference model's random weights: vectors around 0, A_log with std 0.5 (decays
+# exp(-exp(A) softplus(.)) of all speeds).
+A_LOG = (r"A_log$", 0.0, 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +188,7 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.Qwen3NextConfig(**HF_CONFIG))
-    _randomize(model, 0)
+    randomize(model, 0, vector_mean=0.0, special=[A_LOG])
     path = str(tmp_path_factory.mktemp("qwen3_next"))
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -401,7 +396,7 @@ def test_yarn_scaled_checkpoint_matches_transformers_at_long_positions(tmp_path)
         **{**HF_CONFIG, "rope_parameters": rope, "max_position_embeddings": 16384,
            "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
            "mlp_only_layers": []}))
-    _randomize(hf_model, 1)
+    randomize(hf_model, 1, vector_mean=0.0, special=[A_LOG])
     hf_model.save_pretrained(str(tmp_path), safe_serialization=True)
     tokens = _tokens(3, 32)
     pos = np.broadcast_to(60_000 + np.arange(32, dtype=np.int32), (B, 32))

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.test_hf import _randomize
 from tests.utils.devices import need_devices
 from tests.utils.numerics import rel_error
+from tests.utils.torch_models import BIASES, randomize
 from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, ModelConfig, RopeScalingConfig, load_config
 from ulysses_jax.hf import config_from_hf, from_pretrained, save_pretrained
@@ -228,7 +228,7 @@ def checkpoints(tmp_path_factory):
         torch.manual_seed(20 + i)
         model = transformers.AutoModelForCausalLM.from_config(
             getattr(transformers, cls)(**shape, max_position_embeddings=131072, **rope))
-        _randomize(model, seed=20 + i)
+        randomize(model, seed=20 + i, special=[BIASES])
         path = str(tmp_path_factory.mktemp(name))
         model.save_pretrained(path, safe_serialization=True)
         if older:
