@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from tests.test_chat import CHATML, write_tokenizer_dir
+from tests.utils.configs import ROOT, tiny_config
 from tests.utils.devices import DEVICES
 from ulysses_jax.config import ConfigError, load_config
 from ulysses_jax.data import run_data, text as data_lib
@@ -27,7 +28,6 @@ from ulysses_jax.training.train_step import (batch_shardings, init_state, make_t
                                              state_layout)
 from ulysses_jax.training.trainer import build_mesh, token_order
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["seq_len=64", "batch_size=8", "model.d_model=32", "model.n_layers=1",
          "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8", "model.ffn_dim=64",
          "model.loss_chunk=8", "model.vocab_size=384", "optimizer.warmup_steps=1",
@@ -58,8 +58,7 @@ def store(tmp_path_factory):
 
 
 def _cfg(store, *over):
-    return load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                       SMALL + [f"data.source={store}", *over])
+    return tiny_config(*SMALL, f"data.source={store}", *over)
 
 
 def _batches(cfg, mesh, n):

@@ -11,14 +11,13 @@ import sys
 
 import pytest
 
-from tests.test_train import ROOT, SMALL
+from tests.utils.configs import ROOT, SMALL, TINY
 from tests.utils.devices import DEVICES, cli_env
 from ulysses_jax import plan, plot
 
 sys.path.insert(0, ROOT)
 import train as cli  # noqa: E402
 
-TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 LLAMA = {"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 2}
 

@@ -19,7 +19,7 @@ import time
 import jax
 import pytest
 
-from tests.test_train import ROOT, SMALL
+from tests.utils.configs import ROOT, SMALL, TINY, tiny_config
 from tests.utils.devices import DEVICES, cli_env
 from ulysses_jax.config import load_config
 from ulysses_jax.training.checkpoint import Checkpointer
@@ -28,7 +28,6 @@ from ulysses_jax.training.trainer import TrainingDiverged, train
 sys.path.insert(0, ROOT)
 import train as cli  # noqa: E402
 
-TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 STEPS = 12  # the reference run; checkpoint_every=2 and keep 3 leave steps 8, 10, 12
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step still being written
 CURVE = ("loss", "lr", "grad_norm", "tokens")
@@ -66,7 +65,7 @@ def common(tmp_path_factory):
 
 
 def _cfg(common, *extra):
-    return load_config(TINY, [*common, f"steps={STEPS}", *extra])
+    return tiny_config(*common, f"steps={STEPS}", *extra)
 
 
 @pytest.fixture(scope="module")

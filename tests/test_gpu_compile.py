@@ -15,12 +15,11 @@ import sys
 
 import pytest
 
+from tests.utils.configs import ROOT, tiny_config
 from tests.utils.devices import cli_env
 from ulysses_jax import gpu_target, make_mesh
-from ulysses_jax.config import load_config
 from ulysses_jax.hlo import attention_kernels, collective_counts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(
     not gpu_target.cuda_plugin_installed(),
     reason="jax's CUDA plugin is not installed (README's test command installs it: "
@@ -36,8 +35,7 @@ _VOCAB_SCOPE = re.compile(r"(^|[/(])(loss|embed)([)/]|$)")
 
 
 def _cfg(preset, *over):
-    return load_config(os.path.join(ROOT, "configs", f"{preset}.yaml"),
-                       ["model.dtype=bfloat16", *over])
+    return tiny_config("model.dtype=bfloat16", *over, preset=preset)
 
 
 def _compiled_step(preset, target, *over):

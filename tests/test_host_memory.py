@@ -10,7 +10,7 @@ import jax
 import pytest
 from flax import nnx
 
-from tests.test_train import ROOT, SMALL
+from tests.utils.configs import ROOT, SMALL, TINY
 from tests.utils.data import small_corpus
 from tests.utils.devices import DEVICES, need_devices
 from ulysses_jax.config import ConfigError, load_config
@@ -24,7 +24,6 @@ import train as cli  # noqa: E402
 pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
                                 reason="the check is for CPU devices")
 
-TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 GiB = 2**30
 # ~8M parameters: GiB-sized on 8 replicated devices, estimated but never allocated here.
 MID = ["model.d_model=512", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=2",

@@ -2,6 +2,7 @@
 replaces the checkpoint's (how an unscaled model's context is extended), the startup log says
 so, and the run trains the model it would have loaded from a config.json with that scaling.
 A preset's dry run plans its model before the init_from checkpoint is downloaded."""
+import functools
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
+from tests.utils.configs import ROOT, tiny_config
 from tests.utils.data import small_corpus
 from tests.utils.devices import DEVICES
 from ulysses_jax.config import RopeScalingConfig, load_config
@@ -20,11 +22,11 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("torch", reason="torch is not installed (requirements-baseline.txt)")
 pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
                                 reason="trainer tests run on fake CPU devices")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["seq_len=64", "batch_size=2", "log_every=1", "eval_batches=0", "checkpoint_every=0",
          "optimizer.warmup_steps=0", "model.loss_chunk=16"]
 YARN = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
         "model.rope_scaling.original_max_position_embeddings=16"]
+_cfg = functools.partial(tiny_config, *SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +47,6 @@ def unscaled(tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return small_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-def _cfg(*over):
-    return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL + list(over))
 
 
 def test_set_scaling_and_theta_replace_the_checkpoints(unscaled):

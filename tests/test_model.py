@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.utils.configs import tiny_config
 from tests.utils.devices import need_devices
 from tests.utils.numerics import assert_rel_close
 from ulysses_jax import make_mesh
-from ulysses_jax.config import load_config
 from ulysses_jax.models.loss import chunked_cross_entropy, plain_cross_entropy
 from ulysses_jax.models.decoder import Decoder
 from ulysses_jax.training.objectives.sft import loss_fn
@@ -23,7 +23,7 @@ V = 257
 def _cfg(seq=1, data=1, **over):
     items = {"mesh.seq": seq, "mesh.data": data, "seq_len": 64, "batch_size": 2,
              "model.loss_chunk": 8, "model.qk_norm": True, "optimizer.warmup_steps": 2, **over}
-    return load_config(None, [f"{k}={v}" for k, v in items.items()])
+    return tiny_config(preset=None, **items)
 
 
 def _batch(seed, b=2, s=64, docs=True):

@@ -3,6 +3,7 @@ local/global layer pattern, softcaps and padded heads; a sliding window on a rin
 config keys and their errors; Gemma's norms in the fused norm+MLP chunks, and per-layer
 kinds through MoE layer groups. (Against transformers, which also shows that each variant
 changes the logits: tests/test_hf_variants.py.)"""
+import functools
 import zlib
 
 import jax
@@ -12,8 +13,9 @@ import pytest
 from flax import nnx
 
 from tests.test_model import _batch, _logits, _loss_and_grads, _setup
+from tests.utils.configs import tiny_config
 from tests.utils.numerics import assert_rel_close
-from ulysses_jax.config import ConfigError, load_config
+from ulysses_jax.config import ConfigError
 from ulysses_jax.models.decoder import layer_groups
 
 GEMMA = {"model.family": "gemma", "model.sliding_window": 8, "model.layer_pattern": "LG",
@@ -39,8 +41,7 @@ def test_variant_model_sharded_equals_one_device(seq, ring, over):
     assert_rel_close(grads, grads1, 1e-4)
 
 
-def _cfg(*items):
-    return load_config(None, list(items))
+_cfg = functools.partial(tiny_config, preset=None)
 
 
 def test_config_keys_and_errors():

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from tests.utils.configs import tiny_config
 from tests.utils.devices import need_devices
 from tests.utils.numerics import assert_rel_close
 from ulysses_jax import make_mesh
@@ -239,7 +240,7 @@ def _cfg(seq=1, data=1, **over):
              "model.n_layers": 2, "model.num_experts": E, "model.num_experts_per_tok": A,
              "model.moe_ffn_dim": 16, "model.router_aux_loss_coef": 0.1,
              "model.attn_impl": "xla", "optimizer.warmup_steps": 2, **over}
-    return load_config(None, [f"{k}={v}" for k, v in items.items()])
+    return tiny_config(preset=None, **items)
 
 
 def _batch(seed, b=4, s=32):

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from tests.test_chat import CHATML, write_tokenizer_dir
+from tests.utils.configs import tiny_config
 from tests.utils.devices import DEVICES
-from ulysses_jax.config import ConfigError, load_config
+from ulysses_jax.config import ConfigError
 from ulysses_jax.data.prepare import prepare
 from ulysses_jax.training.trainer import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["seq_len=64", "batch_size=2", "model.d_model=32", "model.n_layers=1",
          "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=8", "model.ffn_dim=64",
          "model.loss_chunk=16", "log_every=1", "eval_batches=1", "optimizer.warmup_steps=2",
@@ -43,8 +43,7 @@ def _chat_store(tmp_path):
 
 
 def _cfg(store, *over):
-    return load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                       SMALL + [f"data.source={store}", *over])
+    return tiny_config(*SMALL, f"data.source={store}", *over)
 
 
 def _losses(workdir):

@@ -1,4 +1,5 @@
 """train.py end to end: configs, CLI errors, training, resume, preemption, NaN, multi-process."""
+import functools
 import glob
 import json
 import os
@@ -12,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.utils.configs import ROOT, SMALL, tiny_config
 from tests.utils.devices import DEVICES, cli_env
 from ulysses_jax.training.checkpoint import Checkpointer
 from ulysses_jax.config import ConfigError, load_config
@@ -19,19 +21,11 @@ from ulysses_jax.plot import plot_metrics
 from ulysses_jax.training.dry_run import dry_run
 from ulysses_jax.training.trainer import TrainingDiverged, train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-# A model small enough that each test run compiles and trains in seconds on 2 cores.
-SMALL = ["seq_len=64", "batch_size=2", "model.d_model=32", "model.n_layers=1",
-         "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=8", "model.ffn_dim=64",
-         "model.loss_chunk=16", "log_every=1", "eval_batches=1", "optimizer.warmup_steps=2"]
 
 pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
                                 reason="trainer tests run on fake CPU devices")
-
-
-def _cfg(*over):
-    return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL + list(over))
+_cfg = functools.partial(tiny_config, *SMALL)
 
 
 def _metrics(workdir):
