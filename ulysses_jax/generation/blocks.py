@@ -34,7 +34,7 @@ from ..config import LAYER_KINDS
 from ..families import FAMILIES, load
 from ..attention.linear import gated_deltanet, gates
 from ..mesh import DATA, SEQ, act_spec, axis_size, shard
-from ..models.decoder import layer_groups, unit_kinds
+from ..models.decoder import layer_stacks
 from ..models.layers import by_kind, out_projection
 from .cache import CacheLayout, pool_index, to_cache
 
@@ -353,22 +353,15 @@ def run_layers(model, x, layer_fn, caches=None, empty=None):
     Returns:
       (x, caches): caches a list per (group, unit position).
     """
-    cfg = model.cfg
-    homogeneous = not isinstance(model.layers, nnx.List)
-    groups = [[model.layers]] if homogeneous else model.layers
-    kinds = cfg.layer_kinds()
     out, at = [], 0
-    for (first, unit, repeats), units in zip(layer_groups(cfg), groups):
-        graphdefs, states = zip(*(nnx.split(m) for m in units))
-        static, ids = unit_kinds(cfg, first, unit, repeats)
-        n = len(unit)
+    for stack in layer_stacks(model.cfg, model.layers):
+        n, static, graphdefs = len(stack.graphdefs), stack.static, stack.graphdefs
         mixed = [static[u] is None for u in range(n)]
         mine = [None] * n if caches is None else list(caches[at:at + n])
-        per_u = [list(kinds[first + u::n][:repeats]) for u in range(n)]
-        carried = [mine[u] if caches is not None else empty(per_u[u]) if mixed[u] else None
-                   for u in range(n)]
-        entries = [jnp.asarray(pool_index(per_u[u]) if mixed[u] else np.arange(repeats))
-                   for u in range(n)]
+        carried = [mine[u] if caches is not None else empty(stack.kinds[u]) if mixed[u]
+                   else None for u in range(n)]
+        entries = [jnp.asarray(pool_index(stack.kinds[u]) if mixed[u]
+                               else np.arange(stack.repeats)) for u in range(n)]
 
         def body(carry, xs, graphdefs=graphdefs, static=static, mixed=mixed):
             x, carried = carry
@@ -398,7 +391,8 @@ def run_layers(model, x, layer_fn, caches=None, empty=None):
                     made.append(c)
             return (x, kept), made
 
-        (x, carried), made = jax.lax.scan(body, (x, carried), (list(states), ids, entries))
+        (x, carried), made = jax.lax.scan(body, (x, carried),
+                                          (stack.states, stack.ids, entries))
         out.extend(carried[u] if carried[u] is not None else made[u] for u in range(n))
         at += n
     return x, out

@@ -31,6 +31,8 @@ scan (``Decoder._run_layers``).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,36 @@ def unit_kinds(cfg: ModelConfig, first: int, unit: tuple, repeats: int):
     ids = [None if st else jnp.asarray([LAYER_KINDS.index(c) for c in k], jnp.int32)
            for st, k in zip(static, per_u)]
     return static, ids
+
+
+class LayerStack(NamedTuple):
+    """One layer group (``layer_groups``) as a layer loop walks it: a ``lax.scan`` over
+    ``repeats`` copies of its unit, each position u of the unit a module split into
+    ``graphdefs[u]`` and its stacked ``states[u]`` ([repeats, ...] per leaf)."""
+    first: int
+    repeats: int
+    graphdefs: tuple
+    states: list
+    static: list  # per position: the one kind letter of its layers, or None where they mix
+    ids: list     # per position: None, or int32 [repeats] indices into LAYER_KINDS
+    kinds: list   # per position: the kind letters of its layers, in repeat order
+
+
+def layer_stacks(cfg: ModelConfig, layers) -> list[LayerStack]:
+    """The decoder's layer stacks in order, for any walk over them: the forward pass
+    (``Decoder._run_layers``) and generation's prefill and decode
+    (``generation.blocks.run_layers``). ``layers`` is ``Decoder.layers``: one stacked module
+    when every layer has one type, else an ``nnx.List`` per group of an ``nnx.List`` per unit
+    position."""
+    groups = [[layers]] if not isinstance(layers, nnx.List) else layers
+    all_kinds = cfg.layer_kinds()
+    stacks = []
+    for (first, unit, repeats), units in zip(layer_groups(cfg), groups):
+        graphdefs, states = zip(*(nnx.split(m) for m in units))
+        static, ids = unit_kinds(cfg, first, unit, repeats)
+        kinds = [list(all_kinds[first + u::len(unit)][:repeats]) for u in range(len(unit))]
+        stacks.append(LayerStack(first, repeats, graphdefs, list(states), static, ids, kinds))
+    return stacks
 
 
 def stacked_layer_indices(cfg: ModelConfig, keys: tuple) -> tuple[list[int], tuple]:
@@ -253,13 +285,8 @@ class Decoder(nnx.Module):
         merges them), so memory stays that of one kind.
         """
         offload, stream = self.cfg.offload_checkpoints, self.stream_layers
-        homogeneous = not isinstance(self.layers, nnx.List)
-        groups = [[self.layers]] if homogeneous else self.layers
         totals = None
-        for (first, unit, repeats), units in zip(layer_groups(self.cfg), groups):
-            graphdefs, states = zip(*(nnx.split(m) for m in units))
-            static, ids = unit_kinds(self.cfg, first, unit, repeats)
-
+        for stack in layer_stacks(self.cfg, self.layers):
             def apply(graphdef, kind):
                 def fn(x, state, kind_id):
                     if stream:
@@ -274,7 +301,7 @@ class Decoder(nnx.Module):
                     fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
                 return fn
 
-            blocks = [apply(g, k) for g, k in zip(graphdefs, static)]
+            blocks = [apply(g, k) for g, k in zip(stack.graphdefs, stack.static)]
 
             def body(x, xs):
                 found = []
@@ -283,7 +310,7 @@ class Decoder(nnx.Module):
                     found.append(stats)
                 return x, found
 
-            x, found = jax.lax.scan(body, x, (list(states), ids))
+            x, found = jax.lax.scan(body, x, (stack.states, stack.ids))
             for stats in found:  # [repeats, ...] each, or None for dense layers
                 if stats is not None:
                     summed = {k: jnp.sum(stats[k], axis=0) for k in STAT_KEYS}
