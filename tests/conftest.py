@@ -16,8 +16,8 @@ import pytest
 # what the imports made is frozen (never scanned again), and the youngest generation is
 # collected after 50,000 new objects instead of 700. Tracing makes and drops objects by the
 # hundred thousand, so the default thresholds run a collection every few milliseconds, and
-# each full one walks every object the worker holds. test_qwen3_next.py in one process
-# (2026-12-04): 4.85 s in the collector with the defaults, 0.97 s with these, of 70 s.
+# each full one walks every object the worker holds. test_qwen3_next.py in one process:
+# 4.85 s in the collector with the defaults, 0.97 s with these, of 70 s.
 gc.collect()
 gc.freeze()
 gc.set_threshold(50_000, 20, 20)
@@ -26,7 +26,7 @@ gc.set_threshold(50_000, 20, 20)
 # train, evaluation and init programs a full run builds, 50 repeat a config and mesh already
 # built in their worker), so a cache mostly writes: serialising each executable and the
 # fence's analysis of it cost more than the few programs read back save (the full suite on
-# the 2-core machine, 2026-12-03: 18 min 1 s of pytest with the shared cache, 15 min 50 s
+# the 2-core machine: 18 min 1 s of pytest with the shared cache, 15 min 50 s
 # without; docs/PERF.md, "The test suite"). ULYSSES_TEST_COMPILE_CACHE=1 shares one cache between
 # the pytest-xdist workers and the CLIs they start (``cli_env``), fenced as a user's is
 # (train.py --dry-run and the planner turn it off while they read XLA's dump of their own

@@ -41,8 +41,8 @@ def _fresh_compiles():
     """Every program here is compiled fresh, in this process and in the runs it launches
     (``_launch``): these tests compare loss curves across processes bit for bit. In the full
     suite, with the train step read back from the shared compilation cache, the resumed runs
-    reported losses and gradient norms 1 ulp off the reference at a few steps (2026-12-02;
-    not seen when this module runs alone; cause not yet isolated)."""
+    reported losses and gradient norms 1 ulp off the reference at a few steps (not
+    seen when this module runs alone; cause not isolated)."""
     from jax._src import compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()

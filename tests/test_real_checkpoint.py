@@ -254,7 +254,7 @@ def llvm_optimised():
     """The programs of this module's tests (and of the modules that import this fixture) are
     compiled with LLVM's optimisations, which tests/utils/devices.py turns off for the suite's
     tiny programs: the 135M model's decode steps run 3x faster with them (0.63 s against 1.85 s
-    for 11 steps of 4 rows, 2026-12-05), for compiles that cost more but are few."""
+    for 11 steps of 4 rows), for compiles that cost more but are few."""
     was = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
     yield
@@ -369,7 +369,7 @@ def _cli(*args) -> str:
     # LLVM's optimisations back on (tests/utils/devices.py turns them off for the tiny test
     # programs): this model's train step then runs in half the time, for a compile paid once.
     # The suite's other code-generation settings stay (the same time either way: 24.0 against
-    # 23.4 s of this SFT run alone, 2026-12-05).
+    # 23.4 s of this SFT run alone).
     env = cli_env(JAX_DISABLE_MOST_OPTIMIZATIONS="0")
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)

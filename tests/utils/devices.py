@@ -42,8 +42,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CPU_TEST_FLA
 # No Python call stacks in the programs' locations: JAX 0.10 writes up to 100 frames of each
 # operation's traceback into its MLIR location, which XLA carries through every pass. With
 # none, the tiny train step's compiled HLO is 797,276 characters instead of 926,418 and its
-# compile 0.80 CPU s instead of 0.84 (benchmarks/program_cost.py mesh.seq=4, two runs each,
-# 2026-12-04). The op names stay (the dry run's memory categories and the HLO checks read
+# compile 0.80 CPU s instead of 0.84 (benchmarks/program_cost.py mesh.seq=4, two runs each).
+# The op names stay (the dry run's memory categories and the HLO checks read
 # them): JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS=0 would drop them with the stacks.
 # Subprocesses inherit it (``cli_env``).
 os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
