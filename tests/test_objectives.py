@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from tests.utils.configs import SMALL, tiny_config
 from tests.utils.devices import DEVICES
 from ulysses_jax import config as config_lib
 from ulysses_jax.config import ConfigError, load_config
@@ -18,17 +19,12 @@ from ulysses_jax.training.trainer import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINING = os.path.join(ROOT, "ulysses_jax", "training")
-SMALL = ["seq_len=64", "batch_size=2", "model.d_model=32", "model.n_layers=1",
-         "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=8", "model.ffn_dim=64",
-         "model.loss_chunk=16", "log_every=1", "eval_batches=1", "optimizer.warmup_steps=2",
-         "checkpoint_every=0"]
-
 pytestmark = pytest.mark.skipif(DEVICES[0].platform != "cpu",
                                 reason="trainer tests run on fake CPU devices")
 
 
 def _cfg(*over):
-    return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), SMALL + list(over))
+    return tiny_config(*SMALL, "checkpoint_every=0", *over)
 
 
 def test_every_registered_name_is_an_objective_of_that_name():
