@@ -114,7 +114,6 @@ def _micro_rows(b, k, d):
 
 MESHES = {
     "seq1": ["mesh.seq=1", "mesh.data=1"],
-    "seq4": ["mesh.seq=4", "mesh.data=1"],
     "data2_seq2": ["mesh.seq=2", "mesh.data=2"],
     "ring": ["mesh.ring=2", "mesh.seq=2", "mesh.data=1"],
     "zero3": ["mesh.seq=2", "mesh.data=2", "param_sharding=zero3"],

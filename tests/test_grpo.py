@@ -284,7 +284,7 @@ def columns_reward(prompts, completions, completion_ids, difficulty, **_):
 
 def test_reward_functions_are_called_as_trl_calls_them():
     from ulysses_jax.training.objectives import rewards as R
-    fn = R.load("test_grpo:columns_reward")
+    fn = R.load("tests.test_grpo:columns_reward")
     got = R.score([("columns_reward", fn), ("answer_match", R.load("answer_match"))],
                   ["p", "p"], ["ab", "the answer is \\boxed{\\frac{1}{2}}"], [[1, 2], [3]],
                   {"difficulty": [2, 0], "answer": ["7", "\\frac{1}{2}"]})

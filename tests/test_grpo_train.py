@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "exa
 from make_retrieval import rows as retrieval_rows  # noqa: E402
 
 TINY = ["objective=grpo", "grpo.loss_type=bnpo", "seq_len=64",
-        "grpo.reward_funcs=[answer_match,test_grpo_train:varied]", "batch_size=2", "grpo.num_generations=4",
+        "grpo.reward_funcs=[answer_match,tests.test_grpo_train:varied]", "batch_size=2", "grpo.num_generations=4",
         "grpo.max_completion_length=4", "grpo.sft_warmup_steps=1", "grpo.num_iterations=2",
         "log_every=1", "eval_every=0", "eval_batches=1", "checkpoint_every=1",
         "model.vocab_size=257", "model.d_model=64", "model.n_layers=1", "model.n_heads=4",
@@ -156,7 +156,7 @@ def test_bad_input_is_refused_and_a_failing_reward_keeps_the_checkpoint(prompts,
                                        r"RuntimeError: the grader is down \(the prompts: "
                                        r".*retrieval.jsonl:\d+.*checkpoint of step 1 is kept"):
         _run(prompts, tmp_path / "fails", "mesh.seq=2", "steps=3",
-             "grpo.reward_funcs=[test_grpo_train:failing_reward]")
+             "grpo.reward_funcs=[tests.test_grpo_train:failing_reward]")
 
 
 def test_packing_changes_the_rows_not_the_numbers(prompts, tmp_path):

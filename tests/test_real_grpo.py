@@ -40,7 +40,7 @@ def test_first_step_matches_transformers_and_trl(smollm2, tmp_path):  # noqa: F8
         "objective=grpo", f"init_from={smollm2.path}", f"data.source={tmp_path}/prompts.jsonl",
         "data.heldout_fraction=0", "seq_len=48", "batch_size=2", "grpo.num_generations=2",
         "grpo.max_completion_length=8", "grpo.loss_type=dapo",
-        "grpo.reward_funcs=[answer_match,test_real_grpo:letters]",
+        "grpo.reward_funcs=[answer_match,tests.test_real_grpo:letters]",
         "grpo.reward_weights=[1.0,0.5]", "mesh.seq=3", "steps=1", "log_every=1",
         "eval_batches=0", "checkpoint_every=0", "optimizer.lr=1e-5",
         "optimizer.warmup_steps=0", "log_tensorboard=false"])

@@ -57,7 +57,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .compile_cache import fence
-from .config import DPOConfig
+from .config import ConfigError, DPOConfig
 from .data import text as data_lib
 from .data.packing import heldout_store_rows
 from .data.prepare import file_hash
@@ -66,6 +66,7 @@ from .generation import GenerationError, Generator
 from .mesh import make_mesh, request_cpu_devices
 from .runs import LoadError, Loaded, load
 from .training.objectives import dpo, reference as precomputed
+from .training.fit import check_program
 from .training.position_loss import bucket_bounds, bucket_sums, token_losses
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
@@ -227,9 +228,16 @@ def evaluate(path: str, *, seq_len: int | None = None, mesh_seq: int = 1,
         raise EvalError(f"the tokenizer has {loaded.tokenizer.vocab_size} ids but the model's "
                         f"vocabulary is {loaded.model.vocab_size}")
     fn = token_losses(mesh, loaded.graphdef, loaded.model.loss_chunk)
+    compiled = {}
 
     def run(batch):
-        losses, preds = fn(loaded.params, data_lib.shard_batch(pad_rows(batch, mesh_seq), mesh))
+        sharded = data_lib.shard_batch(pad_rows(batch, mesh_seq), mesh)
+        rows = sharded["tokens"].shape[0]
+        if rows not in compiled:  # compiled, and checked against the free memory, once
+            compiled[rows] = fn.lower(loaded.params, sharded).compile()
+            _check_memory(compiled[rows], mesh, f"the loss program of {rows} rows of "
+                                                f"{seq_len} tokens")
+        losses, preds = compiled[rows](loaded.params, sharded)
         return np.asarray(losses)[:, :seq_len], np.asarray(preds)[:, :seq_len]
 
     held = heldout_rows(loaded, source, seq_len, fraction)
@@ -349,6 +357,16 @@ def _recorded_reference(path: str, held) -> np.ndarray | None:
     return values
 
 
+def _check_memory(compiled, mesh, what: str) -> None:
+    """EvalError before a program runs when what it allocates exceeds the free memory
+    (training/fit.py)."""
+    try:
+        check_program(compiled, mesh, what, "Lower --batch-size or --seq-len, or use more "
+                                            "--mesh-seq devices")
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
+
+
 def _bar_iter(items, enabled: bool):
     return tqdm(items, desc="dpo", unit="batch", dynamic_ncols=True, disable=not enabled)
 
@@ -361,6 +379,8 @@ def _passkeys_by_generation(loaded: Loaded, mesh, cells, seq_len: int, batch_siz
         gen = Generator(loaded.params, loaded.model, mesh)
     except GenerationError:
         return None
+    gen.on_compile = lambda key, program: _check_memory(
+        program, mesh, f"the passkey generation's {key[0]} program ({key[1]} rows)")
     tok = loaded.tokenizer
     out = {}
     for start in range(0, len(cells), batch_size):

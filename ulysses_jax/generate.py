@@ -44,6 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .compile_cache import fence
+from .config import ConfigError
 from .data import media as media_lib
 from .data.chat import ChatTemplate, prompt_ids
 from .data.chat_templates import stored_template
@@ -55,6 +56,7 @@ from .generation import GenerationError, Generator, Sampling
 from .generation.settings import DEFAULT_MAX_NEW_TOKENS, model_settings
 from .mesh import make_mesh, request_cpu_devices
 from .runs import LoadError, load, run_config
+from .training.fit import check_program
 
 
 class GenerateError(ValueError):
@@ -276,6 +278,7 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
         gen = Generator(loaded.params, loaded.model, mesh)
     except GenerationError as e:
         raise GenerateError(str(e)) from None
+    gen.on_compile = lambda key, compiled: _check_memory(key, compiled, mesh)
     bar = tqdm(total=len(rows), desc="generate", unit="row", dynamic_ncols=True,
                disable=not progress)
     out = []
@@ -303,6 +306,17 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
                "decode_tokens_per_s": round(t["decode_tokens"] / t["decode_s"], 2)
                if t["decode_s"] > 0 else None}
     return out, summary
+
+
+def _check_memory(key, compiled, mesh) -> None:
+    """GenerateError before a prefill or decode program runs when what it allocates (the
+    batch's cache and logits, XLA's analysis) exceeds the free memory (training/fit.py)."""
+    try:
+        check_program(compiled, mesh, f"the {key[0]} program of a batch of {key[1]} rows",
+                      "Lower --batch-size, --max-new-tokens or the prompts' length, or use "
+                      "more --mesh-seq devices")
+    except ConfigError as e:
+        raise GenerateError(str(e)) from None
 
 
 def parse_args(argv=None):

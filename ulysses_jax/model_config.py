@@ -112,7 +112,11 @@ class ModelConfig:
     qkv_bias: bool = False          # biases on the q/k/v projections (Qwen2)
     tie_embeddings: bool = True
     dtype: str = "float32"          # compute dtype; parameters are always float32
-    remat: str = "none"             # none | full | save_dots | offload (dots to host memory)
+    # Recomputation in the backward pass: auto | none | full | save_dots | offload (dots to
+    # host memory). auto: the least that fits, chosen when a run starts (training/fit.py);
+    # a program built outside a run's start (inference, a step built by hand) recomputes
+    # nothing under auto (``remat_policy``).
+    remat: str = "auto"
     # With remat=full: keep each layer's input (the checkpoint the backward pass recomputes
     # the layer from) in host memory instead of the device's.
     offload_checkpoints: bool = False
@@ -184,6 +188,12 @@ class ModelConfig:
             return self.rope_theta, self.rope_scaling
         local = self.rope_local_scaling
         return self.rope_local_theta or self.rope_theta, local if local.type else self.rope_scaling
+
+    @property
+    def remat_policy(self) -> str:
+        """The recomputation the model's programs apply: ``remat``, with an unresolved
+        ``auto`` as none."""
+        return "none" if self.remat == "auto" else self.remat
 
     def layer_kinds(self) -> str:
         """One letter per layer, L (sliding window) or G (whole causal prefix)."""

@@ -181,6 +181,9 @@ def _plan_configs(args) -> tuple[Config, dict[int, Config]]:
     if args.granularity < 1:
         raise ValueError(f"--granularity must be a positive integer, got {args.granularity}")
     cfg = load_config(args.config, args.overrides)
+    if cfg.model.remat == "auto":  # planned with the least memory short of offloading; a run
+        # picks the least recomputation that fits its memory (training/fit.py)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full"))
     per_p = {}
     for p in _parse_ps(args.p):
         c = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, seq=p))

@@ -143,6 +143,9 @@ class Generator:
         self.seq = axis_size(mesh, SEQ)
         self.replicas = axis_size(mesh, DATA)
         self._programs: dict = {}
+        # Called with each program when it is compiled, before it first runs: (key, compiled)
+        # -> None, or raises (the CLI's memory check; key[0] "prefill" or "decode").
+        self.on_compile = None
         self.timings = {"compile_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0,
                         "decode_tokens": 0}
 
@@ -152,6 +155,8 @@ class Generator:
             t = time.perf_counter()
             self._programs[key] = build().lower(*args).compile()
             self.timings["compile_s"] += time.perf_counter() - t
+            if self.on_compile is not None:
+                self.on_compile(key, self._programs[key])
         return self._programs[key]
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int,

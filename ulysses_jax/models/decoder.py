@@ -296,8 +296,9 @@ class Decoder(nnx.Module):
                     return nnx.merge(graphdef, state)(x, positions, segment_ids,
                                                       kind if kind_id is None else kind_id)
 
-                if self.cfg.remat != "none":
-                    policy = _REMAT_POLICIES["full_offload" if offload else self.cfg.remat]
+                if self.cfg.remat_policy != "none":
+                    policy = _REMAT_POLICIES["full_offload" if offload
+                                             else self.cfg.remat_policy]
                     fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
                 return fn
 

@@ -197,7 +197,7 @@ class VisionTower(nnx.Module):
             seg = jnp.where(is_full, vision["frame_segments"], vision["window_segments"])
             return block(gather(weights), x, rope_angles, seg), None
 
-        if cfg.remat != "none":
+        if cfg.remat_policy != "none":
             body = jax.checkpoint(body, prevent_cse=False)
         full = np.zeros(v.depth, bool)
         full[list(v.fullatt_block_indexes)] = True

@@ -29,6 +29,7 @@ import time
 import jax
 
 from .. import gpu_target, memory
+from . import fit
 from ..config import Config, ConfigError, validate
 from ..hlo import attention_kernels, collective_counts
 from ..mesh import make_mesh
@@ -109,6 +110,29 @@ def host_categories(cfg: Config) -> set[str]:
     return out
 
 
+def _compile(cfg: Config, mesh, gpu, standin: bool):
+    """(the compiled config, the compiled step, its abstract state, device bytes, host
+    bytes) per device: XLA's analysis (``dry_run``)."""
+    compiled_cfg = cfg
+    if standin and cfg.model.dtype == "bfloat16":
+        # LoRA's frozen weights stored in bf16 (model.lora.base_dtype) likewise as fp16.
+        lo = cfg.model.lora
+        lo = dataclasses.replace(lo, base_dtype="float16") if lo.base_dtype == "bfloat16" else lo
+        compiled_cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, dtype="float16", lora=lo))
+    if gpu:
+        compiled, abstract = compile_step(compiled_cfg, mesh, gpu)
+        peak, host = device_and_host_bytes(compiled)
+    else:
+        compiled, abstract = compile_step(compiled_cfg, mesh)
+        mem = compiled.memory_analysis()
+        peak = peak_bytes_per_device(compiled)
+        host = int(sum(getattr(mem, f"host_{k}_size_in_bytes", 0) for k in
+                       ("argument", "temp", "output"))
+                   - getattr(mem, "host_alias_size_in_bytes", 0))
+    return compiled_cfg, compiled, abstract, peak, host
+
+
 def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = None,
             devices: int | None = None) -> dict:
     """Compiles the train step for the configured mesh without allocating or training.
@@ -141,32 +165,52 @@ def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = No
     platform = "gpu" if gpu else mesh.devices.flat[0].platform
     if standin is None:
         standin = platform == "cpu"
-    compiled_cfg = cfg
-    if standin and cfg.model.dtype == "bfloat16":
-        # LoRA's frozen weights stored in bf16 (model.lora.base_dtype) likewise as fp16.
-        lo = cfg.model.lora
-        lo = dataclasses.replace(lo, base_dtype="float16") if lo.base_dtype == "bfloat16" else lo
-        compiled_cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, dtype="float16", lora=lo))
     if cfg.init_adapter:  # the adapter is checked as the run would (ConfigError if it does
         # not fit model.lora), before the compile
         _, layout, _, _ = state_layout(cfg, mesh)
         init_notes += initial_adapters(cfg, layout["params"])[1]
-    if gpu:
-        compiled, abstract = compile_step(compiled_cfg, mesh, gpu)
-        peak, host = device_and_host_bytes(compiled)
+    auto = {}
+    if cfg.model.remat == "auto":  # the least recomputation whose step fits (fit.py)
+        b = None if gpu else fit.budget(mesh)
+        order = [(r, o) for r, o in fit.AUTO_ORDER if gpu or not o or platform != "cpu"]
+        for remat, offload in order:
+            candidate = fit.with_remat(cfg, remat, offload)
+            compiled_cfg, compiled, abstract, peak, host = _compile(candidate, mesh, gpu,
+                                                                   standin)
+            label = fit.remat_label(candidate)
+            auto[label] = peak + host
+            if gpu:
+                fits = peak <= gpu.memory_bytes * fit.HEADROOM
+            elif b is None:
+                fits = True
+            else:
+                fits = ((peak + host) * b.devices <= b.host * fit.HEADROOM if b.cpu
+                        else peak <= b.device * fit.HEADROOM)
+            if fits:
+                break
+        cfg = candidate
+        if gpu:
+            against = f"against {fit.gib(gpu.memory_bytes)} per {gpu.device_kind}"
+        elif b is None:
+            against = "(no budget known: the least recomputation)"
+        elif b.cpu:
+            against = f"against {fit.gib(b.host)} for {b.devices} CPU devices ({b.source})"
+        else:
+            against = f"against {fit.gib(b.device)} per device ({b.source})"
+        tried = ", ".join(f"{k} {fit.gib(v)}" for k, v in auto.items())
+        init_notes.append(f"model.remat=auto chose {fit.remat_label(cfg)}"
+                          f"{'' if fits else ' (the last candidate: none fits)'}; tried "
+                          f"{tried} per device {against}")
     else:
-        compiled, abstract = compile_step(compiled_cfg, mesh)
-        mem = compiled.memory_analysis()
-        peak = peak_bytes_per_device(compiled)
-        host = int(sum(getattr(mem, f"host_{k}_size_in_bytes", 0) for k in
-                       ("argument", "temp", "output"))
-                   - getattr(mem, "host_alias_size_in_bytes", 0))
+        compiled_cfg, compiled, abstract, peak, host = _compile(cfg, mesh, gpu, standin)
     mem = compiled.memory_analysis()
     result = {"peak_bytes_per_device": peak, "host_bytes_per_device": host,
               "memory_model": "xla"}
     if gpu:
         result["device_memory_bytes"] = gpu.memory_bytes
+    result["remat"] = fit.remat_label(cfg)
+    if auto:  # each candidate's device + host bytes per device, in the order tried
+        result["remat_auto"] = auto
     offloaded = host_categories(cfg)
     dump = memory.dump_dir()
     try:  # (the live-range reading is checked against XLA:CPU's programs only)

@@ -51,10 +51,13 @@ from ..data import run_data, text as data_lib
 from ..data.prompts import PromptOrder
 from ..data.run_data import is_main, log
 from ..generation import Generator, Sampling
-from ..generation.generator import few_sizes
+from ..generation.cache import cache_layout
+from ..generation.generator import few_sizes, generation_config
 from ..generation.settings import model_settings
 from .objectives import grpo as grpo_loss, rewards as rewards_lib
 from .objectives.base import Field, Objective
+from ..models.param_layout import param_shardings
+from .host_memory import shard_bytes
 from .resume import initial_params
 from .run_dir import RunError
 from .train_step import batch_shardings, model_params, params_for_compute, token_order
@@ -498,6 +501,28 @@ class GRPO(Objective):
 
     def loss(self, graphdef, params, batch, mesh, weights=None):
         return grpo_loss.objective(self.cfg, graphdef, params, batch, mesh, weights)
+
+    def resident_bytes(self, mesh, abstract_state):
+        """The sampler's weights (every weight on every device: a copy where the state's
+        are split or offloaded), its KV cache at the rollout's rows and ``seq_len`` slots
+        (alive while sampling; counted as if beside the step), and the frozen reference
+        of full fine-tuning with beta > 0."""
+        cfg, params = self.cfg, abstract_state["params"]
+        out = {}
+        if cfg.param_sharding != "replicated" or cfg.optimizer.offload:
+            out["the sampler's weights"] = shard_bytes(jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
+                param_shardings(params, mesh, "replicated")))
+        gen = generation_config(cfg.model)
+        rows = cfg.batch_size * cfg.grpo.num_generations
+        rows += -rows % mesh.shape["data"]
+        attention = [k for k, mixer in zip(gen.layer_kinds(), gen.layer_mixers())
+                     if mixer == "A"]
+        out["the sampler's KV cache"] = cache_layout(gen, mesh, rows, cfg.seq_len).\
+            bytes_per_device(mesh, attention)
+        if grpo_loss.frozen_reference(cfg):
+            out["the frozen reference"] = shard_bytes(params)
+        return out
 
     def reported_loss(self, step: int, metrics: dict):
         """A warm-up step reports its next-token loss."""

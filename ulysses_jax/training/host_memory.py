@@ -30,13 +30,16 @@ The estimate is the largest of three phases: start-up, a training step, the fina
 Each sum is what the run holds at least, so a refusal is a run that cannot fit; one that
 passes may still run out (the uncounted activations). Available memory is ``MemAvailable``
 of ``/proc/meminfo`` (else ``os.sysconf``), lowered to a cgroup v2 limit's headroom when one
-is set. ``ULYSSES_SKIP_HOST_MEMORY_CHECK=1`` skips the check.
+is set; ``ULYSSES_MEMORY_BUDGET`` (a size) replaces it. ``ULYSSES_SKIP_HOST_MEMORY_CHECK=1``
+skips the check. After it, the trainer holds the compiled step against the same memory
+(``fit.py``).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+import re
 
 import jax
 import numpy as np
@@ -46,7 +49,32 @@ from ..models import lora
 from .train_step import state_layout
 
 SKIP_ENV = "ULYSSES_SKIP_HOST_MEMORY_CHECK"
+# Replaces the memory the checks read (the host's here and in fit.py; each GPU's there).
+BUDGET_ENV = "ULYSSES_MEMORY_BUDGET"
 GiB = 2**30
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"3GiB"``, ``"500 MB"``, ``"123456"`` -> bytes; ValueError for anything else."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not found or found.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (bytes, or a number with KB, MB, GB, KiB, "
+                         f"MiB or GiB)")
+    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])
+
+
+def budget_override() -> int | None:
+    """``ULYSSES_MEMORY_BUDGET`` in bytes, or None when unset; ConfigError when it is not a
+    size."""
+    text = os.environ.get(BUDGET_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise ConfigError(f"{BUDGET_ENV}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +101,13 @@ def _bytes(tree) -> int:
     return total
 
 
-def _global_bytes(tree) -> int:
+def shard_bytes(tree) -> int:
+    """Bytes of ``tree``'s abstract arrays on one device (the first shard's shape)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+def global_bytes(tree) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
@@ -96,7 +130,7 @@ def estimate(cfg: Config, mesh, reads_init_from: bool = False) -> HostEstimate:
     grads = _bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32,
                                                                sharding=x.sharding),
                                 lora.trainable_params(params, cfg.model.lora)))
-    save = {"checkpoint save": int(_global_bytes([params, opt]) * fraction)}
+    save = {"checkpoint save": int(global_bytes([params, opt]) * fraction)}
     m = cfg.model
     # of a micro-batch, all devices (DPO: two sequences per pair)
     tokens = rows_per_batch(cfg) // cfg.grad_accum_steps * cfg.seq_len
@@ -110,7 +144,7 @@ def estimate(cfg: Config, mesh, reads_init_from: bool = False) -> HostEstimate:
     start = dict(state)
     if reads_init_from:
         start["init_from copy"] = _bytes(params)
-        start["init_from tensor"] = max((_global_bytes(x) for x in jax.tree.leaves(params)),
+        start["init_from tensor"] = max((global_bytes(x) for x in jax.tree.leaves(params)),
                                         default=0)
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     return HostEstimate({"start-up": start, "training": training, "final save": state | save},
@@ -150,7 +184,8 @@ def available_bytes(meminfo: str = "/proc/meminfo",
 
 
 def _gib(n: int) -> str:
-    return f"{n / GiB:.1f} GiB"
+    """Bytes as GiB, or MiB below a tenth of one."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB // 10 else f"{n / 2**20:.1f} MiB"
 
 
 def check(cfg: Config, mesh, reads_init_from: bool = False,
@@ -170,6 +205,8 @@ def check(cfg: Config, mesh, reads_init_from: bool = False,
     if (os.environ.get(SKIP_ENV, "0") not in ("", "0")
             or mesh.devices.flat[0].platform != "cpu"):
         return None
+    if available is None and budget_override() is not None:
+        available = (budget_override(), f"{BUDGET_ENV}={os.environ[BUDGET_ENV].strip()}")
     available = available or available_bytes()
     if available is None:
         return None

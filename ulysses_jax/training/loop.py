@@ -66,7 +66,8 @@ class _Preemption:
 
 
 def run(cfg: Config, objective: Objective, mesh, layout: tuple, start: int, source, batches,
-        ckpt: Checkpointer, metrics_log: MetricsLog, progress: bool, flops: float) -> dict:
+        ckpt: Checkpointer, metrics_log: MetricsLog, progress: bool, flops: float,
+        compiled: tuple | None = None, first: dict | None = None) -> dict:
     """Steps ``start + 1`` ... ``cfg.steps``: log, evaluate, checkpoint; stop on a signal.
 
     Args:
@@ -74,15 +75,22 @@ def run(cfg: Config, objective: Objective, mesh, layout: tuple, start: int, sour
       source: the batch source whose position a checkpoint saves (``get_state``).
       batches: the step batches (``objectives.base.StepBatches``).
       flops: the model FLOPs of a step on each device (``trainer.model_flops_per_device``).
+      compiled: (the jitted train step, its executable for the config's rows), compiled
+        for this state's layout (``fit.compile_train_step``); default: compiled here.
+      first: fields the first record this call logs adds (the memory check's).
     """
     graphdef, state, shardings, tx = layout
-    jitted = make_train_step(cfg, mesh, graphdef, tx, shardings)
-    # Compile ahead of the loop: the loop runs this executable, timings exclude compilation,
-    # and its cost analysis is per device (a lowered, unpartitioned program's is global).
-    t0 = time.time()
-    log("compiling the train step")
-    step_fn = jitted.lower(_abstract(state), abstract_batch(cfg, mesh)).compile()
-    log(f"compiled the train step in {time.time() - t0:.1f} s")
+    # Compiled ahead of the loop: the loop runs this executable, timings exclude
+    # compilation, and its cost analysis is per device (a lowered program's is global).
+    if compiled is None:
+        jitted = make_train_step(cfg, mesh, graphdef, tx, shardings)
+        t0 = time.time()
+        log("compiling the train step")
+        step_fn = jitted.lower(_abstract(state), abstract_batch(cfg, mesh)).compile()
+        log(f"compiled the train step in {time.time() - t0:.1f} s")
+    else:
+        jitted, step_fn = compiled
+    first = dict(first or {})
     full_rows = rows_per_batch(cfg)
     steps_by_rows = {full_rows: step_fn}  # packed batches have fewer rows (a few sizes)
     xla_flops = xla_flops_of(step_fn)
@@ -151,6 +159,8 @@ def run(cfg: Config, objective: Objective, mesh, layout: tuple, start: int, sour
                                                         "train_s": train_s}))
                     record.update(_moe_metrics(metrics))
                     record.update(_memory_in_use(device))
+                    record.update(first)
+                    first = {}
                     if evaluate:
                         record.update(batches.evaluate(state["params"]))
                         summary[objective.heldout] = record.get(objective.heldout)

@@ -7,8 +7,9 @@ logged step (each step once; the same scalars as TensorBoard event files, ``tb_l
 ``config.yaml`` the resolved config, ``train.lock`` keeps a second run out (``run_dir.py``).
 A run resumes from its newest checkpoint that restores, also on a different mesh (the state
 is restored straight into the new layout; ``resume.py``). ``data.source`` may name a token
-store (``store.py``), which is memory-mapped, not loaded. On CPU devices a run that cannot fit
-in the host's RAM is refused before the state is built (``host_memory.py``).
+store (``store.py``), which is memory-mapped, not loaded. Before the state is built, a run
+whose compiled train step cannot fit in the memory it has is refused, and ``model.remat=auto``
+resolved (``fit.py``; on CPU devices a formula's lower bound comes first, ``host_memory.py``).
 What differs between objectives (the data, the batch, the loss, the evaluation) is the
 objective's (``objectives/base.py``); nothing here asks which objective runs.
 """
@@ -23,7 +24,7 @@ from ..data import vision_batches
 from ..data.run_data import is_main as _is_main, log as _log
 from .checkpoint import Checkpointer, SaveFailed
 from .objectives.rewards import RewardError
-from . import host_memory, loop, objectives
+from . import fit, host_memory, loop, objectives
 from .flops import train_step_flops
 from .loop import TrainingDiverged, agreed as _agreed, peak_flops  # noqa: F401 (public)
 from .tb_log import TensorBoardLog, Tee
@@ -175,6 +176,11 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
     try:
         host_memory.check(cfg, mesh, reads_init_from=bool(cfg.init_from)
                           and ckpt.latest_step() is None)
+        # The train step compiled from shapes and held against the memory the run has,
+        # model.remat=auto resolved, before any state exists (fit.py).
+        cfg, compiled, fit_line = fit.fit(cfg, mesh, objectives.get)
+        _log(f"memory: {fit_line}")
+        objective = objectives.get(cfg)
         start, (graphdef, state, shardings, tx), note = start_state(cfg, mesh, ckpt, source)
         _log(note)
         # Only now: a refused resume leaves the config that describes the checkpoints.
@@ -194,7 +200,9 @@ def _run(cfg: Config, mesh, workdir: str, progress: bool, notes: list[str]) -> d
             try:
                 summary = loop.run(cfg, objective, mesh, (graphdef, state, shardings, tx),
                                    start, source, batches, ckpt, Tee(log, tb), progress,
-                                   model_flops_per_device(cfg))
+                                   model_flops_per_device(cfg),
+                                   compiled=(compiled.jitted, compiled.executable),
+                                   first=compiled.record)
             finally:
                 tb.close()
         ckpt.close()

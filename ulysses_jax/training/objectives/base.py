@@ -3,7 +3,8 @@
 An ``Objective`` is built from the run's config and answers everything that differs between
 objectives: the batch fields beside the token fields (``fields``), the loss the train step
 differentiates (``loss``), how micro-batches of an accumulated step weigh (``weighting``),
-the held-out program (``eval_sums``), the FLOPs factor, the start-up lines, and the run's
+the held-out program (``eval_sums``), the FLOPs factor, what it holds beside the
+step (``resident_bytes``), the start-up lines, and the run's
 batch source (``open`` before the train state exists, ``batches`` once it does). The loop
 (``loop.py``) and the train step read only this interface.
 
@@ -88,6 +89,11 @@ class Objective:
     def flops_factor(self) -> float:
         """Model FLOPs of a step relative to one training pass over its rows."""
         return 1.0
+
+    def resident_bytes(self, mesh, abstract_state: dict) -> dict[str, int]:
+        """Bytes per device the objective keeps on the devices beside the train step across
+        steps, by part (``fit.py`` adds them to the compiled step's): {} for none."""
+        return {}
 
     # -- lines of the log --------------------------------------------------------------
 
