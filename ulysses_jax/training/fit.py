@@ -27,10 +27,9 @@ A run fits when what it needs is at most ``HEADROOM`` of what it has. Programs c
 after their inputs exist (generation's prefill and decode, evaluation's loss program) are
 checked by ``check_program``: what each allocates against the memory left.
 
-The evaluation program (forward only, on the same state) and DPO's reference pass
-(``dpo.reference=base`` is part of the step; ``precompute`` is a forward pass before step 1)
-are not compiled here: each is a forward pass of the step's model on at most the step's rows,
-below the step's own peak.
+Not compiled here: the evaluation program and DPO's reference precomputation (a pass before
+step 1; ``dpo.reference=base`` is part of the step). Both are forward passes over the same
+state, which keep no activations for a backward pass.
 """
 from __future__ import annotations
 
@@ -57,6 +56,8 @@ AUTO_ORDER = (("none", False), ("save_dots", False), ("full", False), ("full", T
 # LoRA DPO run of SmolLM2-135M on 3 CPU devices whose step needed 22.46 GiB of 22.82
 # available was killed by the OS at a resident size of 23.1 GiB.
 HEADROOM = 0.9
+
+
 def gib(n: int) -> str:
     """Bytes as GiB, or MiB below one GiB."""
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
