@@ -3,8 +3,9 @@ per new token until every row has stopped or reached its limit.
 
 ``Generator(params, cfg, mesh)`` keeps the compiled programs of each (batch,
 prompt length, cache slots) it has seen; ``generate(prompts, ...)`` returns each row's new
-ids and why it stopped. The timings it gathers (compile, prefill, decode) are the CLI's
-summary.
+ids and why it stopped. A prompt with several samples (``num_samples``) is prefilled once and
+its samples decode against one copy of its cache. The timings it gathers (compile, prefill,
+decode) are the CLI's summary.
 """
 from __future__ import annotations
 
@@ -143,6 +144,9 @@ class Generator:
         self.seq = axis_size(mesh, SEQ)
         self.replicas = axis_size(mesh, DATA)
         self._programs: dict = {}
+        # The two parts of each decode program's cache, (the prompts', the new tokens'), by
+        # its key (their bytes: ``CacheLayout.bytes_per_device``).
+        self.cache_layouts: dict = {}
         # Called with each program when it is compiled, before it first runs: (key, compiled)
         # -> None, or raises (the CLI's memory check; key[0] "prefill" or "decode").
         self.on_compile = None
@@ -163,11 +167,16 @@ class Generator:
                  eos_ids: set[int] | frozenset = frozenset(),
                  sampling: Sampling = Sampling(), seed: int = 0,
                  rows: list[int] | None = None, keep_logits: bool = False,
-                 on_token=None, media: list[dict | None] | None = None) -> list[Completion]:
-        """New tokens for each prompt (lists of token ids, of any lengths), one batch.
+                 on_token=None, media: list[dict | None] | None = None,
+                 num_samples: int = 1) -> list[Completion]:
+        """New tokens for each prompt (lists of token ids, of any lengths), one batch:
+        ``num_samples`` completions G per prompt, prompt i's at i G .. i G + G - 1.
 
         Args:
-          rows: each prompt's index in the whole request (the sampling keys); default 0..B-1.
+          rows: each prompt's index in the whole request; sample g of prompt i draws its
+            tokens with row r = rows[i] G + g (the sampling keys), the row a request with
+            each prompt written G times gives it. Default 0..B-1.
+          num_samples: G; each prompt is prefilled once and its samples share its cache.
           media: a multimodal model's images and videos per prompt: None, or a dict of
             transformers' inputs (``pixel_values`` [N, K] with ``image_grid_thw`` [n, 3],
             ``pixel_values_videos`` with ``video_grid_thw``, ``second_per_grid_ts``), for
@@ -180,6 +189,8 @@ class Generator:
             raise GenerationError("every prompt needs at least one token")
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if num_samples < 1:
+            raise GenerationError(f"num_samples must be >= 1, got {num_samples}")
         sampling.check()
         rows = list(range(len(prompts))) if rows is None else list(rows)
         if len(rows) != len(prompts):
@@ -197,18 +208,20 @@ class Generator:
         extra = -n % self.replicas
         prompts, rows = list(prompts) + [prompts[-1]] * extra, rows + [rows[-1]] * extra
         media += [media[-1]] * extra
-        b, mesh = len(prompts), self.mesh
+        g, mesh = num_samples, self.mesh
+        bp = len(prompts)
+        b = bp * g
         s = prompt_slots(max(len(p) for p in prompts), self.seq)
-        slots = s + max_new_tokens
-        layout = cache_layout(self.cfg, mesh, b, slots)
+        layout = cache_layout(self.cfg, mesh, bp, s)
+        new = cache_layout(self.cfg, mesh, b, max_new_tokens)
         pad = np.array([s - len(p) for p in prompts], np.int32)
         j = np.arange(s, dtype=np.int32)[None, :]
-        tokens = np.zeros((b, s), np.int32)
+        tokens = np.zeros((bp, s), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, pad[i]:] = p
         segments = (j >= pad[:, None]).astype(np.int32)
         put = lambda a: jax.device_put(a, NamedSharding(mesh, act_spec(mesh)))  # noqa: E731
-        vision, deltas = None, np.zeros(b, np.int32)
+        vision, deltas = None, np.zeros(bp, np.int32)
         if vision_model:
             from ..models.vision import vision_shardings
             positions, vision, deltas = vision_inputs(
@@ -222,21 +235,23 @@ class Generator:
             positions = put(np.maximum(j - pad[:, None], 0).astype(np.int32))
         batch = [put(tokens), positions, put(segments)]
         rep = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
-        rows_a = rep(np.asarray(rows, np.int32))
-        pad_a, deltas_a, seed_a = rep(pad), rep(deltas), rep(np.uint32(seed))
+        rows_a = rep(np.asarray([r * g + k for r in rows for k in range(g)], np.int32))
+        pad_a, deltas_a = rep(np.repeat(pad, g)), rep(np.repeat(deltas, g))
+        seed_a = rep(np.uint32(seed))
 
         patches = None if vision is None else vision["pixels"].shape[0]
-        prefill = self._compiled(("prefill", b, s, slots, sampling, patches),
-                                 lambda: prefill_program(self.graphdef, layout, mesh, sampling),
+        prefill = self._compiled(("prefill", bp, s, max_new_tokens, g, sampling, patches),
+                                 lambda: prefill_program(self.graphdef, layout, new, mesh,
+                                                         sampling, g),
                                  self.params, *batch, rows_a, seed_a, vision)
         t = time.perf_counter()
-        tok, out, caches = prefill(self.params, *batch, rows_a, seed_a, vision)
+        tok, out, prompt_caches, caches = prefill(self.params, *batch, rows_a, seed_a, vision)
         tok_host = np.asarray(tok)
         self.timings["prefill_s"] += time.perf_counter() - t
 
         ids = [[] for _ in range(b)]
         kept = [[] for _ in range(b)] if keep_logits else None
-        done = np.arange(b) >= n  # the copies made for the replicas
+        done = np.arange(b) >= n * g  # the copies made for the replicas
         reason = ["length"] * b
         decode = None
         t = time.perf_counter()
@@ -251,18 +266,19 @@ class Generator:
                 on_token()
             if done.all() or step == max_new_tokens - 1:
                 break
-            args = (self.params, caches, tok, jnp.int32(s + step), pad_a, deltas_a, rows_a,
-                    jnp.int32(step + 1), seed_a)
+            args = (self.params, prompt_caches, caches, tok, jnp.int32(s + step), pad_a,
+                    deltas_a, rows_a, jnp.int32(step + 1), seed_a)
             if decode is None:
                 t_compile = time.perf_counter()
                 laid_out = jax.tree.map(lambda a: a.sharding, caches)
-                decode = self._compiled(("decode", b, slots, sampling),
-                                        lambda: decode_program(self.graphdef, layout, mesh,
-                                                               sampling, laid_out), *args)
+                key = ("decode", b, bp, s, max_new_tokens, sampling)
+                self.cache_layouts[key] = (layout, new)
+                decode = self._compiled(key, lambda: decode_program(self.graphdef, layout, mesh,
+                                                                    sampling, laid_out), *args)
                 t += time.perf_counter() - t_compile  # compiling is not decoding
             tok, out, caches = decode(*args)
             tok_host = np.asarray(tok)
             self.timings["decode_tokens"] += int((~done).sum())
         self.timings["decode_s"] += time.perf_counter() - t
         return [Completion(ids[i], reason[i], kept[i] if keep_logits else None)
-                for i in range(n)]
+                for i in range(n * g)]

@@ -52,8 +52,9 @@ from ..data.prompts import PromptOrder
 from ..data.run_data import is_main, log
 from ..generation import Generator, Sampling
 from ..generation.cache import cache_layout
-from ..generation.generator import few_sizes, generation_config
+from ..generation.generator import few_sizes, generation_config, prompt_slots
 from ..generation.settings import model_settings
+from ..mesh import SEQ, axis_size
 from .objectives import grpo as grpo_loss, rewards as rewards_lib
 from .objectives.base import Field, Objective
 from ..models.param_layout import param_shardings
@@ -293,12 +294,13 @@ class Rollout:
         cfg, g = self.cfg, self.cfg.grpo
         t0 = time.time()
         idx = self.order.take(cfg.batch_size)
-        prompt_ids = [list(map(int, self.prompts.ids[i])) for i in idx
-                      for _ in range(g.num_generations)]
+        prompts = [list(map(int, self.prompts.ids[i])) for i in idx]
+        prompt_ids = [ids for ids in prompts for _ in range(g.num_generations)]
         gen = self._sampler(params)
         seed = int(np.random.default_rng((cfg.seed, step)).integers(0, 2**32))
-        done = gen.generate(prompt_ids, max_new_tokens=g.max_completion_length,
-                            eos_ids=self.stop_ids,
+        # each prompt prefilled once, its group's samples reading its cache
+        done = gen.generate(prompts, max_new_tokens=g.max_completion_length,
+                            eos_ids=self.stop_ids, num_samples=g.num_generations,
                             sampling=Sampling(g.temperature, g.top_k, g.top_p), seed=seed)
         sampled = time.time()
         ids = [c.ids for c in done]
@@ -504,9 +506,10 @@ class GRPO(Objective):
 
     def resident_bytes(self, mesh, abstract_state):
         """The sampler's weights (every weight on every device: a copy where the state's
-        are split or offloaded), its KV cache at the rollout's rows and ``seq_len`` slots
-        (alive while sampling; counted as if beside the step), and the frozen reference
-        of full fine-tuning with beta > 0."""
+        are split or offloaded), its KV cache (alive while sampling; counted as if beside
+        the step): the prompts' part at ``batch_size`` rows of up to ``seq_len`` slots and
+        their samples' at ``max_completion_length``, and the frozen reference of full
+        fine-tuning with beta > 0."""
         cfg, params = self.cfg, abstract_state["params"]
         out = {}
         if cfg.param_sharding != "replicated" or cfg.optimizer.offload:
@@ -514,12 +517,14 @@ class GRPO(Objective):
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
                 param_shardings(params, mesh, "replicated")))
         gen = generation_config(cfg.model)
-        rows = cfg.batch_size * cfg.grpo.num_generations
-        rows += -rows % mesh.shape["data"]
+        prompts = cfg.batch_size + -cfg.batch_size % mesh.shape["data"]
+        parts = (cache_layout(gen, mesh, prompts, prompt_slots(cfg.seq_len, axis_size(mesh, SEQ))),
+                 cache_layout(gen, mesh, prompts * cfg.grpo.num_generations,
+                              cfg.grpo.max_completion_length))
         attention = [k for k, mixer in zip(gen.layer_kinds(), gen.layer_mixers())
                      if mixer == "A"]
-        out["the sampler's KV cache"] = cache_layout(gen, mesh, rows, cfg.seq_len).\
-            bytes_per_device(mesh, attention)
+        out["the sampler's KV cache"] = sum(part.bytes_per_device(mesh, attention)
+                                            for part in parts)
         if grpo_loss.frozen_reference(cfg):
             out["the frozen reference"] = shard_bytes(params)
         return out
