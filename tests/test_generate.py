@@ -21,6 +21,7 @@ from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.generate import main as generate_main
 from ulysses_jax.generation import GenerationError, Generator, Sampling
+from ulysses_jax.generation.generator import shrink_plan
 from ulysses_jax.generation.sampling import filtered
 from ulysses_jax.models.decoder import Decoder
 
@@ -155,6 +156,53 @@ def test_samples_draw_as_their_prompt_written_g_times():
     greedy = gen.generate(PROMPTS, max_new_tokens=6, num_samples=2)
     one = gen.generate(PROMPTS, max_new_tokens=6)
     assert [c.ids for c in greedy] == [c.ids for c in one for _ in range(2)]
+
+
+@pytest.mark.parametrize("variant,sampling", [("d2_p2_window", Sampling(temperature=1.0)),
+                                              ("p8_qwen3_next", Sampling(temperature=1.0)),
+                                              ("p3_window_bias_qk_norm", Sampling())])
+def test_finished_rows_stop_costing(variant, sampling):
+    """Completions that stop at different steps (stop ids: the second tokens of 8 of the 12
+    rows, so that at least 8 stop by step 1): the rows going on continue in smaller compiled batches, their caches
+    gathered into them (fewer prompts, and fewer samples per prompt), and every row's tokens
+    and reason are those of the same request without stop ids cut at its first stop id
+    (a batch that never shrinks). Seeded sampling over 2 data replicas with windows and on
+    Qwen3-Next (DeltaNet states gathered); greedy with a pool per kind."""
+    cfg, mesh, params = _variant(variant)
+    gen = Generator(params, cfg, mesh)
+    prompts = PROMPTS + [LONG[0][:20]]
+    kw = dict(max_new_tokens=10, sampling=sampling, seed=2, num_samples=3)
+    whole = gen.generate(prompts, **kw)
+    assert len({k for k in gen._programs if k[0] == "decode"}) == 1
+    eos = {c.ids[1] for c in whole[:8]}
+    rows = gen.timings["decode_rows"]
+    got = gen.generate(prompts, eos_ids=eos, **kw)
+    want = []
+    for c in whole:
+        stop = next((i for i, t in enumerate(c.ids) if t in eos), None)
+        want.append((c.ids, "length") if stop is None else (c.ids[:stop + 1], "stop"))
+    assert [(c.ids, c.finish_reason) for c in got] == want
+    assert len({len(ids) for ids, _ in want}) >= 2, want  # stops at different steps
+    sizes = sorted({k[1] for k in gen._programs if k[0] == "decode"})
+    assert len(sizes) >= 2 and sizes[0] <= 12 // 2, sizes
+    assert gen.timings["decode_rows"] - rows < 12 * 9, gen.timings
+
+
+def test_a_batch_goes_on_smaller_when_at_most_half_of_it_is_left():
+    """``shrink_plan`` on 4 prompts x 3 samples: the prompts with rows going on, as many
+    rows each as the fullest has, a short prompt's extra row a copy that writes nothing;
+    none when the rounding to the data replicas keeps more than half."""
+    going = np.array([0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 0, 0], bool)
+    kept, rows, writes = shrink_plan(going, 4, 1)
+    assert kept.tolist() == [1, 2] and rows.tolist() == [4, 4, 6, 8]
+    assert writes.tolist() == [True, False, True, True]
+    kept, rows, writes = shrink_plan(going, 4, 2)  # 2 prompts: a multiple of 2 already
+    assert kept.tolist() == [1, 2]
+    assert shrink_plan(going, 4, 4) is None           # 4 x 2 rows > 12 / 2
+    assert shrink_plan(np.ones(12, bool), 4, 1) is None
+    kept, rows, writes = shrink_plan(going & (np.arange(12) == 4), 4, 2)
+    assert kept.tolist() == [1, 1] and rows.tolist() == [4, 4] and writes.tolist() == [
+        True, False]
 
 
 def test_sampling_is_the_same_on_every_mesh_and_in_any_batch():
