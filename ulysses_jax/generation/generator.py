@@ -181,6 +181,9 @@ class Generator:
         # Called with each program when it is compiled, before it first runs: (key, compiled)
         # -> None, or raises (the CLI's memory check; key[0] "prefill" or "decode").
         self.on_compile = None
+        # False: a decode batch keeps every row to the end (benchmarks/rollout.py's
+        # reference), not going on smaller as its rows finish (``shrink_plan``).
+        self.shrink = True
         # decode_tokens: the new tokens decoded; decode_rows: the rows the decode steps ran
         # (finished rows included until a smaller batch takes the rest, ``shrink_plan``)
         self.timings = {"compile_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0,
@@ -323,7 +326,8 @@ class Generator:
                 on_token()
             if done.all() or step == max_new_tokens - 1:
                 break
-            plan = shrink_plan(writes & ~done[answer], bp, self.replicas)
+            plan = (shrink_plan(writes & ~done[answer], bp, self.replicas) if self.shrink
+                    else None)
             if plan is not None:  # finished rows stop costing: the rest in a smaller batch
                 prompts_kept, kept_rows, writes = plan
                 prompt_caches, caches, row_args = self._gathered(
