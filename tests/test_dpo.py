@@ -8,7 +8,8 @@ as TRL's concatenated_forward does (log_softmax of the shifted logits, gathered,
 the completion, summed), and the losses with TRL's formulas (sigmoid, sigmoid with label
 smoothing, hinge, length-normalised IPO). Ours, at mesh.seq 1, 2 and 4 (2 and 4 split the
 vocabulary too), must give the same loss (1e-5 relative) and adapter gradients (1e-4), with
-prompts of very different lengths in one batch.
+prompts of very different lengths in one batch, padded and packed (dpo.packing: sequences
+sharing rows as segments).
 """
 import dataclasses
 import json
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.test_chat import CHATML, write_tokenizer_dir
 from tests.utils.devices import need_devices
@@ -28,6 +30,7 @@ from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, DPOConfig, LoraConfig, load_config
 from ulysses_jax.data import prepare as prepare_lib
 from ulysses_jax.data.packing import store_rows
+from ulysses_jax.data.row_packing import pack_rows
 from ulysses_jax.data.store import TokenStore
 from ulysses_jax.hf import config_from_hf, load_params, read_config
 from ulysses_jax.interop.peft import adapter_tensors, peft_targets, with_adapters
@@ -274,7 +277,7 @@ def test_loss_and_gradients_match_trl(llama):
     want_other = [float(_trl_losses(pi.detach(), ref, n, o)) for o in others]
     for p in (1, 2, 4):
         mesh, mcfg, graphdef, params, sharded, trained = peft_policy(path, theirs, p, batch)
-        cfg = load_config(None, ["objective=dpo", "model.lora.rank=4"])
+        cfg = load_config(None, ["objective=dpo", "model.lora.rank=4", "batch_size=2"])
         cfg = dataclasses.replace(cfg, model=mcfg, dpo=d)
 
         @jax.jit
@@ -301,6 +304,36 @@ def test_loss_and_gradients_match_trl(llama):
         assert float(metrics["rewards/accuracies"]) == np.mean(rewards[:, 0] > rewards[:, 1])
         for o, w, got_o in zip(others, want_other, got_other):
             assert float(got_o) == pytest.approx(w, rel=1e-5), (p, o)
+        # Packed (dpo.packing): the 4 sequences (11, 5, 31, 24 tokens) fill 3 rows of 32, the
+        # first two in one row; with the base reference and with TRL's reference values
+        # recorded (precompute): the same loss, gradients, log-probabilities and metrics.
+        packed = pack_rows(batch, 1, sequence_ids=True)
+        assert packed["tokens"].shape == (3, S) and packed["segment_ids"][0].max() == 2
+        packed = {k: jax.device_put(v, batch_shardings(mesh)["tokens"]) for k, v in
+                  packed.items()}
+        packed["ref_logps"] = jax.device_put(ref.numpy().reshape(-1),
+                                             NamedSharding(mesh, P("data")))
+        precomputed = dataclasses.replace(cfg, dpo=dataclasses.replace(d, reference="precompute"))
+
+        @jax.jit
+        def run_packed(trained, batch):
+            out = [jax.value_and_grad(lambda t, c=c: dpo.objective(
+                c, graphdef, lora.overlay(params, t), batch, mesh), has_aux=True)(trained)
+                for c in (cfg, precomputed)]
+            logps, counts, _ = dpo.sequence_logps(graphdef, lora.overlay(params, trained),
+                                                  batch, mesh, 4)
+            return [(loss, m, g) for (_, (loss, m)), g in out], logps, counts
+
+        results, logps_p, counts_p = run_packed(trained, packed)
+        np.testing.assert_allclose(np.asarray(logps_p).reshape(-1, 2), pi.detach().numpy(),
+                                   rtol=1e-5)
+        assert (np.asarray(counts_p).reshape(-1, 2) == n.numpy()).all()
+        for name, (loss_p, metrics_p, grads_p) in zip(("base", "precompute"), results):
+            assert abs(float(loss_p) - float(want)) <= 1e-5 * abs(float(want)), (p, name)
+            assert_adapter_grads(mcfg, grads_p, want_grads, (p, name))
+            for k in dpo.METRICS:
+                assert float(metrics_p[k]) == pytest.approx(float(metrics[k]), rel=1e-5,
+                                                            abs=1e-6), (p, name, k)
 
 
 # ---- training --------------------------------------------------------------------------------
