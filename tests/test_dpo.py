@@ -336,6 +336,54 @@ def test_loss_and_gradients_match_trl(llama):
                                                             abs=1e-6), (p, name, k)
 
 
+def test_packing_fills_the_rows_first_fit_gives_in_each_micro_batch():
+    """dpo.packing with 2 micro-batches on 2 data replicas: accumulate.py's split of the 16
+    rows of 8 pairs gives micro-batch 0 pairs 0, 1, 4, 5 and micro-batch 1 pairs 2, 3, 6, 7;
+    each micro-batch's sequences (114 and 101 tokens) go first fit in order into 4 rows of
+    32 (the rows their tokens fill, worked out by hand), so the batch has 8 rows, not 16.
+    Split again by accumulate.micro_batches, each micro-batch's rows hold exactly its
+    sequences, whole, from position 0, numbered in its order as its ``ref_logps`` are; and
+    dpo.packing=false keeps one sequence per row."""
+    from ulysses_jax.data.row_packing import SEQUENCE_IDS
+    from ulysses_jax.training.accumulate import micro_batches
+    rng = np.random.default_rng(1)
+    prompts = [2, 20, 3, 5, 9, 4, 1, 6]
+    completions = [(9, 3), (11, 4), (5, 5), (10, 3), (7, 2), (4, 4), (2, 30), (6, 10)]
+    rows = _pairs_batch(rng, prompts, completions)               # 16 rows of S = 32
+    rows["ref_logps"] = -np.arange(1, 17, dtype=np.float32)      # a value per sequence
+    lengths = rows["segment_ids"].sum(1)
+    over = ["objective=dpo", f"seq_len={S}", "batch_size=8", "grad_accum_steps=2",
+            "mesh.data=2", "mesh.seq=1", "dpo.reference=precompute"]
+    cfg = load_config(None, over)
+    mesh = make_mesh(seq=1, data=2, devices=need_devices(2))
+    sharded = dpo.shard_pairs(cfg, mesh, rows, micro=2)
+    assert sharded["tokens"].shape == (8, S) and sharded["ref_logps"].shape == (16,)
+    split = {k: np.asarray(v) for k, v in micro_batches(
+        sharded, 2, mesh, batch_shardings(mesh, cfg)).items()}
+    checked = 0
+    for m, pairs in enumerate(([0, 1, 4, 5], [2, 3, 6, 7])):
+        members = [2 * p + w for p in pairs for w in (0, 1)]
+        assert sum(lengths[members]) == (114, 101)[m]
+        ids = split[SEQUENCE_IDS][m]                             # [4 rows, S]
+        assert ids.shape == (4, S) and (ids > 0).any(1).all()    # every row used
+        for i, g in enumerate(members, 1):
+            r, at = np.nonzero(ids == i)
+            assert len(set(r)) == 1 and list(at) == list(range(at[0], at[0] + lengths[g]))
+            for k in ("tokens", "targets", "loss_mask"):
+                assert (split[k][m][r, at] == rows[k][g, :lengths[g]]).all(), (m, i, k)
+            assert (split["positions"][m][r, at] == np.arange(lengths[g])).all()
+            assert split["ref_logps"][m][i - 1] == rows["ref_logps"][g]
+            checked += 1
+        assert (split["segment_ids"][m] > 0).sum() == sum(lengths[members])
+    assert checked == 16
+    padded = dpo.shard_pairs(load_config(None, over + ["dpo.packing=false"]), mesh, rows,
+                             micro=2)
+    assert SEQUENCE_IDS not in padded and padded["tokens"].shape == (16, S)
+    for k in ("tokens", "segment_ids", "positions", "ref_logps"):
+        assert (np.asarray(padded[k]) == rows[k]).all(), k
+    assert [f.name for f in dpo.DPO(cfg).fields()] == ["ref_logps", SEQUENCE_IDS]
+
+
 # ---- training --------------------------------------------------------------------------------
 
 TRAIN = ["objective=dpo", "seq_len=64", "batch_size=4", "steps=4", "log_every=1",
@@ -380,8 +428,9 @@ def seq1(pair_store, tmp_path_factory):
 
 
 def test_full_fine_tuning_with_a_precomputed_reference(pair_store, seq1, tmp_path):
-    """Step 1 is ln 2 (policy = reference); the curve at mesh.seq 4 and with two data
-    replicas x 2 sequence devices and 2 accumulated micro-batches equals mesh.seq 1's."""
+    """Step 1 is ln 2 (policy = reference); the curve at mesh.seq 4 (padded) and with two
+    data replicas x 2 sequence devices and 2 accumulated micro-batches (packed and padded)
+    equals mesh.seq 1's (packed)."""
     workdir, one = seq1
     assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert one[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
@@ -389,13 +438,29 @@ def test_full_fine_tuning_with_a_precomputed_reference(pair_store, seq1, tmp_pat
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
             "logps/rejected", "eval_rewards/accuracies"} <= set(one[-1])
     assert os.path.exists(workdir / "reference_logps.npy")
-    for name, over in (("seq4", ["mesh.seq=4"]),
-                       ("data2_accum2", ["mesh.seq=2", "mesh.data=2", "grad_accum_steps=2"])):
-        other = _run(pair_store, tmp_path / name, *over)
+    accum = ["mesh.seq=2", "mesh.data=2", "grad_accum_steps=2"]
+    runs = {}
+    for name, over in (("seq4_padded", ["mesh.seq=4", "dpo.packing=false"]),
+                       ("data2_accum2", accum),
+                       ("data2_accum2_padded", accum + ["dpo.packing=false"])):
+        runs[name] = other = _run(pair_store, tmp_path / name, *over)
         for a, b in zip(one, other):
             assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=1e-6), (name, a, b)
             if "eval_loss" in a:
                 assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=2e-5), name
+    # Packed (the default) and padded (dpo.packing=false) at the same mesh and micro-batches:
+    # the same losses and gradient norms. Packed steps read the rows the pairs fill: on one
+    # device fewer than 2 per pair over the run (here each micro-batch's 3 or 4 rows round
+    # up to the 2 replicas' 4).
+    checked = 0
+    for a, b in zip(runs["data2_accum2"], runs["data2_accum2_padded"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+        checked += 1
+    assert checked == 4
+    assert [r["step_tokens"] for r in runs["seq4_padded"]] == [2 * 4 * 64] * 4
+    assert all(r["step_tokens"] % 64 == 0 for r in one)
+    assert sum(r["step_tokens"] for r in one) < 4 * 2 * 4 * 64
 
 
 @pytest.mark.parametrize("over", [
