@@ -342,9 +342,10 @@ def test_packing_fills_the_rows_first_fit_gives_in_each_micro_batch():
     each micro-batch's sequences (114 and 101 tokens) go first fit in order into 4 rows of
     32 (the rows their tokens fill, worked out by hand), so the batch has 8 rows, not 16.
     Split again by accumulate.micro_batches, each micro-batch's rows hold exactly its
-    sequences, whole, from position 0, numbered in its order as its ``ref_logps`` are; and
-    dpo.packing=false keeps one sequence per row."""
-    from ulysses_jax.data.row_packing import SEQUENCE_IDS
+    sequences, whole, from position 0, numbered in its order as its ``ref_logps`` are; the
+    segment bound counts those rows' segments; and dpo.packing=false keeps one sequence per
+    row."""
+    from ulysses_jax.data.row_packing import SEQUENCE_IDS, packed_segments
     from ulysses_jax.training.accumulate import micro_batches
     rng = np.random.default_rng(1)
     prompts = [2, 20, 3, 5, 9, 4, 1, 6]
@@ -376,6 +377,10 @@ def test_packing_fills_the_rows_first_fit_gives_in_each_micro_batch():
             checked += 1
         assert (split["segment_ids"][m] > 0).sum() == sum(lengths[members])
     assert checked == 16
+    # the attention's segment bound reads the same rows: each one's segments, + 1 if padded
+    seg = np.asarray(sharded["segment_ids"])
+    fill = (seg > 0).sum(1)
+    assert sorted(packed_segments(lengths, S, 16, 2, 2)) == sorted(seg.max(1) + (fill < S))
     padded = dpo.shard_pairs(load_config(None, over + ["dpo.packing=false"]), mesh, rows,
                              micro=2)
     assert SEQUENCE_IDS not in padded and padded["tokens"].shape == (16, S)

@@ -87,3 +87,25 @@ def pack_rows(rows: dict, multiple: int, micro: int = 1, sequence_ids: bool = Fa
             if sequence_ids:
                 out[SEQUENCE_IDS][row, at:at + length] = i + 1
     return out
+
+
+def packed_segments(lengths, capacity: int, per_batch: int, multiple: int,
+                    micro: int = 1) -> np.ndarray:
+    """int64: the segments (its sequences, plus 1 for a padded tail) of each row that
+    ``pack_rows(rows, multiple, micro)`` makes of consecutive batches of ``per_batch``
+    sequences of ``lengths`` (a short last batch padded with empty ones, as held-out
+    batches are); the empty rows that round the count up are left out."""
+    lengths = np.asarray(lengths, np.int64)
+    out = []
+    for start in range(0, len(lengths), per_batch):
+        batch = np.zeros(per_batch, np.int64)
+        part = lengths[start:start + per_batch]
+        batch[:len(part)] = part
+        for members in micro_batch_rows(per_batch, multiple, micro):
+            place, used = first_fit(batch[members], capacity)
+            rows = np.array([r for r, _ in place])
+            real = batch[members] > 0
+            count = np.bincount(rows[real], minlength=used)
+            fill = np.bincount(rows, weights=batch[members], minlength=used)
+            out.extend(count + (fill < capacity))
+    return np.array(out, np.int64)

@@ -266,6 +266,11 @@ class DPO(Objective):
             raise ConfigError(f"objective=dpo trains on preference pairs, but data.source "
                               f"{cfg.data.source!r} is {what}; prepare one with python -m "
                               f"ulysses_jax.data prepare SRC --preference --out STORE")
+        if cfg.dpo.packing:  # the attention's segment bound counts the packed rows'
+            k, rows = cfg.grad_accum_steps, rows_per_batch(cfg)
+            train_rows.packed = (rows, mesh.shape[DATA], k)
+            if held_rows is not None:
+                held_rows.packed = (rows // k, mesh.shape[DATA], 1)
         cfg = run_data.with_segment_bound(cfg, train_rows, held_rows)
         iterator = data_lib.BatchIterator(train_rows, rows_per_batch(cfg), cfg.seed)
         log(data_line(cfg, mesh, train_rows, held_rows))
