@@ -184,6 +184,11 @@ class DPOBatches(RowBatches):
         return shard_pairs(self.cfg, self.mesh, next(self.source.iterator),
                            self.cfg.grad_accum_steps)
 
+    def record(self, step: int, times: dict) -> dict:
+        """The step's own times: ``batch_s`` (reading and packing its batch) and ``train_s``
+        (its update; a logged step_time also holds the compile of a new row count)."""
+        return {"batch_s": times["batch_s"], "train_s": times["train_s"]}
+
     def evaluate(self, params) -> dict:
         """Held-out DPO loss, reward accuracy and margin over ``cfg.eval_batches`` batches
         of pairs (a micro-batch at a time), as means over the pairs: ``eval_loss``,
