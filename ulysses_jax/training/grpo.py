@@ -12,8 +12,8 @@ weight (``objectives/grpo.py``; the weights made per sequence, as TRL's processe
 micro-batches split sequences), with ``num_iterations`` > 1 also the old policy's
 log-probabilities, computed once before the batch's first update. With ``grpo.packing`` (the
 default) the sequences are then packed into rows of seq_len, each its own segment
-(``pack_rows``): the batch has as many rows as they fill (rounded up to a few sizes, each a
-train step compiled once), not one per sequence, and the same loss.
+(``data/row_packing.py``): the batch has as many rows as they fill (rounded up to a few
+sizes, each a train step compiled once), not one per sequence, and the same loss.
 
 The sampling key of generation batch n is the run's seed and n: the same completions at every
 mesh and on resume. With ``num_iterations`` > 1 the batch (rows and old log-probabilities) is
@@ -49,10 +49,11 @@ import numpy as np
 from ..config import Config, ConfigError
 from ..data import run_data, text as data_lib
 from ..data.prompts import PromptOrder
+from ..data.row_packing import pack_rows
 from ..data.run_data import is_main, log
 from ..generation import Generator, Sampling
 from ..generation.cache import cache_layout
-from ..generation.generator import few_sizes, generation_config, prompt_slots
+from ..generation.generator import generation_config, prompt_slots
 from ..generation.settings import model_settings
 from ..mesh import SEQ, axis_size
 from .objectives import grpo as grpo_loss, rewards as rewards_lib
@@ -134,41 +135,6 @@ def sequence_rows(prompts: list, completions: list, seq_len: int) -> dict:
         rows["segment_ids"][i, :length] = 1
         rows["positions"][i, :length] = np.arange(length)
     return rows
-
-
-def packed_row_count(rows: int, multiple: int, most: int) -> int:
-    """Rows of a packed batch: ``rows`` rounded up to a multiple of ``multiple`` (the data
-    replicas x micro-batches that split it), then to one of 8 steps per power of two of
-    those (``generator.few_sizes``), so that a run compiles its step for a few row counts;
-    at most ``most``."""
-    return min(few_sizes(rows, multiple), most)
-
-
-def pack_rows(rows: dict, multiple: int) -> dict:
-    """The sequences of ``rows`` (numpy [N, S] fields, one sequence per row from position 0,
-    segment id 1) packed into fewer rows: each goes, in order, into the first row with room
-    (first fit), as its own segment (ids 1, 2, ... in a row) with its positions and every
-    per-token field (loss mask, advantages, token weights) moved along; empty rows pad the
-    count to ``packed_row_count``. The rows' tokens and what each token is trained with are
-    unchanged, so is the loss: segments do not see each other in attention."""
-    n, s = rows["tokens"].shape
-    lengths = (rows["segment_ids"] > 0).sum(1)
-    used, place = [], []
-    for length in lengths:
-        r = next((r for r, u in enumerate(used) if u + length <= s), len(used))
-        if r == len(used):
-            used.append(0)
-        place.append((r, used[r]))
-        used[r] += int(length)
-    out = {k: np.zeros((packed_row_count(len(used), multiple, n), s), v.dtype)
-           for k, v in rows.items()}
-    segments = [0] * len(used)
-    for i, ((r, at), length) in enumerate(zip(place, lengths)):
-        for k, v in rows.items():
-            out[k][r, at:at + length] = v[i, :length]
-        segments[r] += 1
-        out["segment_ids"][r, at:at + length] = segments[r]
-    return out
 
 
 @dataclasses.dataclass
