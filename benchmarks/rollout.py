@@ -1,7 +1,7 @@
 """Rollout cost on CPU: G samples of each of a few long prompts, as GRPO samples its groups.
 
     python benchmarks/rollout.py [--prompts 4] [--prompt-len 2048] [--samples 8] [--new 128]
-        [--stop-rate 0.03] [--repeats 2] [--seq 1] [--no-transformers]
+        [--stop-rate 0.03] [--repeats 2] [--seq 1] [--no-transformers] [--dpo]
 
 The model: the tiny preset's shape (configs/tiny.yaml: 2 layers, d_model 128, 8 query / 2 kv
 heads of 16, vocabulary 257) as a transformers Llama with random weights (seed 0, no q/k
@@ -18,12 +18,17 @@ seed; compiled programs reused: the last of --repeats rounds is reported, compil
   shrinking  ``num_samples=G`` and finished rows dropped (the default): the rest continue in
              smaller compiled batches
   transformers  ``generate(num_return_sequences=G, do_sample=True)`` on the same prompts,
-             the same stop ids (fp32, SDPA, its KV cache), timed the same way
+             the same stop ids (fp32, SDPA, its KV cache), timed the same way; its prefill
+             column is one forward pass over the prompts repeated G times (generate expands
+             them so before its prefill)
 Columns: rollout wall seconds, prefill seconds, decode seconds, the row-steps decoded, the
 decode program's peak bytes per device and its prompt-cache bytes (XLA's compiled memory
 analysis and the cache layout, of the first, largest decode batch). The three rows of ours
 give the same completions (checked). The fake CPU devices share the machine's cores: compare
 rows of one run. Results: benchmarks/results/rollout.json.
+
+``--dpo`` runs the other half of long-prompt preference and RL work instead: DPO's step
+time and step_tokens packed against padded (``benchmarks/dpo_packing.py``).
 """
 from __future__ import annotations
 
@@ -37,10 +42,10 @@ from _common import command_line, write_results, ROOT  # noqa: E402  (fake devic
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from _rollout import MODES, measure, request  # noqa: E402
 from ulysses_jax import make_mesh  # noqa: E402
-from ulysses_jax.generation import Generator, Sampling  # noqa: E402
+from ulysses_jax.generation import Generator  # noqa: E402
 from ulysses_jax.interop.hf import load_params  # noqa: E402
-from ulysses_jax.training.dry_run import peak_bytes_per_device  # noqa: E402
 
 SHAPE = dict(vocab_size=257, hidden_size=128, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, head_dim=16, intermediate_size=384,
@@ -58,42 +63,6 @@ def tiny_llama(out: str) -> str:
     return out
 
 
-def request(args) -> tuple[list[list[int]], frozenset]:
-    rng = np.random.default_rng(0)
-    stops = frozenset(rng.choice(SHAPE["vocab_size"], max(1, round(args.stop_rate *
-                                                                  SHAPE["vocab_size"])),
-                                 replace=False).tolist())
-    prompts = [[int(t) for t in rng.integers(0, SHAPE["vocab_size"], args.prompt_len)
-                if t not in stops] for _ in range(args.prompts)]
-    return prompts, stops
-
-
-def ours(gen: Generator, prompts, stops, args, mode: str) -> dict:
-    """One timed round of ``mode`` (compiled programs made by an earlier round)."""
-    g = args.samples
-    gen.shrink = mode == "shrinking"
-    rows = [p for p in prompts for _ in range(g)] if mode == "repeated" else prompts
-    before = dict(gen.timings)
-    t = time.perf_counter()
-    done = gen.generate(rows, max_new_tokens=args.new, eos_ids=stops, seed=1,
-                        sampling=Sampling(temperature=1.0),
-                        num_samples=1 if mode == "repeated" else g)
-    wall = time.perf_counter() - t
-    after = gen.timings
-    key = max((k for k in gen._programs if k[0] == "decode"
-               and k[1] == len(prompts) * g and k[2] == len(rows)), key=lambda k: k[3])
-    prompt_part = gen.cache_layouts[key][0]
-    kinds = ["G"] * SHAPE["num_hidden_layers"]
-    return {"mode": mode,
-            "wall_s": wall - (after["compile_s"] - before["compile_s"]),
-            "prefill_s": after["prefill_s"] - before["prefill_s"],
-            "decode_s": after["decode_s"] - before["decode_s"],
-            "row_steps": after["decode_rows"] - before["decode_rows"],
-            "decode_peak_bytes": peak_bytes_per_device(gen._programs[key]),
-            "prompt_cache_bytes": prompt_part.bytes_per_device(gen.mesh, kinds),
-            "lengths": [len(c.ids) for c in done], "ids": [c.ids for c in done]}
-
-
 def theirs(path: str, prompts, stops, args) -> dict:
     import torch
     import transformers
@@ -109,7 +78,8 @@ def theirs(path: str, prompts, stops, args) -> dict:
             model.generate(x, **kw)
             wall = time.perf_counter() - t
         t = time.perf_counter()
-        model(x)  # the prefill alone: the prompts' forward pass
+        # its prefill alone: generate expands the prompts num_return_sequences times first
+        model(x.repeat_interleave(args.samples, dim=0))
         prefill = time.perf_counter() - t
     return {"mode": "transformers", "wall_s": wall, "prefill_s": prefill}
 
@@ -124,18 +94,26 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seq", type=int, default=1)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--dpo", action="store_true",
+                    help="DPO packed against padded instead (benchmarks/dpo_packing.py)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    args = ap.parse_args(argv)
-    prompts, stops = request(args)
+    args, rest = ap.parse_known_args(argv)
+    if args.dpo:
+        import dpo_packing
+        return dpo_packing.main(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    prompts, stops = request(SHAPE["vocab_size"], args.prompts, args.prompt_len,
+                             args.stop_rate)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_llama(tmp)
         mesh = make_mesh(seq=args.seq, data=1, devices=jax.devices()[:args.seq])
         cfg, params = load_params(path, mesh)
         gen = Generator(params, cfg, mesh)
-        for mode in ("repeated", "shared", "shrinking"):
+        for mode in MODES:
             for _ in range(args.repeats):
-                row = ours(gen, prompts, stops, args, mode)
+                row = measure(gen, prompts, stops, args.samples, args.new, mode)
             rows.append(row)
         if not args.no_transformers:
             rows.append(theirs(path, prompts, stops, args))
