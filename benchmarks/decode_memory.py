@@ -25,7 +25,6 @@ from flax import nnx  # noqa: E402
 from ulysses_jax import make_mesh  # noqa: E402
 from ulysses_jax.config import load_config  # noqa: E402
 from ulysses_jax.generation import Generator  # noqa: E402
-from ulysses_jax.generation.cache import cache_layout  # noqa: E402
 from ulysses_jax.models.decoder import Decoder  # noqa: E402
 import jax  # noqa: E402
 
@@ -48,11 +47,12 @@ def measure(preset: str, over: list[str], p: int, new: int) -> dict:
     gen.generate(PROMPTS, max_new_tokens=new)
     key, decode = next((k, v) for k, v in gen._programs.items() if k[0] == "decode")
     m = decode.memory_analysis()
-    layout = cache_layout(gen.cfg, mesh, len(PROMPTS), key[2])
+    parts = gen.cache_layouts[key]  # the prompts' part and the new tokens'
     kinds = [k for k, mixer in zip(cfg.layer_kinds(), cfg.layer_mixers()) if mixer == "A"]
-    return {"slots": key[2], "argument_bytes": int(m.argument_size_in_bytes),
+    return {"slots": sum(part.slots for part in parts),
+            "argument_bytes": int(m.argument_size_in_bytes),
             "temp_bytes": int(m.temp_size_in_bytes),
-            "kv_cache_bytes": layout.bytes_per_device(mesh, kinds)}
+            "kv_cache_bytes": sum(part.bytes_per_device(mesh, kinds) for part in parts)}
 
 
 def main(argv=None) -> int:

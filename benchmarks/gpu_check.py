@@ -37,6 +37,12 @@ finishes (a timeout keeps what ran); a failing section records its error and the
   generate         generation: the same preset's model (random weights, bf16) and
                    transformers' of its shape (bf16, SDPA): prefill tokens/s of one 32k-token
                    prompt and decode ms per token over 32 greedy tokens, ours and theirs.
+  rollout          GRPO's sampling on one GPU: the 1B preset's model (random weights, bf16),
+                   4 prompts of 8,192 tokens x 8 samples of up to 256 tokens at temperature 1,
+                   stop ids (3% of the vocabulary) hit at different steps; wall, prefill and
+                   decode seconds and the decode program's peak bytes for each prompt
+                   written 8 times, num_samples=8, and num_samples=8 with finished rows
+                   dropped (benchmarks/_rollout.py); whether the three give the same tokens.
   grpo             GRPO end to end with train.py's loop: the 1B preset's model
                    (random weights, bf16, the byte tokenizer) on one GPU, 2 prompts of 8,192
                    tokens x 4 completions of up to 512, 3 steps (no warm-up): per step the
@@ -596,6 +602,34 @@ def _generate(smoke: bool, new: int = 32) -> dict:
     return out
 
 
+def _rollout(smoke: bool) -> dict:
+    """benchmarks/_rollout.py's three modes on one GPU (a compiling round, then a timed one
+    each), the 1B preset's model with random weights in bf16."""
+    import jax
+    from flax import nnx
+    from _rollout import MODES, measure, request
+    from ulysses_jax import make_mesh
+    from ulysses_jax.config import load_config
+    from ulysses_jax.generation import Generator
+    from ulysses_jax.models.decoder import Decoder
+    n, length, g, new = (2, 256, 4, 16) if smoke else (4, 8192, 8, 256)
+    over = ["model.dtype=bfloat16"] + (SMOKE_1B if smoke else [])
+    cfg = load_config(os.path.join(ROOT, "configs", "llama-1b-32k.yaml"), over).model
+    mesh = make_mesh(seq=1, data=1, devices=jax.devices()[:1])
+    params = nnx.to_pure_dict(nnx.state(Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(0))))
+    gen = Generator(params, cfg, mesh)
+    prompts, stops = request(cfg.vocab_size, n, length, 0.03)
+    rows = {}
+    for mode in MODES:
+        for _ in range(2):
+            rows[mode] = measure(gen, prompts, stops, g, new, mode)
+    same = all(rows[m]["ids"] == rows["repeated"]["ids"] for m in MODES)
+    for r in rows.values():
+        r.pop("ids")
+    return {"prompts": n, "prompt_tokens": length, "samples": g, "max_new_tokens": new,
+            "same_tokens": same, "rows": rows}
+
+
 def _grpo(smoke: bool, steps: int = 3) -> dict:
     """GRPO through train() on one GPU: sampling with the generator, the rewards, the train
     step; the times each step logs."""
@@ -845,7 +879,8 @@ def _qwen2_5_vl(smoke: bool, repeats: int = 3) -> dict:
 
 
 SECTIONS = ("env", "attention_bf16", "packed_attention", "window_attention", "throughput",
-            "accumulation", "lora", "transformers", "generate", "grpo", "longest_8b", "offload_8b",
+            "accumulation", "lora", "transformers", "generate", "rollout", "grpo", "longest_8b",
+            "offload_8b",
             "qwen3_next", "qwen2_5_vl", "pytest")
 
 
@@ -886,6 +921,7 @@ def main():
         "lora": lambda: _lora(args.smoke),
         "transformers": lambda: _transformers(args.smoke),
         "generate": lambda: _generate(args.smoke),
+        "rollout": lambda: _rollout(args.smoke),
         "grpo": lambda: _grpo(args.smoke),
         "longest_8b": lambda: _longest_8b(args.smoke),
         "offload_8b": lambda: _offload_8b(args.smoke, args.offload_seq_len),

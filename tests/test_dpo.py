@@ -8,7 +8,8 @@ as TRL's concatenated_forward does (log_softmax of the shifted logits, gathered,
 the completion, summed), and the losses with TRL's formulas (sigmoid, sigmoid with label
 smoothing, hinge, length-normalised IPO). Ours, at mesh.seq 1, 2 and 4 (2 and 4 split the
 vocabulary too), must give the same loss (1e-5 relative) and adapter gradients (1e-4), with
-prompts of very different lengths in one batch.
+prompts of very different lengths in one batch, padded and packed (dpo.packing: sequences
+sharing rows as segments).
 """
 import dataclasses
 import json
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.test_chat import CHATML, write_tokenizer_dir
 from tests.utils.devices import need_devices
@@ -28,6 +30,7 @@ from ulysses_jax import make_mesh
 from ulysses_jax.config import ConfigError, DPOConfig, LoraConfig, load_config
 from ulysses_jax.data import prepare as prepare_lib
 from ulysses_jax.data.packing import store_rows
+from ulysses_jax.data.row_packing import pack_rows
 from ulysses_jax.data.store import TokenStore
 from ulysses_jax.hf import config_from_hf, load_params, read_config
 from ulysses_jax.interop.peft import adapter_tensors, peft_targets, with_adapters
@@ -274,7 +277,7 @@ def test_loss_and_gradients_match_trl(llama):
     want_other = [float(_trl_losses(pi.detach(), ref, n, o)) for o in others]
     for p in (1, 2, 4):
         mesh, mcfg, graphdef, params, sharded, trained = peft_policy(path, theirs, p, batch)
-        cfg = load_config(None, ["objective=dpo", "model.lora.rank=4"])
+        cfg = load_config(None, ["objective=dpo", "model.lora.rank=4", "batch_size=2"])
         cfg = dataclasses.replace(cfg, model=mcfg, dpo=d)
 
         @jax.jit
@@ -301,6 +304,89 @@ def test_loss_and_gradients_match_trl(llama):
         assert float(metrics["rewards/accuracies"]) == np.mean(rewards[:, 0] > rewards[:, 1])
         for o, w, got_o in zip(others, want_other, got_other):
             assert float(got_o) == pytest.approx(w, rel=1e-5), (p, o)
+        # Packed (dpo.packing): the 4 sequences (11, 5, 31, 24 tokens) fill 3 rows of 32, the
+        # first two in one row; with the base reference and with TRL's reference values
+        # recorded (precompute): the same loss, gradients, log-probabilities and metrics.
+        packed = pack_rows(batch, 1, sequence_ids=True)
+        assert packed["tokens"].shape == (3, S) and packed["segment_ids"][0].max() == 2
+        packed = {k: jax.device_put(v, batch_shardings(mesh)["tokens"]) for k, v in
+                  packed.items()}
+        packed["ref_logps"] = jax.device_put(ref.numpy().reshape(-1),
+                                             NamedSharding(mesh, P("data")))
+        precomputed = dataclasses.replace(cfg, dpo=dataclasses.replace(d, reference="precompute"))
+
+        @jax.jit
+        def run_packed(trained, batch):
+            out = [jax.value_and_grad(lambda t, c=c: dpo.objective(
+                c, graphdef, lora.overlay(params, t), batch, mesh), has_aux=True)(trained)
+                for c in (cfg, precomputed)]
+            logps, counts, _ = dpo.sequence_logps(graphdef, lora.overlay(params, trained),
+                                                  batch, mesh, 4)
+            return [(loss, m, g) for (_, (loss, m)), g in out], logps, counts
+
+        results, logps_p, counts_p = run_packed(trained, packed)
+        np.testing.assert_allclose(np.asarray(logps_p).reshape(-1, 2), pi.detach().numpy(),
+                                   rtol=1e-5)
+        assert (np.asarray(counts_p).reshape(-1, 2) == n.numpy()).all()
+        for name, (loss_p, metrics_p, grads_p) in zip(("base", "precompute"), results):
+            assert abs(float(loss_p) - float(want)) <= 1e-5 * abs(float(want)), (p, name)
+            assert_adapter_grads(mcfg, grads_p, want_grads, (p, name))
+            for k in dpo.METRICS:
+                assert float(metrics_p[k]) == pytest.approx(float(metrics[k]), rel=1e-5,
+                                                            abs=1e-6), (p, name, k)
+
+
+def test_packing_fills_the_rows_first_fit_gives_in_each_micro_batch():
+    """dpo.packing with 2 micro-batches on 2 data replicas: accumulate.py's split of the 16
+    rows of 8 pairs gives micro-batch 0 pairs 0, 1, 4, 5 and micro-batch 1 pairs 2, 3, 6, 7;
+    each micro-batch's sequences (114 and 101 tokens) go first fit in order into 4 rows of
+    32 (the rows their tokens fill, worked out by hand), so the batch has 8 rows, not 16.
+    Split again by accumulate.micro_batches, each micro-batch's rows hold exactly its
+    sequences, whole, from position 0, numbered in its order as its ``ref_logps`` are; the
+    segment bound counts those rows' segments; and dpo.packing=false keeps one sequence per
+    row."""
+    from ulysses_jax.data.row_packing import SEQUENCE_IDS, packed_segments
+    from ulysses_jax.training.accumulate import micro_batches
+    rng = np.random.default_rng(1)
+    prompts = [2, 20, 3, 5, 9, 4, 1, 6]
+    completions = [(9, 3), (11, 4), (5, 5), (10, 3), (7, 2), (4, 4), (2, 30), (6, 10)]
+    rows = _pairs_batch(rng, prompts, completions)               # 16 rows of S = 32
+    rows["ref_logps"] = -np.arange(1, 17, dtype=np.float32)      # a value per sequence
+    lengths = rows["segment_ids"].sum(1)
+    over = ["objective=dpo", f"seq_len={S}", "batch_size=8", "grad_accum_steps=2",
+            "mesh.data=2", "mesh.seq=1", "dpo.reference=precompute"]
+    cfg = load_config(None, over)
+    mesh = make_mesh(seq=1, data=2, devices=need_devices(2))
+    sharded = dpo.shard_pairs(cfg, mesh, rows, micro=2)
+    assert sharded["tokens"].shape == (8, S) and sharded["ref_logps"].shape == (16,)
+    split = {k: np.asarray(v) for k, v in micro_batches(
+        sharded, 2, mesh, batch_shardings(mesh, cfg)).items()}
+    checked = 0
+    for m, pairs in enumerate(([0, 1, 4, 5], [2, 3, 6, 7])):
+        members = [2 * p + w for p in pairs for w in (0, 1)]
+        assert sum(lengths[members]) == (114, 101)[m]
+        ids = split[SEQUENCE_IDS][m]                             # [4 rows, S]
+        assert ids.shape == (4, S) and (ids > 0).any(1).all()    # every row used
+        for i, g in enumerate(members, 1):
+            r, at = np.nonzero(ids == i)
+            assert len(set(r)) == 1 and list(at) == list(range(at[0], at[0] + lengths[g]))
+            for k in ("tokens", "targets", "loss_mask"):
+                assert (split[k][m][r, at] == rows[k][g, :lengths[g]]).all(), (m, i, k)
+            assert (split["positions"][m][r, at] == np.arange(lengths[g])).all()
+            assert split["ref_logps"][m][i - 1] == rows["ref_logps"][g]
+            checked += 1
+        assert (split["segment_ids"][m] > 0).sum() == sum(lengths[members])
+    assert checked == 16
+    # the attention's segment bound reads the same rows: each one's segments, + 1 if padded
+    seg = np.asarray(sharded["segment_ids"])
+    fill = (seg > 0).sum(1)
+    assert sorted(packed_segments(lengths, S, 16, 2, 2)) == sorted(seg.max(1) + (fill < S))
+    padded = dpo.shard_pairs(load_config(None, over + ["dpo.packing=false"]), mesh, rows,
+                             micro=2)
+    assert SEQUENCE_IDS not in padded and padded["tokens"].shape == (16, S)
+    for k in ("tokens", "segment_ids", "positions", "ref_logps"):
+        assert (np.asarray(padded[k]) == rows[k]).all(), k
+    assert [f.name for f in dpo.DPO(cfg).fields()] == ["ref_logps", SEQUENCE_IDS]
 
 
 # ---- training --------------------------------------------------------------------------------
@@ -347,8 +433,9 @@ def seq1(pair_store, tmp_path_factory):
 
 
 def test_full_fine_tuning_with_a_precomputed_reference(pair_store, seq1, tmp_path):
-    """Step 1 is ln 2 (policy = reference); the curve at mesh.seq 4 and with two data
-    replicas x 2 sequence devices and 2 accumulated micro-batches equals mesh.seq 1's."""
+    """Step 1 is ln 2 (policy = reference); the curve at mesh.seq 4 (padded) and with two
+    data replicas x 2 sequence devices and 2 accumulated micro-batches (packed and padded)
+    equals mesh.seq 1's (packed)."""
     workdir, one = seq1
     assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert one[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
@@ -356,13 +443,29 @@ def test_full_fine_tuning_with_a_precomputed_reference(pair_store, seq1, tmp_pat
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
             "logps/rejected", "eval_rewards/accuracies"} <= set(one[-1])
     assert os.path.exists(workdir / "reference_logps.npy")
-    for name, over in (("seq4", ["mesh.seq=4"]),
-                       ("data2_accum2", ["mesh.seq=2", "mesh.data=2", "grad_accum_steps=2"])):
-        other = _run(pair_store, tmp_path / name, *over)
+    accum = ["mesh.seq=2", "mesh.data=2", "grad_accum_steps=2"]
+    runs = {}
+    for name, over in (("seq4_padded", ["mesh.seq=4", "dpo.packing=false"]),
+                       ("data2_accum2", accum),
+                       ("data2_accum2_padded", accum + ["dpo.packing=false"])):
+        runs[name] = other = _run(pair_store, tmp_path / name, *over)
         for a, b in zip(one, other):
             assert b["loss"] == pytest.approx(a["loss"], rel=2e-5, abs=1e-6), (name, a, b)
             if "eval_loss" in a:
                 assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=2e-5), name
+    # Packed (the default) and padded (dpo.packing=false) at the same mesh and micro-batches:
+    # the same losses and gradient norms. Packed steps read the rows the pairs fill: on one
+    # device fewer than 2 per pair over the run (here each micro-batch's 3 or 4 rows round
+    # up to the 2 replicas' 4).
+    checked = 0
+    for a, b in zip(runs["data2_accum2"], runs["data2_accum2_padded"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+        checked += 1
+    assert checked == 4
+    assert [r["step_tokens"] for r in runs["seq4_padded"]] == [2 * 4 * 64] * 4
+    assert all(r["step_tokens"] % 64 == 0 for r in one)
+    assert sum(r["step_tokens"] for r in one) < 4 * 2 * 4 * 64
 
 
 @pytest.mark.parametrize("over", [

@@ -21,7 +21,7 @@ from ulysses_jax import make_mesh
 from ulysses_jax.config import load_config
 from ulysses_jax.generate import main as generate_main
 from ulysses_jax.generation import GenerationError, Generator, Sampling
-from ulysses_jax.generation.cache import cache_layout
+from ulysses_jax.generation.generator import shrink_plan
 from ulysses_jax.generation.sampling import filtered
 from ulysses_jax.models.decoder import Decoder
 
@@ -91,19 +91,118 @@ def test_decode_logits_equal_a_full_forward_pass(variant):
                                data=int(opts.get("data", 1)), ring=int(opts.get("ring", 1)))
     prompts = PROMPTS + (LONG if "long" in opts else [])
     got = Generator(params, cfg, mesh).generate(prompts, max_new_tokens=5, keep_logits=True)
-    ref = Decoder(cfg, mesh=make_mesh(seq=1, data=1, devices=DEVICES[:1]), rngs=nnx.Rngs(0))
-    # Every row's prompt + generated tokens in one forward pass, right-padded: a causal
-    # model's logits at a row's own positions do not see the padding after them.
+    # Every row's prompt + generated tokens in one forward pass
     rows = [prompt + c.ids[:-1] for prompt, c in zip(prompts, got, strict=True)]
-    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
-    for i, row in enumerate(rows):
-        tokens[i, :len(row)] = row
-    forward = np.asarray(nnx.jit(lambda m, t: m(t))(ref, jnp.asarray(tokens)))  # [n, S, V]
-    for prompt, c, row, whole in zip(prompts, got, rows, forward):
+    for prompt, c, row, whole in zip(prompts, got, rows, _forward_logits(cfg, rows)):
         assert len(c.ids) == 5 and c.finish_reason == "length"
         want = whole[len(prompt) - 1:len(row)]            # the logits that chose each new id
         np.testing.assert_allclose(np.stack(c.logits), want, atol=1e-4, rtol=0)
         assert c.ids == list(want.argmax(-1)), (c.ids, want.argmax(-1))
+
+
+def _forward_logits(cfg, rows):
+    """The unsharded model's logits [n, S, V] over ``rows`` (token lists), right-padded: a
+    causal model's logits at a row's own positions do not see the padding after them."""
+    ref = Decoder(cfg, mesh=make_mesh(seq=1, data=1, devices=DEVICES[:1]), rngs=nnx.Rngs(0))
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = row
+    return np.asarray(nnx.jit(lambda m, t: m(t))(ref, jnp.asarray(tokens)))
+
+
+def _variant(name):
+    """(cfg, mesh, params) of a ``VARIANTS`` entry (no ring)."""
+    p, over = VARIANTS[name]
+    opts = dict(o[2:].split("=", 1) for o in over if o.startswith("--"))
+    return _model(p, *[o for o in over if not o.startswith("--")],
+                  preset=opts.get("preset", "tiny.yaml"), data=int(opts.get("data", 1)))
+
+
+@pytest.mark.parametrize("variant", ["p3_window_bias_qk_norm", "d2_p2_window",
+                                     "p8_qwen3_next"])
+def test_samples_share_their_prompts_cache(variant):
+    """3 samples per prompt, prefilled once (over the prompts, made a multiple of the data
+    replicas): each sample's logits are a full forward pass over its prompt and its own
+    sampled tokens (windows of 4 that the 6 new tokens outgrow, a pool per kind, DeltaNet
+    states copied per sample, data replicas)."""
+    cfg, mesh, params = _variant(variant)
+    gen = Generator(params, cfg, mesh)
+    shared = gen.generate(PROMPTS, max_new_tokens=6, sampling=Sampling(temperature=1.0),
+                          seed=5, num_samples=3, keep_logits=True)
+    data = dict(mesh.shape)["data"]
+    assert [k[1] for k in gen._programs if k[0] == "prefill"] == [3 + -3 % data]
+    assert len({tuple(c.ids) for c in shared}) > len(PROMPTS)  # the samples differ
+    written = [q for q in PROMPTS for _ in range(3)]
+    rows = [q + c.ids[:-1] for q, c in zip(written, shared)]
+    for q, c, row, whole in zip(written, shared, rows, _forward_logits(cfg, rows)):
+        np.testing.assert_allclose(np.stack(c.logits), whole[len(q) - 1:len(row)],
+                                   atol=1e-4, rtol=0)
+
+
+def test_samples_draw_as_their_prompt_written_g_times():
+    """With one seed, 3 samples per prompt give the tokens (and logits) of the prompts
+    written 3 times (sample g of prompt i draws as row 3i + g); greedy, the samples equal
+    one."""
+    cfg, mesh, params = _variant("p3_window_bias_qk_norm")
+    gen = Generator(params, cfg, mesh)
+    s = Sampling(temperature=1.0)
+    shared = gen.generate(PROMPTS, max_new_tokens=6, sampling=s, seed=5, num_samples=3,
+                          keep_logits=True)
+    alone = gen.generate([q for q in PROMPTS for _ in range(3)], max_new_tokens=6,
+                         sampling=s, seed=5, keep_logits=True)
+    assert [c.ids for c in shared] == [c.ids for c in alone]
+    for a, b in zip(shared, alone):
+        np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), atol=1e-5, rtol=0)
+    greedy = gen.generate(PROMPTS, max_new_tokens=6, num_samples=2)
+    one = gen.generate(PROMPTS, max_new_tokens=6)
+    assert [c.ids for c in greedy] == [c.ids for c in one for _ in range(2)]
+
+
+@pytest.mark.parametrize("variant,sampling", [("d2_p2_window", Sampling(temperature=1.0)),
+                                              ("p8_qwen3_next", Sampling(temperature=1.0)),
+                                              ("p3_window_bias_qk_norm", Sampling())])
+def test_finished_rows_stop_costing(variant, sampling):
+    """Completions that stop at different steps (stop ids: the second tokens of 8 of the 12
+    rows, so that at least 8 stop by step 1): the rows going on continue in smaller compiled batches, their caches
+    gathered into them (fewer prompts, and fewer samples per prompt), and every row's tokens
+    and reason are those of the same request without stop ids cut at its first stop id
+    (a batch that never shrinks). Seeded sampling over 2 data replicas with windows and on
+    Qwen3-Next (DeltaNet states gathered); greedy with a pool per kind."""
+    cfg, mesh, params = _variant(variant)
+    gen = Generator(params, cfg, mesh)
+    prompts = PROMPTS + [LONG[0][:20]]
+    kw = dict(max_new_tokens=10, sampling=sampling, seed=2, num_samples=3)
+    whole = gen.generate(prompts, **kw)
+    assert len({k for k in gen._programs if k[0] == "decode"}) == 1
+    eos = {c.ids[1] for c in whole[:8]}
+    rows = gen.timings["decode_rows"]
+    got = gen.generate(prompts, eos_ids=eos, **kw)
+    want = []
+    for c in whole:
+        stop = next((i for i, t in enumerate(c.ids) if t in eos), None)
+        want.append((c.ids, "length") if stop is None else (c.ids[:stop + 1], "stop"))
+    assert [(c.ids, c.finish_reason) for c in got] == want
+    assert len({len(ids) for ids, _ in want}) >= 2, want  # stops at different steps
+    sizes = sorted({k[1] for k in gen._programs if k[0] == "decode"})
+    assert len(sizes) >= 2 and sizes[0] <= 12 // 2, sizes
+    assert gen.timings["decode_rows"] - rows < 12 * 9, gen.timings
+
+
+def test_a_batch_goes_on_smaller_when_at_most_half_of_it_is_left():
+    """``shrink_plan`` on 4 prompts x 3 samples: the prompts with rows going on, as many
+    rows each as the fullest has, a short prompt's extra row a copy that writes nothing;
+    none when the rounding to the data replicas keeps more than half."""
+    going = np.array([0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 0, 0], bool)
+    kept, rows, writes = shrink_plan(going, 4, 1)
+    assert kept.tolist() == [1, 2] and rows.tolist() == [4, 4, 6, 8]
+    assert writes.tolist() == [True, False, True, True]
+    kept, rows, writes = shrink_plan(going, 4, 2)  # 2 prompts: a multiple of 2 already
+    assert kept.tolist() == [1, 2]
+    assert shrink_plan(going, 4, 4) is None           # 4 x 2 rows > 12 / 2
+    assert shrink_plan(np.ones(12, bool), 4, 1) is None
+    kept, rows, writes = shrink_plan(going & (np.arange(12) == 4), 4, 2)
+    assert kept.tolist() == [1, 1] and rows.tolist() == [4, 4] and writes.tolist() == [
+        True, False]
 
 
 def test_sampling_is_the_same_on_every_mesh_and_in_any_batch():
@@ -146,52 +245,80 @@ def test_filters_are_transformers_warpers(t, k, p):
     np.testing.assert_allclose(ours[~np.isinf(ours)], theirs[~np.isinf(theirs)], rtol=1e-6)
 
 
+def _decode(gen):
+    """(the decode program, its cache's two parts: the prompts', the new tokens')."""
+    key = next(k for k in gen._programs if k[0] == "decode")
+    return gen._programs[key], gen.cache_layouts[key]
+
+
+def _bytes(parts, mesh, layers) -> int:
+    return sum(part.bytes_per_device(mesh, layers) for part in parts)
+
+
 def test_the_cache_is_split_over_the_devices():
     """The decode program's arguments per device (XLA's compiled memory analysis): on 2
-    devices smaller than on 1 by exactly half of the cache (8 query / 2 kv heads: one kv
-    head per device), the parameters being replicated on both; with 2 data replicas of
-    those 2 devices, by half again (each replica holds its half of the rows)."""
+    devices smaller than on 1 by exactly half of the cache (both parts; 8 query / 2 kv heads:
+    one kv head per device), the parameters being replicated on both; with 2 data replicas
+    of those 2 devices, by half again (each replica holds its half of the rows)."""
     sizes = {}
     prompts = PROMPTS + PROMPTS[:1]  # 4 rows, 2 per replica
+    one = make_mesh(seq=1, data=1, devices=DEVICES[:1])
     for data, p in ((1, 1), (1, 2), (2, 2)):
         cfg, mesh, params = _model(p, data=data)
         gen = Generator(params, cfg, mesh)
         gen.generate(prompts, max_new_tokens=3)
-        decode = next(v for k, v in gen._programs.items() if k[0] == "decode")
+        decode, parts = _decode(gen)
         sizes[data, p] = decode.memory_analysis().argument_size_in_bytes
-        slots = next(k for k in gen._programs if k[0] == "decode")[2]
-        layout = cache_layout(gen.cfg, mesh, len(prompts), slots)
-        assert layout.heads.k_local == 2 // p
-        assert layout.bytes_per_device(mesh, cfg.n_layers) == layout.bytes_per_device(
-            make_mesh(seq=1, data=1, devices=DEVICES[:1]), cfg.n_layers) // (data * p)
-    whole = layout.bytes_per_device(make_mesh(seq=1, data=1, devices=DEVICES[:1]),
-                                    cfg.n_layers)
+        assert parts[0].heads.k_local == 2 // p
+        assert _bytes(parts, mesh, cfg.n_layers) == _bytes(parts, one, cfg.n_layers) // (
+            data * p)
+    whole = _bytes(parts, one, cfg.n_layers)
     assert whole > 0 and sizes[1, 1] - sizes[1, 2] == whole // 2, (sizes, whole)
     assert sizes[1, 2] - sizes[2, 2] == whole // 4, (sizes, whole)
+
+
+def test_the_prompts_cache_is_held_once_per_prompt():
+    """4 samples of each of 3 prompts against the 12 prompts written out (XLA's compiled
+    memory analysis of the decode program, 2 devices): the arguments differ by exactly the
+    prompt part of the 9 rows the samples do not repeat; every other argument is the same
+    size."""
+    cfg, mesh, params = _model(2)
+    sizes, prompt_parts = {}, {}
+    for prompts, g in ((PROMPTS, 4), ([q for q in PROMPTS for _ in range(4)], 1)):
+        gen = Generator(params, cfg, mesh)
+        gen.generate(prompts, max_new_tokens=3, num_samples=g)
+        decode, parts = _decode(gen)
+        sizes[g] = decode.memory_analysis().argument_size_in_bytes
+        prompt_parts[g] = parts[0].bytes_per_device(mesh, cfg.n_layers)
+        assert parts[0].batch == len(prompts) and parts[1].batch == 12
+    assert prompt_parts[1] == 4 * prompt_parts[4] > 0
+    assert sizes[1] - sizes[4] == prompt_parts[1] - prompt_parts[4], (sizes, prompt_parts)
 
 
 @pytest.mark.parametrize("pattern", ["LG", "L"])
 def test_window_layers_keep_only_their_window(pattern):
     """The decode program's arguments per device (XLA's compiled memory analysis) on 2
     devices: with a window of 4 on the local layers (pattern LG: local and global layers in
-    one stack, a pool per kind; L: every layer local), each local layer keeps 4 cache entries
-    instead of C = 16 + 3, exactly: the arguments shrink by (C - 4) slots of each local layer
-    against the same model with a window of 64 (beyond C: every slot kept)."""
-    sizes, layouts = {}, {}
+    one stack, a pool per kind; L: every layer local), each local layer keeps 4 entries of
+    the S = 16 prompt slots and 4 of the T = 6 new ones, exactly: the arguments shrink by
+    (S - 4) + (T - 4) slots of each local layer against the same model with a window of 64
+    (beyond both: every slot kept)."""
+    sizes, parts = {}, {}
     for window in (4, 64):
         cfg, mesh, params = _model(2, f"model.sliding_window={window}",
                                    f"model.layer_pattern={pattern}")
         gen = Generator(params, cfg, mesh)
-        gen.generate(PROMPTS, max_new_tokens=3)
-        key, decode = next((k, v) for k, v in gen._programs.items() if k[0] == "decode")
+        gen.generate(PROMPTS, max_new_tokens=6)
+        decode, parts[window] = _decode(gen)
         sizes[window] = decode.memory_analysis().argument_size_in_bytes
-        layouts[window] = cache_layout(gen.cfg, mesh, len(PROMPTS), key[2])
     kinds = cfg.layer_kinds()
-    assert layouts[4].slots == 19 and layouts[4].ring("L") == 4 and layouts[4].ring("G") == 19
+    prompt, new = parts[4]
+    assert (prompt.slots, prompt.ring("L"), prompt.ring("G")) == (16, 4, 16)
+    assert (new.slots, new.ring("L"), new.ring("G")) == (6, 4, 6)
     assert "L" in kinds and (pattern == "L") == ("G" not in kinds)
-    assert layouts[64].ring("L") == 19
-    saved = (layouts[64].bytes_per_device(mesh, ["L"] * kinds.count("L")) -
-             layouts[4].bytes_per_device(mesh, ["L"] * kinds.count("L")))
+    assert [part.ring("L") for part in parts[64]] == [16, 6]
+    local = ["L"] * kinds.count("L")
+    saved = _bytes(parts[64], mesh, local) - _bytes(parts[4], mesh, local)
     assert saved > 0 and sizes[64] - sizes[4] == saved, (sizes, saved)
 
 
@@ -224,30 +351,33 @@ def _main(argv):
 def test_cli_on_a_run_directory(chat_store_run, tmp_path):
     """A run directory: a text row and a chat row (the store's template), 2 data replicas x
     2 seq devices (a row each); every output field, the summary last, and the same ids as a
-    second call on 1 device."""
+    second call on 1 device, and as each of 2 greedy samples per row (in row order)."""
     run, _, _ = chat_store_run
     rows = [{"prompt": "Say hi", "id": 7},
             {"messages": [{"role": "user", "content": "Say hi again"}]}]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     outs = []
-    for p in (2, 1):
-        out = tmp_path / f"out{p}.jsonl"
+    for p, g in ((2, 1), (1, 1), (1, 2)):
+        out = tmp_path / f"out{p}_{g}.jsonl"
         code, stdout = _main([run, "--prompts", str(prompts), "--out", str(out),
                               "--max-new-tokens", "4", "--mesh-seq", str(p), "--mesh-data",
-                              str(p), "--no-progress"])
+                              str(p), "--num-samples", str(g), "--no-progress"])
         assert code == 0
         outs.append([json.loads(line) for line in out.read_text().splitlines()])
         summary = json.loads(stdout.strip().splitlines()[-1])
         assert set(summary) == {"rows", "prompt_tokens", "completion_tokens", "compile_s",
                                 "prefill_s", "decode_s", "decode_tokens_per_s"}
-        assert summary["rows"] == 2
-    for got in outs:
+        assert summary["rows"] == 2 * g
+    for got in outs[:2]:
         assert [{k: r[k] for k in given} for r, given in zip(got, rows)] == rows
+        assert [r["sample"] for r in got] == [0, 0]
         for r in got:
             assert 1 <= len(r["completion_ids"]) <= 4 and r["prompt_tokens"] >= 1
             assert r["finish_reason"] in ("stop", "length") and isinstance(r["completion"], str)
     assert [r["completion_ids"] for r in outs[0]] == [r["completion_ids"] for r in outs[1]]
+    twice = [{**r, "sample": k} for r in outs[1] for k in range(2)]
+    assert outs[2] == twice
     assert outs[0][1]["prompt_tokens"] > outs[0][0]["prompt_tokens"]  # the template's turns
 
 
@@ -263,6 +393,7 @@ def test_cli_on_a_run_directory(chat_store_run, tmp_path):
     ("out_is_a_directory", ["is a directory; give a file name"]),
     ("too_many_devices", ["--mesh-seq x --mesh-data must be between 1 and the 8 devices",
                           "got 4 x 3"]),
+    ("no_samples", ["--num-samples must be >= 1 (completions per prompt), got 0"]),
 ])
 def test_bad_input_exits_2_and_writes_nothing(hf_without_template, tmp_path, capsys, case,
                                              words):
@@ -276,7 +407,8 @@ def test_bad_input_exits_2_and_writes_nothing(hf_without_template, tmp_path, cap
     prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     extra = {"too_long": ["--max-new-tokens", "60"], "nan_temperature": ["--temperature", "nan"],
-             "too_many_devices": ["--mesh-seq", "4", "--mesh-data", "3"]}.get(case, [])
+             "too_many_devices": ["--mesh-seq", "4", "--mesh-data", "3"],
+             "no_samples": ["--num-samples", "0"]}.get(case, [])
     if case == "out_is_a_directory":
         out = tmp_path / "a_directory"
         out.mkdir()

@@ -312,7 +312,8 @@ def test_packed_rows_hold_every_sequence_as_its_own_segment():
     rows (padded to a multiple of 2), each sequence's tokens, positions and per-token
     fields moved whole into one row, a new segment id for each sequence in a row, nothing
     else non-zero; packed_row_count rounds up to a few sizes and never above the whole."""
-    from ulysses_jax.training.grpo import pack_rows, packed_row_count, sequence_rows
+    from ulysses_jax.data.row_packing import pack_rows, packed_row_count
+    from ulysses_jax.training.grpo import sequence_rows
     rng = np.random.default_rng(0)
     lengths = [(2, 1), (4, 5), (3, 3), (1, 2), (5, 4), (2, 2), (3, 1)]
     prompts = [list(rng.integers(1, 50, p)) for p, _ in lengths]

@@ -104,6 +104,10 @@ class DPOConfig:
     # every completion's log-probability under the initial model). None: "base" for a LoRA
     # run, "precompute" for full fine-tuning.
     reference: Optional[str] = None
+    # A step's chosen and rejected sequences packed into rows of seq_len (each its own
+    # segment, first fit in order, within each micro-batch); false: one sequence per row.
+    # The loss, metrics and gradients are the same either way.
+    packing: bool = True
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
     python -m ulysses_jax.generate MODEL --prompts FILE --out FILE [--max-new-tokens N]
         [--temperature T] [--top-p P] [--top-k K] [--seed S] [--mesh-seq P] [--mesh-data D]
-        [--batch-size B] [--step N] [--no-progress]
+        [--num-samples G] [--batch-size B] [--step N] [--no-progress]
 
 MODEL: a Hugging Face directory (an export or a checkpoint) or a training run's --workdir
 (its newest checkpoint, or ``--step``; its tokenizer; its LoRA adapters applied).
@@ -12,12 +12,15 @@ model's chat template (a run's: its chat store's) and the generation prompt. A m
 model's messages may hold image and video parts (as in training data; paths relative to
 FILE), preprocessed as transformers' processor does.
 
-Each output row is the input row with ``completion`` (text, special tokens left out),
+Each input row gives ``--num-samples`` G output rows in order (default 1), the input row with
+``sample`` (0 .. G - 1), ``completion`` (text, special tokens left out),
 ``completion_ids`` (the stop token included when one was chosen), ``prompt_tokens`` and
 ``finish_reason``: ``"stop"`` at an end-of-sequence id (generation_config.json's
 ``eos_token_id``, else config.json's, else the tokenizer's EOS), ``"length"`` at
 ``--max-new-tokens``. Sampling defaults come from generation_config.json where it has them
-(greedy unless it sets ``do_sample``); ``--temperature 0`` is greedy. The last stdout line is
+(greedy unless it sets ``do_sample``); ``--temperature 0`` is greedy. Each prompt is
+prefilled once for its G samples, which share its cache; sample g of input row i draws as
+row i G + g would in a file with each row written G times. The last stdout line is
 a JSON summary: rows, prompt_tokens, completion_tokens, compile_s, prefill_s, decode_s,
 decode_tokens_per_s.
 
@@ -225,15 +228,17 @@ def encode_rows(rows: list[dict], tokenizer, template, where: str, media_opts=No
 def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
              temperature: float | None = None, top_p: float | None = None,
              top_k: int | None = None, seed: int = 0, mesh_seq: int = 1, mesh_data: int = 1,
-             batch_size: int = 8, step: int | None = None, progress: bool = False,
+             batch_size: int = 8, num_samples: int = 1, step: int | None = None,
+             progress: bool = False,
              where: str = "prompts", media_base: str = ".",
              devices=None) -> tuple[list[dict], dict]:
     """Completions of ``rows`` (dicts with "prompt" or "messages") by the model at ``path``.
     A multimodal model's messages may hold image and video parts, their paths relative to
     ``media_base``.
 
-    Returns (the rows with completion, completion_ids, prompt_tokens, finish_reason; the
-    summary). Raises GenerateError on bad input, before anything is compiled.
+    Returns (``num_samples`` rows per input row, each with sample, completion,
+    completion_ids, prompt_tokens, finish_reason; the summary). Raises GenerateError on bad
+    input, before anything is compiled.
     """
     devices = list(devices or jax.devices())
     if mesh_seq < 1 or mesh_data < 1 or mesh_seq * mesh_data > len(devices):
@@ -242,6 +247,9 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
                             f"{mesh_seq} x {mesh_data}")
     if batch_size < 1:
         raise GenerateError(f"--batch-size must be >= 1, got {batch_size}")
+    if num_samples < 1:
+        raise GenerateError(f"--num-samples must be >= 1 (completions per prompt), got "
+                            f"{num_samples}")
     if not 0 <= seed < 2 ** 32:
         raise GenerateError(f"--seed must be in [0, 2**32), got {seed}")
     mesh = make_mesh(seq=mesh_seq, data=mesh_data, devices=devices[:mesh_seq * mesh_data])
@@ -288,12 +296,14 @@ def generate(path: str, rows: list[dict], *, max_new_tokens: int | None = None,
         try:
             done = gen.generate(prompts[start:stop], max_new_tokens=new, eos_ids=eos,
                                 sampling=sampling, seed=seed, rows=list(range(start, stop)),
-                                media=media[start:stop])
+                                media=media[start:stop], num_samples=num_samples)
         except GenerationError as e:
             raise GenerateError(f"{where} rows {start + 1}-{stop}: {e}") from None
-        for i, c in zip(range(start, stop), done):
+        for k, c in enumerate(done):
+            i = start + k // num_samples
             text_ids = [t for t in c.ids if t not in eos]
-            out.append({**rows[i], "completion": loaded.tokenizer.decode(text_ids),
+            out.append({**rows[i], "sample": k % num_samples,
+                        "completion": loaded.tokenizer.decode(text_ids),
                         "completion_ids": c.ids, "prompt_tokens": len(prompts[i]),
                         "finish_reason": c.finish_reason})
         bar.update(stop - start)
@@ -337,7 +347,10 @@ def parse_args(argv=None):
     p.add_argument("--mesh-seq", type=int, default=1, help="devices per sequence (Ulysses)")
     p.add_argument("--mesh-data", type=int, default=1,
                    help="data replicas, each generating its share of the rows (default 1)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per batch (default 8)")
+    p.add_argument("--num-samples", type=int, default=1,
+                   help="completions per prompt, the prompt prefilled once (default 1)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="prompts per batch, each with its samples (default 8)")
     p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -356,7 +369,7 @@ def main(argv=None) -> int:
                                 temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, mesh_seq=args.mesh_seq,
                                 mesh_data=args.mesh_data, batch_size=args.batch_size,
-                                step=args.step, progress=not args.no_progress,
+                                num_samples=args.num_samples, step=args.step, progress=not args.no_progress,
                                 where=args.prompts,
                                 media_base=os.path.dirname(os.path.abspath(args.prompts)))
     except GenerateError as e:

@@ -29,6 +29,7 @@ import numpy as np
 
 from .chat import NotPrefixStable, _check_messages, _render
 from .pieces import encode_pieces
+from .row_packing import packed_segments
 from .sources import PAIR_KEYS
 from .store import NAMES, TokenStore
 from .text import FIELDS, PlannedRows
@@ -142,6 +143,9 @@ class PreferenceRows(PlannedRows):
       ref: float32 [num store documents, 2] or None: the reference log-probabilities of each
         pair's chosen and rejected completion (``attach_reference``); rows then carry a
         ``ref_logps`` field.
+      packed: None, or how batches of these rows are packed (``dpo.packing``): (sequences
+        per batch, data replicas, micro-batches), ``row_packing.pack_rows``' split; then
+        ``segments_per_row`` counts the packed rows' segments.
     """
 
     row_fields: tuple = ()
@@ -174,6 +178,7 @@ class PreferenceRows(PlannedRows):
         self.num_rows = 2 * self.num_pairs
         self.num_tokens = int((2 * self.lengths[:, 0] + self.lengths[:, 1:].sum(1)).sum())
         self.ref = None
+        self.packed = None
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
     def attach_reference(self, ref: np.ndarray) -> None:
@@ -222,7 +227,10 @@ class PreferenceRows(PlannedRows):
         return out
 
     def segments_per_row(self, epoch: int = 0, seed: int = 0) -> np.ndarray:
-        """1 per row, plus 1 for a padded tail."""
+        """1 per row, plus 1 for a padded tail; with ``packed``, those of the rows the
+        epoch's batches are packed into."""
         pair = self._perm(seed, epoch)
         fill = self.lengths[pair, 0][:, None] + self.lengths[pair, 1:]     # [pairs, 2]
+        if self.packed is not None:
+            return packed_segments(fill.reshape(-1), self.seq_len, *self.packed)
         return (1 + (fill < self.seq_len)).reshape(-1).astype(np.int64)

@@ -26,10 +26,12 @@ def _shaped(shape, dtype, sharding):
 
 
 def compiled_programs(cfg: ModelConfig, mesh: Mesh, batch: int, prompt_len: int,
-                      new_tokens: int, sampling: Sampling = Sampling()) -> dict:
+                      new_tokens: int, sampling: Sampling = Sampling(),
+                      samples: int = 1) -> dict:
     """{"prefill": compiled, "decode": compiled} for ``batch`` prompts of ``prompt_len``
-    tokens and ``new_tokens`` new ones, as ``Generator.generate`` builds them (weights on
-    every device, the cache split by head over ``seq``, rows over ``data``).
+    tokens and ``new_tokens`` new ones, ``samples`` per prompt, as ``Generator.generate``
+    builds them (weights on every device, the cache split by head over ``seq``, rows over
+    ``data``).
 
     Text models on a ("data", "seq") mesh; ValueError otherwise."""
     if family(cfg.family).vision:
@@ -47,17 +49,19 @@ def compiled_programs(cfg: ModelConfig, mesh: Mesh, batch: int, prompt_len: int,
     params = jax.tree.map(lambda a, s: _shaped(a.shape, a.dtype, s), shapes,
                           param_shardings(shapes, mesh, "replicated"))
     s = prompt_slots(prompt_len, axis_size(mesh, SEQ))
-    layout = cache_layout(cfg, mesh, batch, s + new_tokens)
+    layout = cache_layout(cfg, mesh, batch, s)
+    new = cache_layout(cfg, mesh, batch * samples, new_tokens)
     tokens = _shaped((batch, s), np.int32, NamedSharding(mesh, act_spec(mesh)))
     rep = NamedSharding(mesh, P())
-    rows, seed = _shaped((batch,), np.int32, rep), _shaped((), np.uint32, rep)
-    prefill = prefill_program(graphdef, layout, mesh, sampling).lower(
+    rows, seed = _shaped((batch * samples,), np.int32, rep), _shaped((), np.uint32, rep)
+    prefill = prefill_program(graphdef, layout, new, mesh, sampling, samples).lower(
         params, tokens, tokens, tokens, rows, seed, None)
-    caches = prefill.out_info[2]
+    shapes = prefill.out_info[2:]
     prefill = prefill.compile()
-    laid_out = prefill.output_shardings[2]
-    caches = jax.tree.map(lambda a, sh: _shaped(a.shape, a.dtype, sh), caches, laid_out)
+    prompt, caches = (jax.tree.map(lambda a, sh: _shaped(a.shape, a.dtype, sh), part, laid)
+                      for part, laid in zip(shapes, prefill.output_shardings[2:]))
     scalar = _shaped((), np.int32, rep)
-    decode = decode_program(graphdef, layout, mesh, sampling, laid_out).lower(
-        params, caches, rows, scalar, rows, rows, rows, scalar, seed).compile()
+    decode = decode_program(graphdef, layout, mesh, sampling,
+                            prefill.output_shardings[3]).lower(
+        params, prompt, caches, rows, scalar, rows, rows, rows, scalar, seed).compile()
     return {"prefill": prefill, "decode": decode}

@@ -43,38 +43,62 @@ class GenerationError(ValueError):
     """A model or request generation cannot serve (the message names the rule)."""
 
 
-def cached_attention(q, k, v, valid, *, scale: float | None, softcap: float | None):
-    """Attention of new queries over cache slots, on whatever heads each device holds.
+def cached_attention(q, parts, *, scale: float | None, softcap: float | None):
+    """Attention of new queries over cache slots, on whatever heads each device holds: one
+    softmax over the slots of every part.
 
     Args:
-      q: [B, T, N', H]; k, v: [B, C, K', H] with N' a multiple of K' (grouped as the
-        exchange groups them); valid: [B, T, C] bool, the slots each query sees.
+      q: [B, T, N', H]; parts: (k, v, valid) each, k and v [B', C, K', H] with B' dividing
+        B (a prompt's part: one row per prompt, its B / B' samples' queries at consecutive
+        rows) and N' a multiple of K' (grouped as the exchange groups them); valid
+        [B, T, C] bool, the slots each query sees.
     Returns:
       [B, T, N', H] in q's dtype (fp32 logits and softmax).
     """
     b, t, n, h = q.shape
-    kh = k.shape[2]
+    kh = parts[0][0].shape[2]
     scale = h ** -0.5 if scale is None else scale
     qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
-    logits = jnp.einsum("BTKGH,BCKH->BKGTC", qg, k.astype(jnp.float32)) * scale
-    if softcap is not None:
-        logits = softcap * jnp.tanh(logits / softcap)
-    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("BKGTC,BCKH->BTKGH", probs, v.astype(jnp.float32))
+    logits = []
+    for k, _, valid in parts:
+        rows, c = k.shape[:2]
+        x = jnp.einsum("RSTKGH,RCKH->RSKGTC", qg.reshape(rows, b // rows, *qg.shape[1:]),
+                       k.astype(jnp.float32)).reshape(b, kh, n // kh, t, c) * scale
+        if softcap is not None:
+            x = softcap * jnp.tanh(x / softcap)
+        logits.append(jnp.where(valid[:, None, None], x, -jnp.inf))
+    probs = jax.nn.softmax(jnp.concatenate(logits, axis=-1), axis=-1)
+    out, at = 0.0, 0
+    for k, v, _ in parts:
+        rows, c = k.shape[:2]
+        p = probs[..., at:at + c].reshape(rows, b // rows, kh, n // kh, t, c)
+        out = out + jnp.einsum("RSKGTC,RCKH->RSTKGH", p, v.astype(jnp.float32)).reshape(
+            b, t, kh, n // kh, h)
+        at += c
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def visible(slot, pad, ring: int, window: int | None):
-    """[B, 1, W] bool: the entries of a W-entry cache ring (``cache``) that the token at
-    ``slot`` sees in each row (``pad`` [B] left padding): entry r holds the latest slot
-    j = slot - ((slot - r) mod W) written there, seen when j is in the row's prompt or
-    answer (j >= pad) and, with a ``window``, among its last ``window`` slots."""
-    j = slot - jnp.mod(slot - jnp.arange(ring), ring)[None, :]
+def visible(last, pad, ring: int, window: int | None, slot=None):
+    """[B, 1, W] bool: the entries of a W-entry cache ring (``cache``) written up to slot
+    ``last`` that the token at ``slot`` (default ``last``) sees in each row (``pad`` [B]
+    left padding): entry r holds the latest slot j = last - ((last - r) mod W) written there,
+    seen when j is in the row's prompt or answer (j >= pad) and, with a ``window``, among the
+    token's last ``window`` slots."""
+    slot = last if slot is None else slot
+    j = last - jnp.mod(last - jnp.arange(ring), ring)[None, :]
     seen = j >= pad[:, None]
     if window:
         seen &= slot - j < window
     return seen[:, None, :]
+
+
+def _parts(prompt, new, slot, pad, layout: CacheLayout, window: int | None) -> list:
+    """The two parts ``cached_attention`` reads for the token at ``slot``: the prompt's
+    (k, v) [Bp, Wp, K', H], written up to slot S - 1 (S = ``layout.slots``), and the new
+    tokens' [B, Wn, K', H], entries in step order (the token's step t = slot - S included)."""
+    s = layout.slots
+    return [(*prompt, visible(s - 1, pad, prompt[0].shape[1], window, slot)),
+            (*new, visible(slot - s, jnp.zeros_like(pad), new[0].shape[1], window))]
 
 
 def _put(cache, kind: str, kv):
@@ -105,30 +129,32 @@ def _attend_prompt(block, x, positions, segment_ids, kind, layout: CacheLayout, 
     return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), cache
 
 
-def _attend_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLayout,
+def _attend_cached(block, x, positions, kind, cache, prompt, slot, pad, layout: CacheLayout,
                    mesh: Mesh):
-    """The block's attention for one new token per row: (the projected output [B, 1, D],
-    the layer's cache with this token's k and v at ``slot``)."""
+    """The block's attention for one new token per row over the prompt's part of the cache
+    (``prompt``) and the new tokens' (``cache``): (the projected output [B, 1, D], the new
+    tokens' part with this token's k and v written)."""
     attn, cfg = block.attn, block.attn.cfg
     q, k, v, adapt = attn.project(block.attn_norm(x))                      # [B, 1, ., H]
     if isinstance(cache, dict):
-        o, cache = _attend_pools(attn, q, k, v, positions, kind, cache, slot, pad, layout,
-                                 mesh)
+        o, cache = _attend_pools(attn, q, k, v, positions, kind, cache, prompt, slot, pad,
+                                 layout, mesh)
         return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), cache
 
     def attend(kind, q, k, v, cache):
         q, k = attn.rope(kind, q, k, positions)
         window = cfg.sliding_window if kind == "L" else None
-        return _cached_heads(cfg, q, k, v, cache, slot, pad, layout, mesh, window)
+        return _cached_heads(cfg, q, k, v, cache, prompt, slot, pad, layout, mesh, window)
 
     o, cache = by_kind(attend, kind, q, k, v, cache)
     return out_projection(o, attn.wo[...], adapt, x.dtype, mesh), cache
 
 
-def _attend_pools(attn, q, k, v, positions, kind, cache, slot, pad, layout: CacheLayout,
-                  mesh: Mesh):
+def _attend_pools(attn, q, k, v, positions, kind, cache, prompt, slot, pad,
+                  layout: CacheLayout, mesh: Mesh):
     """``_attend_cached`` for a layer of a stack mixing kinds (``kind`` a traced index,
-    ``cache`` the stack's pools and the layer's entry "at"): the new token's k and v are
+    ``cache`` the stack's new-token pools and the layer's entry "at", ``prompt`` the stack's
+    prompt pools): the new token's k and v are
     written into every pool before the kind switch, into the layer's own entry of its kind's
     pool and, in the other pools, over the value already there (a token-sized read and
     write), so the switch only reads the pools; a switch that wrote them would return pools
@@ -141,7 +167,8 @@ def _attend_pools(attn, q, k, v, positions, kind, cache, slot, pad, layout: Cach
         _, kc = attn.rope(c, q, k, positions)
         new = [jax.lax.with_sharding_constraint(a.astype(pair[0].dtype), heads)
                for a in pad_kv(kc, v, layout.heads)]                       # [B, 1, K'R, H]
-        start = (jnp.where(mine, at, 0), 0, jnp.mod(slot, pair[0].shape[2]), 0, 0)
+        start = (jnp.where(mine, at, 0), 0, jnp.mod(slot - layout.slots, pair[0].shape[2]),
+                 0, 0)
 
         def put(pool, token, start=start, mine=mine):
             old = jax.lax.dynamic_slice(pool, start, (1,) + token.shape)
@@ -151,31 +178,31 @@ def _attend_pools(attn, q, k, v, positions, kind, cache, slot, pad, layout: Cach
 
     def attend(c, q, pools):
         q, _ = attn.rope(c, q, k, positions)
-        ck, cv = (jax.lax.dynamic_index_in_dim(a, at, keepdims=False) for a in pools[c])
+        layer_kv = [tuple(jax.lax.dynamic_index_in_dim(a, at, keepdims=False) for a in part[c])
+                    for part in (prompt, pools)]
         q = jax.lax.with_sharding_constraint(pad_query(q, layout.heads), heads)
         window = cfg.sliding_window if c == "L" else None
-        o = cached_attention(q, ck, cv, visible(slot, pad, ck.shape[1], window),
+        o = cached_attention(q, _parts(*layer_kv, slot, pad, layout, window),
                              scale=cfg.attn_scale or None, softcap=cfg.attn_softcap or None)
         return unpad_output(o, layout.heads)
 
     return by_kind(attend, kind, q, pools), pools
 
 
-def _cached_heads(cfg, q, k, v, cache, slot, pad, layout: CacheLayout, mesh: Mesh,
+def _cached_heads(cfg, q, k, v, cache, prompt, slot, pad, layout: CacheLayout, mesh: Mesh,
                   window: int | None):
     """Rotated q [B, 1, N, H], k, v [B, 1, K, H] of the new tokens: (attention over the
-    cache ring [B, 1, N, H], the ring's (k, v) with them written at entry slot mod W), each
-    device on its own heads."""
+    prompt's ring and the new tokens' [B, 1, N, H], the new tokens' ring (k, v) with them
+    written at entry t mod W), each device on its own heads."""
     ck, cv = cache
-    ring = ck.shape[1]
     heads = NamedSharding(mesh, layout.spec(mesh))
     k, v = (jax.lax.with_sharding_constraint(a.astype(ck.dtype), heads)
             for a in pad_kv(k, v, layout.heads))
-    at = jnp.mod(slot, ring)
+    at = jnp.mod(slot - layout.slots, ck.shape[1])
     ck = jax.lax.dynamic_update_slice_in_dim(ck, k, at, axis=1)
     cv = jax.lax.dynamic_update_slice_in_dim(cv, v, at, axis=1)
     q = jax.lax.with_sharding_constraint(pad_query(q, layout.heads), heads)
-    o = cached_attention(q, ck, cv, visible(slot, pad, ring, window),
+    o = cached_attention(q, _parts(prompt, (ck, cv), slot, pad, layout, window),
                          scale=cfg.attn_scale or None, softcap=cfg.attn_softcap or None)
     return unpad_output(o, layout.heads), (ck, cv)
 
@@ -228,7 +255,7 @@ def _next_prompt(block, x, positions, segment_ids, kind, layout: CacheLayout, me
     return o, to_cache(k, v, layout, mesh)
 
 
-def _next_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLayout,
+def _next_cached(block, x, positions, kind, cache, prompt, slot, pad, layout: CacheLayout,
                  mesh: Mesh):
     """Qwen3-Next's token mixer for one new token per row, reading and updating its cache."""
     normed = block.attn_norm(x)
@@ -237,7 +264,7 @@ def _next_cached(block, x, positions, kind, cache, slot, pad, layout: CacheLayou
     attn = block.attn
     q, gate, k, v, adapt = attn.project(normed)                            # [B, 1, ., H]
     q, k = attn.rope(q, k, positions)
-    o, kv = _cached_heads(attn.cfg, q, k, v, cache, slot, pad, layout, mesh, None)
+    o, kv = _cached_heads(attn.cfg, q, k, v, cache, prompt, slot, pad, layout, mesh, None)
     return attn.gated_output(o, gate, adapt, x.dtype), kv
 
 
@@ -312,8 +339,8 @@ def _prefill(mix, rest):
 
 
 def _decode(mix, rest):
-    def layer(block, x, positions, kind, cache, slot, pad, layout, mesh):
-        o, cache = mix(block, x, positions, kind, cache, slot, pad, layout, mesh)
+    def layer(block, x, positions, kind, cache, prompt, slot, pad, layout, mesh):
+        o, cache = mix(block, x, positions, kind, cache, prompt, slot, pad, layout, mesh)
         return rest(block, x, o, None, mesh), cache
     return layer
 
@@ -334,9 +361,9 @@ def block_functions(cfg):
     return load(FAMILIES[cfg.family].generation)
 
 
-def run_layers(model, x, layer_fn, caches=None, empty=None):
-    """Every layer stack of ``model`` in order: ``layer_fn(block, x, kind, cache)`` ->
-    (x, cache) per layer.
+def run_layers(model, x, layer_fn, caches=None, empty=None, prompt=None):
+    """Every layer stack of ``model`` in order: ``layer_fn(block, x, kind, cache, prompt)``
+    -> (x, cache) per layer.
 
     A position of a group's unit whose layers all have one kind gets its own cache: in
     prefill None (the layers make theirs, stacked by the scan, [R, ...] per leaf); in decode
@@ -350,6 +377,9 @@ def run_layers(model, x, layer_fn, caches=None, empty=None):
     Args:
       caches: None (prefill: made by the layers), or what a previous call returned.
       empty: ``kinds -> pools`` (prefill: the zero pools of a mixed position).
+      prompt: decode: the prompts' read-only caches per (group, unit position) (None at a
+        DeltaNet position), each layer given its entry (a mixed position: its pools, the
+        layer's entry being its cache's "at").
     Returns:
       (x, caches): caches a list per (group, unit position).
     """
@@ -362,8 +392,9 @@ def run_layers(model, x, layer_fn, caches=None, empty=None):
                    else None for u in range(n)]
         entries = [jnp.asarray(pool_index(stack.kinds[u]) if mixed[u]
                                else np.arange(stack.repeats)) for u in range(n)]
+        read = [None] * n if prompt is None else prompt[at:at + n]
 
-        def body(carry, xs, graphdefs=graphdefs, static=static, mixed=mixed):
+        def body(carry, xs, graphdefs=graphdefs, static=static, mixed=mixed, read=read):
             x, carried = carry
             states, ids, entries = xs
             kept, made = [], []
@@ -377,7 +408,10 @@ def run_layers(model, x, layer_fn, caches=None, empty=None):
                         pool)
                 else:
                     cache = None
-                x, c = layer_fn(nnx.merge(g, state), x, kind, cache)
+                part = read[u] if mixed[u] or read[u] is None else jax.tree.map(
+                    lambda a, at=at: jax.lax.dynamic_index_in_dim(a, at, keepdims=False),
+                    read[u])
+                x, c = layer_fn(nnx.merge(g, state), x, kind, cache, part)
                 if mixed[u]:
                     kept.append({k: c[k] for k in pool})
                     made.append(None)

@@ -11,16 +11,26 @@ model (``decoder.layer_groups``) stay stacked here: one [R, B, C, K'R, H] pair p
 of a group's unit, made by the prefill's layer scan and carried through the decode step's,
 each layer's entry updated in place (``blocks.run_layers``).
 
+Two parts. A layer's cache is the prompt's part, written by the prefill and only read after
+it, and the new tokens' part, written one slot per decode step. A prompt sampled G times
+(``Generator.generate(num_samples=G)``) is prefilled once: its part has one row per prompt
+([Bp, S, ...]) and the G samples' rows ([Bp G, T, ...], prompt i's samples at rows
+iG .. iG + G - 1) attend to it and to their own new tokens. A layer without K and V
+(Gated DeltaNet: a recurrent state) has only the second part, the prompt's state copied for
+each sample (``sample_caches``).
+
 Slots. Prompts are left-padded to a common length S (a multiple of P) and the new tokens
 follow: slot j of row b holds position j - pad[b]; slots before pad[b] are never attended.
+New token t (its step) is slot S + t.
 
-Windows. A layer's cache is a ring of W entries: slot j lives at entry j mod W, overwritten
-by slot j + W. A global layer's W is C (every slot has its own entry); a sliding-window
-layer's is min(window, C), so it keeps only the slots its window can still see: its cache
-does not grow past the window however long the prompt and the answer. When a layer stack
-mixes local and global layers (Gemma: one scan over all layers, the kind switching per
-layer), the stack's caches are two pools, one per kind ([layers of that kind, B, W, K'R, H]),
-each layer reading and writing its own entry of its kind's pool (``run_layers``).
+Windows. A part is a ring of W entries: slot j lives at entry j mod W (new token t at entry
+t mod W), overwritten by slot j + W. A global layer's W is the part's slots (every slot has
+its own entry); a sliding-window layer's is min(window, slots), so it keeps only the slots its
+window can still see: its cache does not grow past the window however long the prompt and the
+answer. When a layer stack mixes local and global layers (Gemma: one scan over all layers,
+the kind switching per layer), the stack's caches are two pools per part, one per kind
+([layers of that kind, B, W, K'R, H]), each layer reading and writing its own entry of its
+kind's pool (``run_layers``).
 """
 from __future__ import annotations
 
@@ -35,11 +45,13 @@ from ..attention.heads import pad_kv
 from ..config import ModelConfig
 from ..head_layout import HeadLayout, head_layout
 from ..mesh import DATA, SEQ, act_spec, axis_size, shard
+from ..models.decoder import layer_groups
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Shape of one layer's cache: ``batch`` rows of ``slots`` positions, the head layout."""
+    """Shape of one part of a layer's cache (the prompt's or the new tokens'): ``batch`` rows
+    of ``slots`` positions, the head layout."""
     heads: HeadLayout
     batch: int
     slots: int
@@ -124,3 +136,42 @@ def pool_index(kinds: list[str]) -> np.ndarray:
         out.append(seen.get(kind, 0))
         seen[kind] = out[-1] + 1
     return np.asarray(out, np.int32)
+
+
+def unit_caches(cfg: ModelConfig) -> list[tuple[str, list[str]]]:
+    """Per position of each layer group's unit, in ``blocks.run_layers``' order: (its
+    layers' token mixer, "A" attention or "D" Gated DeltaNet; their attention kinds in repeat
+    order)."""
+    kinds = cfg.layer_kinds()
+    return [(mixer, list(kinds[first + u::len(unit)][:repeats]))
+            for first, unit, repeats in layer_groups(cfg) for u, (_, mixer) in enumerate(unit)]
+
+
+def sample_caches(cfg: ModelConfig, prefilled: list, new: CacheLayout, mesh: Mesh,
+                  samples: int) -> tuple[list, list]:
+    """The prefill's caches (one row per prompt) as the decode step's two arguments: (the
+    prompts' K and V, read-only: the prefill's own arrays, None for a DeltaNet position; the
+    samples' caches: zero new-token parts laid out by ``new``, or a DeltaNet position's state
+    and convolution inputs copied ``samples`` times per prompt, row i to rows iG .. iG + G -
+    1)."""
+    prompt, carried = [], []
+    for (mixer, kinds), cache in zip(unit_caches(cfg), prefilled):
+        if mixer == "D":
+            prompt.append(None)
+            state, *inputs = cache
+            carried.append((_copied(state, samples, mesh, SEQ),
+                            *(_copied(a, samples, mesh) for a in inputs)))
+            continue
+        prompt.append(cache)
+        pools = empty_pools(new, mesh, kinds)
+        carried.append(pools if isinstance(cache, dict) else pools[kinds[0]])
+    return prompt, carried
+
+
+def _copied(a: jax.Array, samples: int, mesh: Mesh, heads: str | None = None) -> jax.Array:
+    """A stacked DeltaNet cache leaf [R, Bp, ...] with each prompt's row copied for its
+    samples [R, Bp G, ...]: rows over ``data``, the next axis (the state's value heads) over
+    ``heads``."""
+    spec = P(None, act_spec(mesh)[0], heads)
+    return jax.lax.with_sharding_constraint(jnp.repeat(a, samples, axis=1),
+                                            NamedSharding(mesh, spec))

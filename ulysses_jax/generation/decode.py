@@ -1,5 +1,6 @@
 """Decode: one new token per row through every layer, its K and V written into the cache at
-one slot, attention over the cache on each device's own heads, and the next token chosen.
+one slot, attention over the cache (the prompt's part and the new tokens') on each device's
+own heads, and the next token chosen.
 
 The new token's activations are [B, 1, D] on every device of the ``seq`` axis (the rows
 split over ``data``); each device projects and attends with its block of heads against its
@@ -21,9 +22,11 @@ from .sampling import Sampling, choose
 
 def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling,
                    cache_shardings=None):
-    """Jitted ``(params, caches, tokens [B], slot, pad [B], deltas [B], rows [B], step,
-    seed) -> (next tokens [B], logits [B, V], caches)``; the caches are donated, and returned
-    laid out as ``cache_shardings`` (the prefill's: the next step's input).
+    """Jitted ``(params, prompt, caches, tokens [B], slot, pad [B], deltas [B], rows [B],
+    step, seed) -> (next tokens [B], logits [B, V], caches)``: ``prompt`` the prompts' part
+    of the cache as the prefill made it (``layout``: [Bp, S], Bp dividing B), read only;
+    ``caches`` the rows' own (``cache.sample_caches``), donated, and returned laid out as
+    ``cache_shardings`` (the prefill's: the next step's input).
 
     ``slot``: the cache slot of ``tokens``, whose position in row b is slot - pad[b] +
     deltas[b] (``deltas``: 0, or where a multimodal prompt's M-RoPE positions ran ahead of
@@ -35,17 +38,18 @@ def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling
 
     replicated = NamedSharding(mesh, P())
 
-    def run(params, caches, tokens, slot, pad, deltas, rows, step, seed):
+    def run(params, prompt, caches, tokens, slot, pad, deltas, rows, step, seed):
         model = nnx.merge(graphdef, params)
         _, decode_block = block_functions(model.cfg)
         x = model.embed_tokens(tokens[:, None], split=False)                      # [B, 1, D]
         x = shard(x, mesh, P(act_spec(mesh)[0], None, None))  # rows over data replicas
         positions = (slot - pad + deltas)[:, None]                                # [B, 1]
 
-        def layer(block, x, kind, cache):
-            return decode_block(block, x, positions, kind, cache, slot, pad, layout, mesh)
+        def layer(block, x, kind, cache, part):
+            return decode_block(block, x, positions, kind, cache, part, slot, pad, layout,
+                                mesh)
 
-        x, caches = run_layers(model, x, layer, caches)
+        x, caches = run_layers(model, x, layer, caches, prompt=prompt)
         if cache_shardings is not None:
             caches = jax.lax.with_sharding_constraint(caches, cache_shardings)
         out = model.logits(model.final_norm(x[:, 0]))                             # [B, V]
@@ -55,5 +59,5 @@ def decode_program(graphdef, layout: CacheLayout, mesh: Mesh, sampling: Sampling
         tok, out = (jax.lax.with_sharding_constraint(a, replicated) for a in (tok, out))
         return tok, out, caches
 
-    return jax.jit(run, donate_argnums=1)
+    return jax.jit(run, donate_argnums=2)
 

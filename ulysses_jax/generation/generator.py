@@ -3,8 +3,9 @@ per new token until every row has stopped or reached its limit.
 
 ``Generator(params, cfg, mesh)`` keeps the compiled programs of each (batch,
 prompt length, cache slots) it has seen; ``generate(prompts, ...)`` returns each row's new
-ids and why it stopped. The timings it gathers (compile, prefill, decode) are the CLI's
-summary.
+ids and why it stopped. A prompt with several samples (``num_samples``) is prefilled once and
+its samples decode against one copy of its cache. The timings it gathers (compile, prefill,
+decode) are the CLI's summary.
 """
 from __future__ import annotations
 
@@ -58,6 +59,37 @@ def prompt_slots(longest: int, seq: int) -> int:
     rounded as ``few_sizes`` rounds, so that prompts of nearby lengths share one compiled
     program."""
     return few_sizes(longest, seq * 16 // math.gcd(seq, 16))
+
+
+def shrink_plan(going: np.ndarray, prompts: int, replicas: int):
+    """Whether a decode batch of ``prompts`` x G rows (``going`` [prompts G]: the rows whose
+    answers go on) should go on smaller: None, or (the prompts kept [Bp'], the rows kept
+    [Bp' G'], which of those the answers' tokens come from [Bp' G']).
+
+    The smaller batch keeps the prompts with a row going on (Bp', a multiple of the data
+    replicas) and G' rows for each (G' the most any of them has going), both rounded as
+    ``few_sizes`` rounds; a prompt's rows beyond its own, and the rows of the prompts added
+    for the rounding, repeat one of its rows, marked as no answer's. It is taken when it is
+    at most half the batch: a batch halves at most log2(prompts G) times, each new size one
+    program compiled."""
+    g = len(going) // prompts
+    per = going.reshape(prompts, g)
+    counts = per.sum(axis=1)
+    if not counts.any():
+        return None
+    live = np.flatnonzero(counts)
+    bp = min(few_sizes(len(live), replicas), prompts)
+    g2 = min(few_sizes(int(counts.max()), 1), g)
+    if bp * g2 > prompts * g // 2:
+        return None
+    kept = np.concatenate([live, np.full(bp - len(live), live[-1])])
+    rows, writes = [], []
+    for j, p in enumerate(kept):
+        mine = p * g + np.flatnonzero(per[p])
+        fresh = mine if j < len(live) else mine[:0]
+        rows.extend(list(fresh) + [mine[0]] * (g2 - len(fresh)))
+        writes.extend([True] * len(fresh) + [False] * (g2 - len(fresh)))
+    return kept, np.asarray(rows), np.asarray(writes)
 
 
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
@@ -143,11 +175,19 @@ class Generator:
         self.seq = axis_size(mesh, SEQ)
         self.replicas = axis_size(mesh, DATA)
         self._programs: dict = {}
+        # The two parts of each decode program's cache, (the prompts', the new tokens'), by
+        # its key (their bytes: ``CacheLayout.bytes_per_device``).
+        self.cache_layouts: dict = {}
         # Called with each program when it is compiled, before it first runs: (key, compiled)
         # -> None, or raises (the CLI's memory check; key[0] "prefill" or "decode").
         self.on_compile = None
+        # False: a decode batch keeps every row to the end (benchmarks/rollout.py's
+        # reference), not going on smaller as its rows finish (``shrink_plan``).
+        self.shrink = True
+        # decode_tokens: the new tokens decoded; decode_rows: the rows the decode steps ran
+        # (finished rows included until a smaller batch takes the rest, ``shrink_plan``)
         self.timings = {"compile_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0,
-                        "decode_tokens": 0}
+                        "decode_tokens": 0, "decode_rows": 0}
 
     def _compiled(self, key, build, *args):
         """The compiled program of ``key``, built and compiled (timed) on first use."""
@@ -159,15 +199,38 @@ class Generator:
                 self.on_compile(key, self._programs[key])
         return self._programs[key]
 
+    def _gathered(self, key, prompt_caches, caches, row_args, prompts_kept, kept_rows):
+        """The prompts' caches at rows ``prompts_kept``, and the rows' caches and per-row
+        arguments (tokens, logits, pad, deltas, sampling rows) at ``kept_rows``, laid out as
+        they were (one compiled program per pair of sizes)."""
+        take = lambda axis: lambda idx: lambda a: jnp.take(a, idx, axis=axis)  # noqa: E731
+
+        def run(prompt, caches, row_args, pi, ri):
+            return (jax.tree.map(take(1)(pi), prompt), jax.tree.map(take(1)(ri), caches),
+                    jax.tree.map(take(0)(ri), row_args))
+
+        args = (prompt_caches, caches, row_args)
+        laid_out = jax.tree.map(lambda a: a.sharding, args)
+        rep = NamedSharding(self.mesh, P())
+        idx = [jax.device_put(np.asarray(i, np.int32), rep) for i in (prompts_kept, kept_rows)]
+        program = self._compiled(key, lambda: jax.jit(run, out_shardings=laid_out), *args,
+                                 *idx)
+        return program(*args, *idx)
+
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int,
                  eos_ids: set[int] | frozenset = frozenset(),
                  sampling: Sampling = Sampling(), seed: int = 0,
                  rows: list[int] | None = None, keep_logits: bool = False,
-                 on_token=None, media: list[dict | None] | None = None) -> list[Completion]:
-        """New tokens for each prompt (lists of token ids, of any lengths), one batch.
+                 on_token=None, media: list[dict | None] | None = None,
+                 num_samples: int = 1) -> list[Completion]:
+        """New tokens for each prompt (lists of token ids, of any lengths), one batch:
+        ``num_samples`` completions G per prompt, prompt i's at i G .. i G + G - 1.
 
         Args:
-          rows: each prompt's index in the whole request (the sampling keys); default 0..B-1.
+          rows: each prompt's index in the whole request; sample g of prompt i draws its
+            tokens with row r = rows[i] G + g (the sampling keys), the row a request with
+            each prompt written G times gives it. Default 0..B-1.
+          num_samples: G; each prompt is prefilled once and its samples share its cache.
           media: a multimodal model's images and videos per prompt: None, or a dict of
             transformers' inputs (``pixel_values`` [N, K] with ``image_grid_thw`` [n, 3],
             ``pixel_values_videos`` with ``video_grid_thw``, ``second_per_grid_ts``), for
@@ -180,6 +243,8 @@ class Generator:
             raise GenerationError("every prompt needs at least one token")
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if num_samples < 1:
+            raise GenerationError(f"num_samples must be >= 1, got {num_samples}")
         sampling.check()
         rows = list(range(len(prompts))) if rows is None else list(rows)
         if len(rows) != len(prompts):
@@ -197,18 +262,20 @@ class Generator:
         extra = -n % self.replicas
         prompts, rows = list(prompts) + [prompts[-1]] * extra, rows + [rows[-1]] * extra
         media += [media[-1]] * extra
-        b, mesh = len(prompts), self.mesh
+        g, mesh = num_samples, self.mesh
+        bp = len(prompts)
+        b = bp * g
         s = prompt_slots(max(len(p) for p in prompts), self.seq)
-        slots = s + max_new_tokens
-        layout = cache_layout(self.cfg, mesh, b, slots)
+        layout = cache_layout(self.cfg, mesh, bp, s)
+        new = cache_layout(self.cfg, mesh, b, max_new_tokens)
         pad = np.array([s - len(p) for p in prompts], np.int32)
         j = np.arange(s, dtype=np.int32)[None, :]
-        tokens = np.zeros((b, s), np.int32)
+        tokens = np.zeros((bp, s), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, pad[i]:] = p
         segments = (j >= pad[:, None]).astype(np.int32)
         put = lambda a: jax.device_put(a, NamedSharding(mesh, act_spec(mesh)))  # noqa: E731
-        vision, deltas = None, np.zeros(b, np.int32)
+        vision, deltas = None, np.zeros(bp, np.int32)
         if vision_model:
             from ..models.vision import vision_shardings
             positions, vision, deltas = vision_inputs(
@@ -222,47 +289,69 @@ class Generator:
             positions = put(np.maximum(j - pad[:, None], 0).astype(np.int32))
         batch = [put(tokens), positions, put(segments)]
         rep = lambda a: jax.device_put(a, NamedSharding(mesh, P()))  # noqa: E731
-        rows_a = rep(np.asarray(rows, np.int32))
-        pad_a, deltas_a, seed_a = rep(pad), rep(deltas), rep(np.uint32(seed))
+        rows_a = rep(np.asarray([r * g + k for r in rows for k in range(g)], np.int32))
+        pad_a, deltas_a = rep(np.repeat(pad, g)), rep(np.repeat(deltas, g))
+        seed_a = rep(np.uint32(seed))
 
         patches = None if vision is None else vision["pixels"].shape[0]
-        prefill = self._compiled(("prefill", b, s, slots, sampling, patches),
-                                 lambda: prefill_program(self.graphdef, layout, mesh, sampling),
+        prefill = self._compiled(("prefill", bp, s, max_new_tokens, g, sampling, patches),
+                                 lambda: prefill_program(self.graphdef, layout, new, mesh,
+                                                         sampling, g),
                                  self.params, *batch, rows_a, seed_a, vision)
         t = time.perf_counter()
-        tok, out, caches = prefill(self.params, *batch, rows_a, seed_a, vision)
+        tok, out, prompt_caches, caches = prefill(self.params, *batch, rows_a, seed_a, vision)
         tok_host = np.asarray(tok)
         self.timings["prefill_s"] += time.perf_counter() - t
 
         ids = [[] for _ in range(b)]
         kept = [[] for _ in range(b)] if keep_logits else None
-        done = np.arange(b) >= n  # the copies made for the replicas
+        done = np.arange(b) >= n * g  # the copies made for the replicas
         reason = ["length"] * b
+        # The decode batch's rows: each one's answer (an index into ids) and whether it is
+        # the row that answer's tokens come from (the copies padding a batch are not).
+        answer, writes = np.arange(b), ~done
+        row_args = (tok, out, pad_a, deltas_a, rows_a)
         decode = None
-        t = time.perf_counter()
+        t, compiling = time.perf_counter(), self.timings["compile_s"]
         for step in range(max_new_tokens):
-            for i in np.flatnonzero(~done):
-                ids[i].append(int(tok_host[i]))
+            tok_host = np.asarray(row_args[0])
+            for i in np.flatnonzero(writes & ~done[answer]):
+                r = answer[i]
+                ids[r].append(int(tok_host[i]))
                 if keep_logits:
-                    kept[i].append(np.asarray(out[i]))
+                    kept[r].append(np.asarray(row_args[1][i]))
                 if int(tok_host[i]) in eos_ids:
-                    done[i], reason[i] = True, "stop"
+                    done[r], reason[r] = True, "stop"
             if on_token is not None:
                 on_token()
             if done.all() or step == max_new_tokens - 1:
                 break
-            args = (self.params, caches, tok, jnp.int32(s + step), pad_a, deltas_a, rows_a,
-                    jnp.int32(step + 1), seed_a)
+            plan = (shrink_plan(writes & ~done[answer], bp, self.replicas) if self.shrink
+                    else None)
+            if plan is not None:  # finished rows stop costing: the rest in a smaller batch
+                prompts_kept, kept_rows, writes = plan
+                prompt_caches, caches, row_args = self._gathered(
+                    ("gather", b, bp, s, max_new_tokens, len(prompts_kept), len(kept_rows)),
+                    prompt_caches, caches, row_args, prompts_kept, kept_rows)
+                answer, b, bp = answer[kept_rows], len(kept_rows), len(prompts_kept)
+                layout = cache_layout(self.cfg, mesh, bp, s)
+                new = cache_layout(self.cfg, mesh, b, max_new_tokens)
+                decode = None
+            tok, out, pad_now, deltas_now, rows_now = row_args
+            args = (self.params, prompt_caches, caches, tok, jnp.int32(s + step), pad_now,
+                    deltas_now, rows_now, jnp.int32(step + 1), seed_a)
             if decode is None:
-                t_compile = time.perf_counter()
                 laid_out = jax.tree.map(lambda a: a.sharding, caches)
-                decode = self._compiled(("decode", b, slots, sampling),
-                                        lambda: decode_program(self.graphdef, layout, mesh,
-                                                               sampling, laid_out), *args)
-                t += time.perf_counter() - t_compile  # compiling is not decoding
+                key = ("decode", b, bp, s, max_new_tokens, sampling)
+                self.cache_layouts[key] = (layout, new)
+                decode = self._compiled(key, lambda: decode_program(self.graphdef, layout, mesh,
+                                                                    sampling, laid_out), *args)
             tok, out, caches = decode(*args)
-            tok_host = np.asarray(tok)
-            self.timings["decode_tokens"] += int((~done).sum())
-        self.timings["decode_s"] += time.perf_counter() - t
+            row_args = (tok, out, pad_now, deltas_now, rows_now)
+            self.timings["decode_tokens"] += int((writes & ~done[answer]).sum())
+            self.timings["decode_rows"] += b
+        # compiling is not decoding
+        self.timings["decode_s"] += (time.perf_counter() - t
+                                     - (self.timings["compile_s"] - compiling))
         return [Completion(ids[i], reason[i], kept[i] if keep_logits else None)
-                for i in range(n)]
+                for i in range(n * g)]

@@ -12,8 +12,8 @@ weight (``objectives/grpo.py``; the weights made per sequence, as TRL's processe
 micro-batches split sequences), with ``num_iterations`` > 1 also the old policy's
 log-probabilities, computed once before the batch's first update. With ``grpo.packing`` (the
 default) the sequences are then packed into rows of seq_len, each its own segment
-(``pack_rows``): the batch has as many rows as they fill (rounded up to a few sizes, each a
-train step compiled once), not one per sequence, and the same loss.
+(``data/row_packing.py``): the batch has as many rows as they fill (rounded up to a few
+sizes, each a train step compiled once), not one per sequence, and the same loss.
 
 The sampling key of generation batch n is the run's seed and n: the same completions at every
 mesh and on resume. With ``num_iterations`` > 1 the batch (rows and old log-probabilities) is
@@ -49,11 +49,13 @@ import numpy as np
 from ..config import Config, ConfigError
 from ..data import run_data, text as data_lib
 from ..data.prompts import PromptOrder
+from ..data.row_packing import pack_rows
 from ..data.run_data import is_main, log
 from ..generation import Generator, Sampling
 from ..generation.cache import cache_layout
-from ..generation.generator import few_sizes, generation_config
+from ..generation.generator import generation_config, prompt_slots
 from ..generation.settings import model_settings
+from ..mesh import SEQ, axis_size
 from .objectives import grpo as grpo_loss, rewards as rewards_lib
 from .objectives.base import Field, Objective
 from ..models.param_layout import param_shardings
@@ -133,41 +135,6 @@ def sequence_rows(prompts: list, completions: list, seq_len: int) -> dict:
         rows["segment_ids"][i, :length] = 1
         rows["positions"][i, :length] = np.arange(length)
     return rows
-
-
-def packed_row_count(rows: int, multiple: int, most: int) -> int:
-    """Rows of a packed batch: ``rows`` rounded up to a multiple of ``multiple`` (the data
-    replicas x micro-batches that split it), then to one of 8 steps per power of two of
-    those (``generator.few_sizes``), so that a run compiles its step for a few row counts;
-    at most ``most``."""
-    return min(few_sizes(rows, multiple), most)
-
-
-def pack_rows(rows: dict, multiple: int) -> dict:
-    """The sequences of ``rows`` (numpy [N, S] fields, one sequence per row from position 0,
-    segment id 1) packed into fewer rows: each goes, in order, into the first row with room
-    (first fit), as its own segment (ids 1, 2, ... in a row) with its positions and every
-    per-token field (loss mask, advantages, token weights) moved along; empty rows pad the
-    count to ``packed_row_count``. The rows' tokens and what each token is trained with are
-    unchanged, so is the loss: segments do not see each other in attention."""
-    n, s = rows["tokens"].shape
-    lengths = (rows["segment_ids"] > 0).sum(1)
-    used, place = [], []
-    for length in lengths:
-        r = next((r for r, u in enumerate(used) if u + length <= s), len(used))
-        if r == len(used):
-            used.append(0)
-        place.append((r, used[r]))
-        used[r] += int(length)
-    out = {k: np.zeros((packed_row_count(len(used), multiple, n), s), v.dtype)
-           for k, v in rows.items()}
-    segments = [0] * len(used)
-    for i, ((r, at), length) in enumerate(zip(place, lengths)):
-        for k, v in rows.items():
-            out[k][r, at:at + length] = v[i, :length]
-        segments[r] += 1
-        out["segment_ids"][r, at:at + length] = segments[r]
-    return out
 
 
 @dataclasses.dataclass
@@ -293,12 +260,13 @@ class Rollout:
         cfg, g = self.cfg, self.cfg.grpo
         t0 = time.time()
         idx = self.order.take(cfg.batch_size)
-        prompt_ids = [list(map(int, self.prompts.ids[i])) for i in idx
-                      for _ in range(g.num_generations)]
+        prompts = [list(map(int, self.prompts.ids[i])) for i in idx]
+        prompt_ids = [ids for ids in prompts for _ in range(g.num_generations)]
         gen = self._sampler(params)
         seed = int(np.random.default_rng((cfg.seed, step)).integers(0, 2**32))
-        done = gen.generate(prompt_ids, max_new_tokens=g.max_completion_length,
-                            eos_ids=self.stop_ids,
+        # each prompt prefilled once, its group's samples reading its cache
+        done = gen.generate(prompts, max_new_tokens=g.max_completion_length,
+                            eos_ids=self.stop_ids, num_samples=g.num_generations,
                             sampling=Sampling(g.temperature, g.top_k, g.top_p), seed=seed)
         sampled = time.time()
         ids = [c.ids for c in done]
@@ -504,9 +472,10 @@ class GRPO(Objective):
 
     def resident_bytes(self, mesh, abstract_state):
         """The sampler's weights (every weight on every device: a copy where the state's
-        are split or offloaded), its KV cache at the rollout's rows and ``seq_len`` slots
-        (alive while sampling; counted as if beside the step), and the frozen reference
-        of full fine-tuning with beta > 0."""
+        are split or offloaded), its KV cache (alive while sampling; counted as if beside
+        the step): the prompts' part at ``batch_size`` rows of up to ``seq_len`` slots and
+        their samples' at ``max_completion_length``, and the frozen reference of full
+        fine-tuning with beta > 0."""
         cfg, params = self.cfg, abstract_state["params"]
         out = {}
         if cfg.param_sharding != "replicated" or cfg.optimizer.offload:
@@ -514,12 +483,14 @@ class GRPO(Objective):
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
                 param_shardings(params, mesh, "replicated")))
         gen = generation_config(cfg.model)
-        rows = cfg.batch_size * cfg.grpo.num_generations
-        rows += -rows % mesh.shape["data"]
+        prompts = cfg.batch_size + -cfg.batch_size % mesh.shape["data"]
+        parts = (cache_layout(gen, mesh, prompts, prompt_slots(cfg.seq_len, axis_size(mesh, SEQ))),
+                 cache_layout(gen, mesh, prompts * cfg.grpo.num_generations,
+                              cfg.grpo.max_completion_length))
         attention = [k for k, mixer in zip(gen.layer_kinds(), gen.layer_mixers())
                      if mixer == "A"]
-        out["the sampler's KV cache"] = cache_layout(gen, mesh, rows, cfg.seq_len).\
-            bytes_per_device(mesh, attention)
+        out["the sampler's KV cache"] = sum(part.bytes_per_device(mesh, attention)
+                                            for part in parts)
         if grpo_loss.frozen_reference(cfg):
             out["the frozen reference"] = shard_bytes(params)
         return out

@@ -27,7 +27,7 @@ from ..data.text import FIELDS
 from ..data.vision_batches import abstract_vision
 from . import objectives
 from .accumulate import accumulated_grads
-from .objectives.base import ROW, Objective
+from .objectives.base import SEQUENCE, Objective
 from .optimizer import compute_copy_mask, make_optimizer, make_schedule, computed_on_host
 from ..models.vision import vision_shardings
 from ..mesh import act_spec, axis_size, RING
@@ -123,21 +123,23 @@ def batch_shardings(mesh: Mesh, cfg: Config | None = None) -> dict:
     """One layout for every batch field (data.text.FIELDS): P("data", seq axes); for a
     multimodal family (``cfg``) also M-RoPE positions [B, S, 3] and the ``vision`` arrays
     (``vision_batches.vision_shardings``); and the fields ``cfg``'s objective declares
-    (``Objective.fields``): one value per row P("data"), per token as the token fields."""
+    (``Objective.fields``): one value per sequence P("data"), per token as the token
+    fields."""
     out = {k: NamedSharding(mesh, act_spec(mesh)) for k in FIELDS}
     if cfg is None:
         return out
     if family(cfg.model.family).vision:
         out.update(vision_shardings(mesh, cfg.model.vision.split))
     for f in objectives.get(cfg).fields():
-        out[f.name] = NamedSharding(mesh, P(act_spec(mesh)[0]) if f.per == ROW
+        out[f.name] = NamedSharding(mesh, P(act_spec(mesh)[0]) if f.per == SEQUENCE
                                     else act_spec(mesh))
     return out
 
 
 def abstract_batch(cfg: Config, mesh: Mesh, rows: int | None = None) -> dict:
-    """The batch the train step is compiled for: ``rows`` rows (default: the config's), with
-    the fields of ``batch_shardings``."""
+    """The batch the train step is compiled for: ``rows`` rows (default: the config's, fewer
+    when packed), with the fields of ``batch_shardings`` (a value per sequence: the
+    config's rows)."""
     rows = rows or rows_per_batch(cfg)
     shape = (rows, cfg.seq_len)
     shardings = batch_shardings(mesh, cfg)
@@ -147,8 +149,8 @@ def abstract_batch(cfg: Config, mesh: Mesh, rows: int | None = None) -> dict:
     if family(cfg.model.family).vision:  # M-RoPE positions [B, S, 3] and the vision arrays
         out.update(abstract_vision(cfg, mesh))
     for f in objectives.get(cfg).fields():
-        out[f.name] = jax.ShapeDtypeStruct((rows,) if f.per == ROW else shape, f.dtype,
-                                           sharding=shardings[f.name])
+        per = (rows_per_batch(cfg),) if f.per == SEQUENCE else shape
+        out[f.name] = jax.ShapeDtypeStruct(per, f.dtype, sharding=shardings[f.name])
     return out
 
 

@@ -21,13 +21,15 @@ import numpy as np
 
 from ...config import Config
 
-ROW, TOKEN = "row", "token"
+SEQUENCE, TOKEN = "sequence", "token"
 
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-    """A batch field beside the token fields (data.text.FIELDS): one value per row ([B],
-    sharded over "data") or per token ([B, S], laid out like the tokens)."""
+    """A batch field beside the token fields (data.text.FIELDS): one value per sequence of
+    the step (``config.rows_per_batch`` of them, a row each unpacked, however many rows
+    they are packed into; sharded over "data") or per token ([B, S], laid out like the
+    tokens)."""
     name: str
     per: str = TOKEN
     dtype: Any = np.float32
@@ -62,8 +64,8 @@ class Objective:
         """The fields the objective's batches bring beside the token fields."""
         return ()
 
-    def row_fields(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.fields() if f.per == ROW)
+    def sequence_fields(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields() if f.per == SEQUENCE)
 
     def token_fields(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields() if f.per == TOKEN)

@@ -20,8 +20,15 @@ whose chosen reward is the larger), ``rewards/margins``, ``logps/chosen``, ``log
 
 The reference: ``base`` runs the same model with the LoRA adapters set to zero (exactly the
 base: every adapter's delta is 0), without gradient; ``precompute`` reads the batch's
-``ref_logps`` (each row's reference log-probability, recorded before step 1 by
+``ref_logps`` (each sequence's reference log-probability, recorded before step 1 by
 ``reference.py``).
+
+With ``dpo.packing`` (the default) the step's sequences are packed into rows of seq_len, each
+its own segment, first fit within each micro-batch (``data/row_packing.py``), and the batch
+brings each token's sequence (``SEQUENCE_IDS``): a sequence's log-probability is then the sum
+of its tokens' (``per_token``) over its segment, reduced over every device. The per-sequence
+values (``ref_logps``, the losses) keep the unpacked order, so the loss, the metrics and the
+gradients are the unpacked ones.
 """
 from __future__ import annotations
 
@@ -32,11 +39,13 @@ from jax.sharding import Mesh
 
 from ...config import Config, ConfigError, DPOConfig, dpo_reference, rows_per_batch
 from ...data import run_data, text as data_lib
+from ...data.row_packing import SEQUENCE_IDS, pack_rows
 from ...data.run_data import log
+from ...mesh import DATA
 from ...models import lora
 from ..train_step import batch_shardings, params_for_compute, scalar, token_order
 from . import reference
-from .base import ROW, Field, Objective
+from .base import SEQUENCE, TOKEN, Field, Objective
 from .sft import (RowBatches, RowSource, data_line, is_preference, next_token_loss, run_model,
                   with_router_loss)
 
@@ -44,16 +53,35 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/chosen", "logps/rejected")
 
 
-def sequence_logps(graphdef, params, batch: dict, mesh: Mesh):
-    """Each row's summed log-probability of its masked targets, its count of them, and the
-    model's MoE statistics (None for a dense model).
+def micro_sequences(cfg: Config) -> int:
+    """The sequences of a micro-batch: of the train step's, the held-out program's and the
+    reference pass's batches alike."""
+    return rows_per_batch(cfg) // cfg.grad_accum_steps
+
+
+def sequence_logps(graphdef, params, batch: dict, mesh: Mesh, sequences: int = 0):
+    """Each sequence's summed log-probability of its masked targets, its count of them, and
+    the model's MoE statistics (None for a dense model): a row's each, or of a packed batch
+    (one with ``SEQUENCE_IDS``) its ``sequences`` sequences'.
 
     Returns:
-      (logps [2B], counts [2B], stats): fp32, sharded over "data".
+      (logps [2B], counts [2B], stats): fp32 (a row's each: sharded over "data").
     """
     model, hidden, head, stats = run_model(graphdef, params, batch)
-    nll, counts = next_token_loss(model, hidden, head, batch, mesh, per_row=True)
-    return -nll, counts, stats
+    if SEQUENCE_IDS not in batch:
+        nll, counts = next_token_loss(model, hidden, head, batch, mesh, per_row=True)
+        return -nll, counts, stats
+    nll = next_token_loss(model, hidden, head, batch, mesh, per_token=True)  # [R, S]
+    ids, mask = batch[SEQUENCE_IDS], batch["loss_mask"].astype(jnp.float32)
+    return (-segment_sums(nll, ids, sequences), segment_sums(mask, ids, sequences), stats)
+
+
+def segment_sums(values, ids, n: int):
+    """[n]: the sums of ``values`` [R, S] over each sequence's tokens (``ids`` [R, S]: 1 ...
+    n, 0 on padding), over every device. A compare and a sum, not a matmul: exact in fp32
+    on any backend."""
+    mine = ids[..., None] == jnp.arange(1, n + 1)                            # [R, S, n]
+    return jnp.sum(jnp.where(mine, values[..., None], 0.0), axis=(0, 1))
 
 
 def pair_losses(logps, ref_logps, counts, d: DPOConfig):
@@ -88,12 +116,13 @@ def pair_losses(logps, ref_logps, counts, d: DPOConfig):
 
 
 def reference_logps(cfg: Config, graphdef, params, batch: dict, mesh: Mesh):
-    """The reference's per-row log-probabilities [2B] (no gradient): the batch's
+    """The reference's per-sequence log-probabilities [2B] (no gradient): the batch's
     ``ref_logps`` (precompute), or the model with the LoRA adapters zeroed (base)."""
     if dpo_reference(cfg) == "precompute":
         return batch["ref_logps"]
     base = lora.without_adapters(params)
-    logps, _, _ = sequence_logps(graphdef, jax.lax.stop_gradient(base), batch, mesh)
+    logps, _, _ = sequence_logps(graphdef, jax.lax.stop_gradient(base), batch, mesh,
+                                 micro_sequences(cfg))
     return jax.lax.stop_gradient(logps)
 
 
@@ -109,7 +138,7 @@ def objective(cfg: Config, graphdef, params, batch: dict, mesh: Mesh,
     ``METRICS`` (means over the pairs) and MoE's ``moe_*``.
     """
     ref = reference_logps(cfg, graphdef, params, batch, mesh)
-    logps, counts, stats = sequence_logps(graphdef, params, batch, mesh)
+    logps, counts, stats = sequence_logps(graphdef, params, batch, mesh, micro_sequences(cfg))
     losses, terms = pair_losses(logps, ref, counts, cfg.dpo)
     metrics = {"tokens": jnp.sum(counts), **{k: jnp.mean(v) for k, v in terms.items()}}
     return with_router_loss(cfg.model, jnp.mean(losses), metrics, stats, weights)
@@ -119,14 +148,46 @@ def eval_sums(cfg: Config, graphdef, params, batch: dict, mesh: Mesh):
     """Held-out sums over a batch's real pairs (padding pairs, with no completion token, are
     left out): (summed loss, pairs the chosen reward wins, pairs, summed margin)."""
     ref = reference_logps(cfg, graphdef, params, batch, mesh)
-    logps, counts, _ = sequence_logps(graphdef, params, batch, mesh)
+    logps, counts, _ = sequence_logps(graphdef, params, batch, mesh, micro_sequences(cfg))
     losses, terms = pair_losses(logps, ref, counts, cfg.dpo)
     real = (counts.reshape(-1, 2)[:, 0] > 0).astype(jnp.float32)
     return (jnp.sum(losses * real), jnp.sum(terms["rewards/accuracies"] * real),
             jnp.sum(real), jnp.sum(terms["rewards/margins"] * real))
 
 
+def shard_pairs(cfg: Config, mesh: Mesh, rows: dict, micro: int = 1) -> dict:
+    """A batch of pairs' rows (numpy FIELDS [2b, S], rows 2i and 2i + 1 pair i's chosen and
+    rejected, and ``ref_logps`` [2b] where recorded) as a step reads it: with
+    ``dpo.packing`` the sequences packed (each of ``micro`` micro-batches apart) with their
+    ``SEQUENCE_IDS``; sharded, the tokens in the model's order, ``ref_logps`` per sequence
+    over "data"."""
+    order = token_order(cfg)
+    if not cfg.dpo.packing:
+        return data_lib.shard_batch(rows, mesh, order=order,
+                                    row_fields=[f for f in ("ref_logps",) if f in rows])
+    packed = pack_rows({f: rows[f] for f in data_lib.FIELDS}, mesh.shape[DATA], micro,
+                       sequence_ids=True)
+    out = data_lib.shard_batch(packed, mesh, order=order, token_fields=(SEQUENCE_IDS,))
+    if "ref_logps" in rows:
+        ref = rows["ref_logps"]
+        out["ref_logps"] = jax.make_array_from_callback(
+            ref.shape, batch_shardings(mesh, cfg)["ref_logps"], lambda i: ref[i])
+    return out
+
+
 class DPOBatches(RowBatches):
+
+    def next(self, step: int, params) -> dict:
+        """The next batch of pairs, packed with ``dpo.packing`` (each micro-batch apart)."""
+        if not self.cfg.dpo.packing:
+            return super().next(step, params)
+        return shard_pairs(self.cfg, self.mesh, next(self.source.iterator),
+                           self.cfg.grad_accum_steps)
+
+    def record(self, step: int, times: dict) -> dict:
+        """The step's own times: ``batch_s`` (reading and packing its batch) and ``train_s``
+        (its update; a logged step_time also holds the compile of a new row count)."""
+        return {"batch_s": times["batch_s"], "train_s": times["train_s"]}
 
     def evaluate(self, params) -> dict:
         """Held-out DPO loss, reward accuracy and margin over ``cfg.eval_batches`` batches
@@ -139,8 +200,7 @@ class DPOBatches(RowBatches):
         sums = np.zeros(4)
         for batch in data_lib.eval_batches(held, 2 * cfg.batch_size // k,
                                            cfg.eval_batches * k):
-            sharded = data_lib.shard_batch(batch, self.mesh, order=self.order,
-                                           row_fields=held.row_fields)
+            sharded = shard_pairs(cfg, self.mesh, batch)
             sums += [scalar(x) for x in self.eval_step(params, sharded)]
         loss, won, pairs, margin = sums
         if not pairs:
@@ -151,16 +211,19 @@ class DPOBatches(RowBatches):
 
 class DPO(Objective):
     """``objective: dpo``: the preference loss of a preference store's pairs, two rows each
-    (chosen, rejected); with ``dpo.reference=precompute`` each row's reference
-    log-probability recorded before step 1 (``reference.py``)."""
+    (chosen, rejected), packed with ``dpo.packing``; with ``dpo.reference=precompute`` each
+    sequence's reference log-probability recorded before step 1 (``reference.py``)."""
 
     name = "dpo"
     weighting = "equal"  # a mean over pairs: each micro-batch 1/k
 
     def fields(self):
+        out = ()
         if dpo_reference(self.cfg) == "precompute":
-            return (Field("ref_logps", ROW),)
-        return ()
+            out += (Field("ref_logps", SEQUENCE),)
+        if self.cfg.dpo.packing:
+            out += (Field(SEQUENCE_IDS, TOKEN, np.int32),)
+        return out
 
     def metrics(self):
         return METRICS
@@ -183,7 +246,9 @@ class DPO(Objective):
         pairs = lambda n: f"{n} pair{'s' * (n != 1)} ({2 * n} sequences)"  # noqa: E731
         micro = "" if k == 1 else (f" in grad_accum_steps={k} micro-batches of "
                                    f"{pairs(b // k)}")
-        return (f"batch: {pairs(b)} = {2 * b * s:,} tokens per optimizer step{micro}; "
+        tokens = (f"packed into the rows of {s} tokens they fill (at most {2 * b * s:,} "
+                  f"tokens)" if cfg.dpo.packing else f"= {2 * b * s:,} tokens")
+        return (f"batch: {pairs(b)} {tokens} per optimizer step{micro}; "
                 f"{pairs(b // k // cfg.mesh.data)} per data replica at a time")
 
     def line(self, record: dict) -> str:
@@ -206,6 +271,11 @@ class DPO(Objective):
             raise ConfigError(f"objective=dpo trains on preference pairs, but data.source "
                               f"{cfg.data.source!r} is {what}; prepare one with python -m "
                               f"ulysses_jax.data prepare SRC --preference --out STORE")
+        if cfg.dpo.packing:  # the attention's segment bound counts the packed rows'
+            k, rows = cfg.grad_accum_steps, rows_per_batch(cfg)
+            train_rows.packed = (rows, mesh.shape[DATA], k)
+            if held_rows is not None:
+                held_rows.packed = (rows // k, mesh.shape[DATA], 1)
         cfg = run_data.with_segment_bound(cfg, train_rows, held_rows)
         iterator = data_lib.BatchIterator(train_rows, rows_per_batch(cfg), cfg.seed)
         log(data_line(cfg, mesh, train_rows, held_rows))
@@ -221,12 +291,15 @@ class DPO(Objective):
         rows the batches read."""
         cfg, (graphdef, shardings) = self.cfg, layout
         prepare = params_for_compute(cfg, shardings)
-        logps = jax.jit(lambda p, b: sequence_logps(graphdef, prepare(p), b, mesh)[0],
-                        in_shardings=(shardings["params"], batch_shardings(mesh)))
+        fields = {k: v for k, v in batch_shardings(mesh, cfg).items() if k != "ref_logps"}
+        program = jax.jit(lambda p, b: sequence_logps(graphdef, prepare(p), b, mesh,
+                                                      micro_sequences(cfg))[0],
+                          in_shardings=(shardings["params"], fields))
+        logps = lambda p, rows: program(p, shard_pairs(cfg, mesh, rows))  # noqa: E731
         rows = [r for r in (source.train, source.held) if r is not None]
         try:
-            ref = reference.load_or_compute(cfg, mesh, logps, state["params"], rows, workdir,
-                                            start, progress, token_order(cfg))
+            ref = reference.load_or_compute(cfg, logps, state["params"], rows, workdir,
+                                            start, progress)
         except reference.ReferenceError as e:
             raise ConfigError(str(e)) from None
         for r in rows:

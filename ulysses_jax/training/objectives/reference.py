@@ -56,13 +56,12 @@ def _write(path: str, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def load_or_compute(cfg: Config, mesh, logps_fn, params, rows: list[PreferenceRows],
-                    workdir: str, start: int, progress: bool = True,
-                    order: np.ndarray | None = None) -> np.ndarray:
+def load_or_compute(cfg: Config, logps_fn, params, rows: list[PreferenceRows],
+                    workdir: str, start: int, progress: bool = True) -> np.ndarray:
     """The reference log-probabilities [store documents, 2] of ``rows``' pairs, read from
     ``workdir`` or computed with ``logps_fn(params, batch) -> logps [2b]`` (the step-0
-    parameters) and recorded; ``order``: the batches' token order (the trainer's
-    ``token_order``: zigzag on a ring mesh).
+    parameters; ``batch``: numpy FIELDS [2b, S] of b pairs' rows, 2i and 2i + 1 pair i's
+    chosen and rejected, as the step's batches hold them before packing) and recorded.
 
     Raises:
       ReferenceError: ``start`` > 0 (the run has trained) and no finished record of this
@@ -117,7 +116,7 @@ def load_or_compute(cfg: Config, mesh, logps_fn, params, rows: list[PreferenceRo
             if len(ids) < micro:  # padding pairs: no completion token, results unused
                 pad = all_rows.empty_rows(2 * (micro - len(ids)))
                 batch = {f: np.concatenate([batch[f], pad[f]]) for f in data_lib.FIELDS}
-            logps = logps_fn(params, data_lib.shard_batch(batch, mesh, order=order))
+            logps = logps_fn(params, batch)
             logps = _host(logps)[:2 * len(ids)].reshape(-1, 2)
             ref[all_rows.ids[ids]] = logps
             bar.update(len(ids))
