@@ -45,7 +45,8 @@ VARIANTS = {
     "p1": (1, []),
     # 8 query / 2 kv heads on 3 devices: padded heads; a window that the prompts outgrow
     "p3_window_bias_qk_norm": (3, ["model.sliding_window=4", "model.layer_pattern=LG",
-                                   "model.qkv_bias=true", "model.qk_norm=true"]),
+                                   "model.qkv_bias=true", "model.qk_norm=true",
+                                   "--samples=3"]),
     "p4_window": (4, ["model.sliding_window=3", "model.layer_pattern=L"]),  # kv heads copied
     # Gemma 3 / 2: (1 + w) norms, post norms, GeGLU, sqrt(D) embeddings, a local RoPE base,
     # attention and final softcaps, a softmax scale of its own
@@ -56,7 +57,8 @@ VARIANTS = {
     # 8 experts over the 4 devices, top-2: a new token's experts reached by all-to-all
     "p4_moe": (4, ["model.moe_ffn_dim=16", "--preset=tiny-moe.yaml"]),
     # 2 data replicas x 2 seq devices: the 3 rows made 4 (a copy), 2 per replica
-    "d2_p2_window": (2, ["model.sliding_window=4", "model.layer_pattern=LG", "--data=2"]),
+    "d2_p2_window": (2, ["model.sliding_window=4", "model.layer_pattern=LG", "--data=2",
+                         "--samples=3"]),
     "d2_p2_moe": (2, ["model.moe_ffn_dim=16", "--preset=tiny-moe.yaml", "--data=2"]),
     # a hybrid mesh, ring 2 x seq 2: Ulysses over its 4 devices
     "r2_p2_window": (2, ["model.sliding_window=3", "model.layer_pattern=LG", "--ring=2"]),
@@ -64,7 +66,7 @@ VARIANTS = {
     # twice), a gated attention layer, experts with a shared one; a prompt of 5 chunks
     "p8_qwen3_next": (8, ["--preset=tiny-qwen3-next.yaml", "model.moe_ffn_dim=16",
                           "model.moe_shared_ffn_dim=16", "model.linear_key_dim=8",
-                          "model.linear_value_dim=8", "--long=1"]),
+                          "model.linear_value_dim=8", "--long=1", "--samples=3"]),
 }
 LONG = [[(7 * i) % 90 + 3 for i in range(70)]]
 
@@ -82,22 +84,38 @@ def test_deltanet_heads_must_split_over_the_devices():
         Generator(params, cfg, mesh)
 
 
+def _variant(name):
+    """(cfg, mesh, params, its "--" options) of a ``VARIANTS`` entry."""
+    p, over = VARIANTS[name]
+    opts = dict(o[2:].split("=", 1) for o in over if o.startswith("--"))
+    return (*_model(p, *[o for o in over if not o.startswith("--")],
+                    preset=opts.get("preset", "tiny.yaml"), data=int(opts.get("data", 1)),
+                    ring=int(opts.get("ring", 1))), opts)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_logits_equal_a_full_forward_pass(variant):
-    p, over = VARIANTS[variant]
-    opts = dict(o[2:].split("=", 1) for o in over if o.startswith("--"))
-    cfg, mesh, params = _model(p, *[o for o in over if not o.startswith("--")],
-                               preset=opts.get("preset", "tiny.yaml"),
-                               data=int(opts.get("data", 1)), ring=int(opts.get("ring", 1)))
+    """Every new token's logits against a full forward pass of the unsharded model over the
+    row's prompt and its tokens; greedy, the tokens are their argmax. The variants with
+    "--samples=3" sample 3 completions of each prompt at temperature 1 instead, prefilled
+    once: each sample against its own tokens (windows of 4 that the 5 new tokens outgrow, a
+    pool per kind, DeltaNet states copied per sample, data replicas)."""
+    cfg, mesh, params, opts = _variant(variant)
     prompts = PROMPTS + (LONG if "long" in opts else [])
-    got = Generator(params, cfg, mesh).generate(prompts, max_new_tokens=5, keep_logits=True)
-    # Every row's prompt + generated tokens in one forward pass
-    rows = [prompt + c.ids[:-1] for prompt, c in zip(prompts, got, strict=True)]
-    for prompt, c, row, whole in zip(prompts, got, rows, _forward_logits(cfg, rows)):
+    g = int(opts.get("samples", 1))
+    got = Generator(params, cfg, mesh).generate(
+        prompts, max_new_tokens=5, keep_logits=True, num_samples=g, seed=5,
+        sampling=Sampling(temperature=1.0 if g > 1 else 0.0))
+    written = [q for q in prompts for _ in range(g)]
+    rows = [q + c.ids[:-1] for q, c in zip(written, got, strict=True)]
+    for prompt, c, row, whole in zip(written, got, rows, _forward_logits(cfg, rows)):
         assert len(c.ids) == 5 and c.finish_reason == "length"
         want = whole[len(prompt) - 1:len(row)]            # the logits that chose each new id
         np.testing.assert_allclose(np.stack(c.logits), want, atol=1e-4, rtol=0)
-        assert c.ids == list(want.argmax(-1)), (c.ids, want.argmax(-1))
+        if g == 1:
+            assert c.ids == list(want.argmax(-1)), (c.ids, want.argmax(-1))
+    if g > 1:
+        assert len({tuple(c.ids) for c in got}) > len(prompts)  # the samples differ
 
 
 def _forward_logits(cfg, rows):
@@ -110,44 +128,16 @@ def _forward_logits(cfg, rows):
     return np.asarray(nnx.jit(lambda m, t: m(t))(ref, jnp.asarray(tokens)))
 
 
-def _variant(name):
-    """(cfg, mesh, params) of a ``VARIANTS`` entry (no ring)."""
-    p, over = VARIANTS[name]
-    opts = dict(o[2:].split("=", 1) for o in over if o.startswith("--"))
-    return _model(p, *[o for o in over if not o.startswith("--")],
-                  preset=opts.get("preset", "tiny.yaml"), data=int(opts.get("data", 1)))
-
-
-@pytest.mark.parametrize("variant", ["p3_window_bias_qk_norm", "d2_p2_window",
-                                     "p8_qwen3_next"])
-def test_samples_share_their_prompts_cache(variant):
-    """3 samples per prompt, prefilled once (over the prompts, made a multiple of the data
-    replicas): each sample's logits are a full forward pass over its prompt and its own
-    sampled tokens (windows of 4 that the 6 new tokens outgrow, a pool per kind, DeltaNet
-    states copied per sample, data replicas)."""
-    cfg, mesh, params = _variant(variant)
-    gen = Generator(params, cfg, mesh)
-    shared = gen.generate(PROMPTS, max_new_tokens=6, sampling=Sampling(temperature=1.0),
-                          seed=5, num_samples=3, keep_logits=True)
-    data = dict(mesh.shape)["data"]
-    assert [k[1] for k in gen._programs if k[0] == "prefill"] == [3 + -3 % data]
-    assert len({tuple(c.ids) for c in shared}) > len(PROMPTS)  # the samples differ
-    written = [q for q in PROMPTS for _ in range(3)]
-    rows = [q + c.ids[:-1] for q, c in zip(written, shared)]
-    for q, c, row, whole in zip(written, shared, rows, _forward_logits(cfg, rows)):
-        np.testing.assert_allclose(np.stack(c.logits), whole[len(q) - 1:len(row)],
-                                   atol=1e-4, rtol=0)
-
-
 def test_samples_draw_as_their_prompt_written_g_times():
     """With one seed, 3 samples per prompt give the tokens (and logits) of the prompts
-    written 3 times (sample g of prompt i draws as row 3i + g); greedy, the samples equal
-    one."""
-    cfg, mesh, params = _variant("p3_window_bias_qk_norm")
+    written 3 times (sample g of prompt i draws as row 3i + g), from one prefill over the 3
+    prompts; greedy, the samples equal one."""
+    cfg, mesh, params, _ = _variant("p3_window_bias_qk_norm")
     gen = Generator(params, cfg, mesh)
     s = Sampling(temperature=1.0)
     shared = gen.generate(PROMPTS, max_new_tokens=6, sampling=s, seed=5, num_samples=3,
                           keep_logits=True)
+    assert [k[1] for k in gen._programs if k[0] == "prefill"] == [3]
     alone = gen.generate([q for q in PROMPTS for _ in range(3)], max_new_tokens=6,
                          sampling=s, seed=5, keep_logits=True)
     assert [c.ids for c in shared] == [c.ids for c in alone]
@@ -168,7 +158,7 @@ def test_finished_rows_stop_costing(variant, sampling):
     and reason are those of the same request without stop ids cut at its first stop id
     (a batch that never shrinks). Seeded sampling over 2 data replicas with windows and on
     Qwen3-Next (DeltaNet states gathered); greedy with a pool per kind."""
-    cfg, mesh, params = _variant(variant)
+    cfg, mesh, params, _ = _variant(variant)
     gen = Generator(params, cfg, mesh)
     prompts = PROMPTS + [LONG[0][:20]]
     kw = dict(max_new_tokens=10, sampling=sampling, seed=2, num_samples=3)

@@ -64,12 +64,6 @@ class Objective:
         """The fields the objective's batches bring beside the token fields."""
         return ()
 
-    def sequence_fields(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.fields() if f.per == SEQUENCE)
-
-    def token_fields(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.fields() if f.per == TOKEN)
-
     def metrics(self) -> tuple[str, ...]:
         """The train step's metrics, beside the loop's own, that a step's record logs."""
         return ()
