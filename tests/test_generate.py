@@ -153,10 +153,10 @@ def test_samples_draw_as_their_prompt_written_g_times():
                                               ("p3_window_bias_qk_norm", Sampling())])
 def test_finished_rows_stop_costing(variant, sampling):
     """Completions that stop at different steps (stop ids: the second tokens of 8 of the 12
-    rows, so that at least 8 stop by step 1): the rows going on continue in smaller compiled batches, their caches
-    gathered into them (fewer prompts, and fewer samples per prompt), and every row's tokens
-    and reason are those of the same request without stop ids cut at its first stop id
-    (a batch that never shrinks). Seeded sampling over 2 data replicas with windows and on
+    rows, so that at least 8 stop by step 1): the rows going on continue in smaller compiled
+    batches, their caches gathered into them (fewer prompts, and fewer samples per prompt),
+    and every row's tokens and reason are those of the same request without stop ids cut at
+    its first stop id (a batch that never shrinks). Seeded sampling over 2 data replicas with windows and on
     Qwen3-Next (DeltaNet states gathered); greedy with a pool per kind."""
     cfg, mesh, params, _ = _variant(variant)
     gen = Generator(params, cfg, mesh)

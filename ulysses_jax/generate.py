@@ -369,8 +369,8 @@ def main(argv=None) -> int:
                                 temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, mesh_seq=args.mesh_seq,
                                 mesh_data=args.mesh_data, batch_size=args.batch_size,
-                                num_samples=args.num_samples, step=args.step, progress=not args.no_progress,
-                                where=args.prompts,
+                                num_samples=args.num_samples, step=args.step,
+                                progress=not args.no_progress, where=args.prompts,
                                 media_base=os.path.dirname(os.path.abspath(args.prompts)))
     except GenerateError as e:
         print(f"error: {e}", file=sys.stderr)

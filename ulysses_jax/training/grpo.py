@@ -484,7 +484,8 @@ class GRPO(Objective):
                 param_shardings(params, mesh, "replicated")))
         gen = generation_config(cfg.model)
         prompts = cfg.batch_size + -cfg.batch_size % mesh.shape["data"]
-        parts = (cache_layout(gen, mesh, prompts, prompt_slots(cfg.seq_len, axis_size(mesh, SEQ))),
+        slots = prompt_slots(cfg.seq_len, axis_size(mesh, SEQ))
+        parts = (cache_layout(gen, mesh, prompts, slots),
                  cache_layout(gen, mesh, prompts * cfg.grpo.num_generations,
                               cfg.grpo.max_completion_length))
         attention = [k for k, mixer in zip(gen.layer_kinds(), gen.layer_mixers())
