@@ -307,29 +307,30 @@ class Generator:
         kept = [[] for _ in range(b)] if keep_logits else None
         done = np.arange(b) >= n * g  # the copies made for the replicas
         reason = ["length"] * b
-        # The decode batch's rows: each one's answer (an index into ids) and whether it is
-        # the row that answer's tokens come from (the copies padding a batch are not).
-        answer, writes = np.arange(b), ~done
+        # The decode batch's rows: each one's answer (an index into ids) and whether it
+        # brings that answer's next token (not the copies padding a batch, nor a row whose
+        # answer has stopped).
+        answer, going = np.arange(b), ~done
         row_args = (tok, out, pad_a, deltas_a, rows_a)
         decode = None
         t, compiling = time.perf_counter(), self.timings["compile_s"]
         for step in range(max_new_tokens):
             tok_host = np.asarray(row_args[0])
-            for i in np.flatnonzero(writes & ~done[answer]):
+            for i in np.flatnonzero(going):
                 r = answer[i]
                 ids[r].append(int(tok_host[i]))
                 if keep_logits:
                     kept[r].append(np.asarray(row_args[1][i]))
                 if int(tok_host[i]) in eos_ids:
                     done[r], reason[r] = True, "stop"
+                    going[i] = False
             if on_token is not None:
                 on_token()
             if done.all() or step == max_new_tokens - 1:
                 break
-            plan = (shrink_plan(writes & ~done[answer], bp, self.replicas) if self.shrink
-                    else None)
+            plan = shrink_plan(going, bp, self.replicas) if self.shrink else None
             if plan is not None:  # finished rows stop costing: the rest in a smaller batch
-                prompts_kept, kept_rows, writes = plan
+                prompts_kept, kept_rows, going = plan
                 prompt_caches, caches, row_args = self._gathered(
                     ("gather", b, bp, s, max_new_tokens, len(prompts_kept), len(kept_rows)),
                     prompt_caches, caches, row_args, prompts_kept, kept_rows)
@@ -348,7 +349,7 @@ class Generator:
                                                                     sampling, laid_out), *args)
             tok, out, caches = decode(*args)
             row_args = (tok, out, pad_now, deltas_now, rows_now)
-            self.timings["decode_tokens"] += int((writes & ~done[answer]).sum())
+            self.timings["decode_tokens"] += int(going.sum())
             self.timings["decode_rows"] += b
         # compiling is not decoding
         self.timings["decode_s"] += (time.perf_counter() - t
