@@ -400,17 +400,11 @@ def run_layers(model, x, layer_fn, caches=None, empty=None, prompt=None):
             kept, made = [], []
             for u, (g, state) in enumerate(zip(graphdefs, states)):
                 kind, pool, at = static[u] if static[u] else ids[u], carried[u], entries[u]
-                if mixed[u]:
-                    cache = {**pool, "at": at}
-                elif pool is not None:  # decode: this layer's entry of the carried stacks
-                    cache = jax.tree.map(
-                        lambda a, at=at: jax.lax.dynamic_index_in_dim(a, at, keepdims=False),
-                        pool)
-                else:
-                    cache = None
-                part = read[u] if mixed[u] or read[u] is None else jax.tree.map(
-                    lambda a, at=at: jax.lax.dynamic_index_in_dim(a, at, keepdims=False),
-                    read[u])
+                # decode: this layer's entry of the carried stacks and of the prompts'
+                entry = lambda tree, at=at: None if tree is None else jax.tree.map(  # noqa: E731
+                    lambda a: jax.lax.dynamic_index_in_dim(a, at, keepdims=False), tree)
+                cache = {**pool, "at": at} if mixed[u] else entry(pool)
+                part = read[u] if mixed[u] else entry(read[u])
                 x, c = layer_fn(nnx.merge(g, state), x, kind, cache, part)
                 if mixed[u]:
                     kept.append({k: c[k] for k in pool})
