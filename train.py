@@ -101,12 +101,6 @@ def _quiet_library_logs() -> dict:
     return old
 
 
-# XLA flags for GPU runs: the latency-hiding scheduler orders independent work so that
-# collectives (the Ulysses all-to-alls, ZeRO-3 weight gathers) run asynchronously under
-# compute. Only added when a CUDA plugin is installed; XLA_FLAGS set by the user win.
-GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
-
-
 def _launched_by_scheduler() -> bool:
     return any(int(os.environ.get(k, "1")) > 1
                for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
@@ -142,10 +136,6 @@ def _main(args) -> int:
     request_cpu_devices(max(1, -(-cfg.mesh.data * cfg.mesh.ring * cfg.mesh.seq // nproc),
                             args.devices or 0))
     gpu_target.prepare_plugin()  # a CUDA plugin installed on a machine without a GPU
-    if cfg.gpu_overlap and gpu_target.cuda_plugin_installed():
-        flags = os.environ.get("XLA_FLAGS", "")
-        flags += "".join(f" {f}" for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags)
-        os.environ["XLA_FLAGS"] = flags.strip()
     dump, flags_before = None, os.environ.get("XLA_FLAGS")
     if args.dry_run and not args.target:  # XLA's buffer live ranges: memory by category, the
         # offload options' host column (a GPU compile reports host bytes itself)

@@ -21,9 +21,9 @@ What the deviceless compile needs, kept in this one place:
     (``jax._src.cudnn.fused_attention_stablehlo``), and jax offers no way to name another:
     ``compiling_for`` answers with the target's for the duration of the compile, and makes
     the kernel choice (``attention.kernels.device_facts``) see the target GPU;
-  - XLA:GPU's ``hlo_host_device_type_call_wrapper`` pass aborts on the host computations of
-    the optimizer-offload step ("Parameter instructions cannot be added to a computation after
-    it has been built", jax 0.12.0.1; ``DISABLED_PASSES``).
+  - the compile is the run's: the options are the jitted program's own (``jax.jit``'s
+    ``compiler_options``, which a GPU run compiles with too: ``step_options``), XLA's stock
+    pipeline with no pass turned off, and the process's ``XLA_FLAGS`` reach both alike.
 """
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ import re
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
 PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
            "jax_plugins.xla_cuda12")
-# XLA:GPU passes the deviceless compile turns off (module docstring).
-DISABLED_PASSES = ("hlo_host_device_type_call_wrapper",)
+# XLA's latency-hiding scheduler: it orders independent work so that collectives (the Ulysses
+# all-to-alls, ZeRO-3's weight gathers) run under compute.
+OVERLAP_OPTION = "xla_gpu_enable_latency_hiding_scheduler"
 _DEVICES_PER_HOST = 8  # the topology's hosts hold 8 GPUs each, as HGX/DGX machines do
 
 
@@ -54,6 +55,16 @@ class Target:
     device_kind: str       # "NVIDIA H100 80GB HBM3"
     memory_bytes: int      # device memory as CUDA reports it
     capability: tuple[int, int]
+
+
+def step_options(overlap: bool) -> dict:
+    """XLA options of a train step (``jax.jit``'s ``compiler_options``): what a GPU run and
+    ``compile`` for a target both compile it with. ``overlap`` (the config's ``gpu_overlap``)
+    turns the latency-hiding scheduler on, unless the process's ``XLA_FLAGS`` name it
+    (the user's flags win). A CPU compile ignores the option."""
+    if not overlap or OVERLAP_OPTION in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    return {OVERLAP_OPTION: True}
 
 
 def names() -> list[str]:
@@ -195,10 +206,11 @@ class Compiled:
     """A program XLA's GPU compiler built for a target, with the readings the dry run and the
     tests take from jax's own compiled objects: ``memory_analysis()`` (device and host
     apart), ``as_text()`` (the optimized HLO) and ``cost_analysis()`` (None: XLA gives no
-    cost analysis without a device)."""
+    cost analysis without a device); ``options``: the XLA options it was compiled with."""
 
-    def __init__(self, executable, target: Target, n: int):
+    def __init__(self, executable, target: Target, n: int, options: dict):
         self._executable, self.target, self.num_devices = executable, target, n
+        self.options = options
 
     def memory_analysis(self):
         return self._executable.get_compiled_memory_stats()
@@ -213,7 +225,8 @@ class Compiled:
 def compile(jitted, args: tuple, target: Target) -> Compiled:
     """``jitted(*args)`` (a ``jax.jit`` function and abstract arguments laid out on a mesh of
     this process's CPU devices) compiled by XLA's GPU compiler for as many ``target`` GPUs
-    as the mesh has; memory kinds (host offload) kept (module docstring)."""
+    as the mesh has, with the options ``jitted`` carries and nothing else (a GPU run's
+    compile); memory kinds (host offload) kept (module docstring)."""
     import numpy as np
     from jax._src import compiler
     from jax._src.interpreters import pxla
@@ -226,11 +239,9 @@ def compile(jitted, args: tuple, target: Target) -> Compiled:
         allow_in, allow_out = pxla.get_prop_to_input_output(
             ca["in_shardings"], ca["out_shardings"], len(ca["ordered_effects"]))
         kvs = dict(lowering._compiler_options_kvs)
-        kvs["xla_disable_hlo_passes"] = ",".join(
-            filter(None, [kvs.get("xla_disable_hlo_passes", ""), *DISABLED_PASSES]))
         options = pxla.create_compile_options(
             lowering.stablehlo(), ca["tuple_args"], allow_in, allow_out, client,
             np.array(gpus, dtype=object), kvs)
         executable = compiler.backend_compile_and_load(
             client, lowering.stablehlo(), xc.DeviceList(tuple(gpus)), options, [])
-    return Compiled(executable, target, len(gpus))
+    return Compiled(executable, target, len(gpus), kvs)

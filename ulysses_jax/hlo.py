@@ -224,3 +224,34 @@ def _ancestors(name: str, deps: dict[str, set[str]]) -> set[str]:
                 seen.add(d)
                 todo.append(d)
     return seen
+
+
+_HOST_EXECUTE = re.compile(r'custom_call_target="HostExecute".*?called_computations=\{([^}]*)\}')
+
+
+def host_computations(hlo_text: str) -> set[str]:
+    """The computations of a compiled GPU program that run on the host: those XLA:GPU's
+    ``HostExecute`` calls run (``optimizer.offload``'s host computations), and their callees."""
+    _, bodies, _ = _computations(hlo_text)
+    todo = [n for group in _HOST_EXECUTE.findall(hlo_text)
+            for n in re.findall(r"%([\w.\-]+)", group)]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in bodies:
+            continue
+        seen.add(name)
+        todo += [c for _, c in _CALL.findall(bodies[name])]
+        for group in _BRANCHES.findall(bodies[name]):
+            todo += re.findall(r"%([\w.\-]+)", group)
+    return seen
+
+
+def host_collectives(hlo_text: str) -> dict[str, int]:
+    """Collectives inside host computations (``host_computations``), by op: host code runs
+    beside each GPU, where a collective has no place (training/host_compute.py)."""
+    _, bodies, _ = _computations(hlo_text)
+    counts = Counter({op: 0 for op in COLLECTIVES})
+    for name in host_computations(hlo_text):
+        counts.update(collective_counts(bodies[name]))
+    return dict(counts)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..mesh import DATA, axis_size
-from .optimizer import computed_on_host
+from . import host_compute
 
 SCOPE = "grad_accum"  # the accumulator's named scope (memory.py's "gradient accumulator")
 
@@ -104,8 +104,10 @@ def accumulated_grads(loss_and_grad: Callable, params, batch: dict, k: int, mesh
                 return jax.tree.map(lambda a, g, s: jax.lax.with_sharding_constraint(
                     a + g.astype(jnp.float32), s), acc, grads, grad_shardings)
             grads = jax.device_put(grads, grad_shardings)
-            return computed_on_host(lambda a, g: jax.tree.map(
-                lambda x, y: x + y.astype(jnp.float32), a, g))(acc, grads)
+            grad_specs = host_compute.specs(grad_shardings)
+            return host_compute.by_shard(lambda a, g: jax.tree.map(
+                lambda x, y: x + y.astype(jnp.float32), a, g), mesh,
+                (grad_specs, grad_specs), grad_specs)(acc, grads)
 
     def body(acc, xs):
         micro, weight = xs

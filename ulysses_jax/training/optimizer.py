@@ -8,7 +8,7 @@ weight matrices and embeddings only. Two options trade precision or placement fo
   the optimizer state), updated in fp32 (``scale_by_adam_stored``); with fp32 storage it is
   optax's own ``scale_by_adam``.
 - offload: the fp32 parameters (master weights) and both moments live in host memory
-  (``pinned_host``) and the update is computed there (``computed_on_host``). The
+  (``pinned_host``) and the update is computed there (``host_compute.py``). The
   device gets a copy of each layer weight in the compute dtype (cast on the host, so half
   the bytes cross the link in bf16; a weight stored narrower, LoRA's bf16 frozen base,
   crosses as stored) and returns its gradient in that dtype, which the host turns back into
@@ -22,24 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental.compute_on import compute_on
 
 from ..config import OptimizerConfig
-
-
-def computed_on_host(f):
-    """``f`` computed in host memory (XLA's host offloading), its results left there.
-    jax 0.11 made ``compute_on`` a function wrapper that places the results; before it was a
-    context manager, and the callers' out shardings placed them (the CPU test suite runs jax
-    0.10.2: README)."""
-    if tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11):
-        return compute_on(f, compute_type="device_host",
-                          out_memory_spaces=jax.memory.Space.Host)
-
-    def on_host(*args, **kwargs):
-        with compute_on("device_host"):
-            return f(*args, **kwargs)
-    return on_host
 
 
 def make_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:

@@ -28,13 +28,15 @@ from ..data.vision_batches import abstract_vision
 from . import objectives
 from .accumulate import accumulated_grads
 from .objectives.base import SEQUENCE, Objective
-from .optimizer import compute_copy_mask, make_optimizer, make_schedule, computed_on_host
+from .optimizer import compute_copy_mask, make_optimizer, make_schedule
+from . import host_compute
 from ..models.vision import vision_shardings
 from ..mesh import act_spec, axis_size, RING
 from ..attention.ring import zigzag_permutation
 from ..models.decoder import Decoder
 from ..interop.peft import model_targets
 from ..families import family
+from .. import gpu_target
 from ..models import lora
 from ..models.param_layout import param_shardings
 
@@ -241,20 +243,25 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
         with jax.named_scope("optimizer"):
             if offload:  # gradients to the host (the layers' are there already), update there
                 grads = jax.device_put(grads, on_host)
+                # optax.tree.norm on the host would reduce over split axes there
+                # (host_compute.py): each device's share is summed on the host, the shares
+                # on the devices
+                grad_norm = host_compute.global_norm(grads, on_host, mesh)
 
-                def update_on_host(grads, opt_state, trained):
+                def update_on_host(grads, opt_state, trained, grad_norm):
                     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-                    # optax.tree.norm would build device zeros (imaginary parts) on the host
-                    grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g))
-                                             for g in jax.tree.leaves(grads)))
-                    return (*host_update(grads, opt_state, trained, grad_norm), grad_norm)
+                    return host_update(grads, opt_state, trained, grad_norm)
 
                 # LoRA: the fp32 master copies of the trained leaves only; the frozen
                 # leaves of the state are passed through (overlay) as they came in.
-                master, opt_state, grad_norm = computed_on_host(update_on_host)(
-                    grads, state["opt_state"], lora.trainable_params(state["params"], lo))
+                trained_specs = host_compute.specs(on_host)
+                opt_specs = host_compute.specs(shardings["opt_state"])
+                master, opt_state = host_compute.by_shard(
+                    update_on_host, mesh, (trained_specs, opt_specs, trained_specs, P()),
+                    (trained_specs, opt_specs))(
+                    grads, state["opt_state"], lora.trainable_params(state["params"], lo),
+                    jax.device_put(grad_norm, replicated.with_memory_kind("pinned_host")))
                 params = lora.overlay(state["params"], master)
-                grad_norm = jax.device_put(grad_norm, replicated)
             else:
                 trained, opt_state, grad_norm = update(grads, state["opt_state"], trained)
                 params = full(trained)
@@ -262,7 +269,8 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     return jax.jit(step, in_shardings=(shardings, in_batch),
-                   out_shardings=(shardings, None), donate_argnums=0)
+                   out_shardings=(shardings, None), donate_argnums=0,
+                   compiler_options=gpu_target.step_options(cfg.gpu_overlap))
 
 
 def _device_shardings(shardings):
@@ -279,10 +287,12 @@ def _offloaded_params_for_compute(params, dtype, on_device):
     same values."""
     cast = compute_copy_mask(params)
     width = jnp.dtype(dtype).itemsize
+    param_specs = host_compute.specs(on_device)
+    mesh = jax.tree.leaves(on_device)[0].mesh
     with jax.named_scope("optimizer"):
-        copy = computed_on_host(lambda params: jax.tree.map(
+        copy = host_compute.by_shard(lambda params: jax.tree.map(
             lambda p, c: p.astype(dtype) if c and p.dtype.itemsize > width else p,
-            params, cast))(params)
+            params, cast), mesh, (param_specs,), param_specs)(params)
     return jax.tree.map(lambda p, c, s: p if c else jax.device_put(p, s), copy, cast, on_device)
 
 
