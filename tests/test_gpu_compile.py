@@ -17,7 +17,7 @@ import pytest
 
 from tests.utils.configs import ROOT, tiny_config
 from tests.utils.devices import cli_env
-from ulysses_jax import gpu_target, make_mesh
+from ulysses_jax import gpu_target, hlo, make_mesh
 from ulysses_jax.hlo import attention_kernels, collective_counts
 
 pytestmark = pytest.mark.skipif(
@@ -85,6 +85,50 @@ def test_train_steps_for_h100s_exchange_by_all_to_all_and_run_cudnn(preset):
     assert kernels["cudnn"] >= 1 and kernels["cudnn_backward"] >= 1, kernels
     assert host == 0
     assert device == pytest.approx(PEAKS[preset, "h100"], rel=0.1)
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b-4m", "llama3-8b-1gpu"])
+def test_offload_presets_compile_for_h100s_as_a_run_compiles_them(preset):
+    """The two optimizer-offload presets compile with XLA's stock pipeline and the options a
+    GPU run compiles the step with (the jitted step's own: the latency-hiding scheduler on,
+    no pass turned off), fit an H100, keep their state in host memory, update it there and
+    hold no collective in host code."""
+    from ulysses_jax.training import fit
+    from ulysses_jax.training.dry_run import compile_step, device_and_host_bytes, target_mesh
+    from ulysses_jax.training.train_step import abstract_batch, make_train_step, state_layout
+    cfg = tiny_config(preset=preset)
+    t = gpu_target.load("h100")
+    mesh = target_mesh(cfg, t)
+    graphdef, abstract, shardings, tx = state_layout(cfg, mesh)
+    run_step = make_train_step(cfg, mesh, graphdef, tx, shardings)
+    run_options = dict(run_step.trace(abstract, abstract_batch(cfg, mesh))
+                       .lower(lowering_platforms=("cuda",))._lowering._compiler_options_kvs)
+    compiled, _ = compile_step(cfg, mesh, t)
+    assert compiled.options == run_options == {gpu_target.OVERLAP_OPTION: True}
+    device, host = device_and_host_bytes(compiled)
+    assert device <= t.memory_bytes * fit.HEADROOM, (device, t.memory_bytes)
+    assert host > device
+    text = compiled.as_text()
+    assert hlo.host_computations(text), "no host computation: the update is not on the host"
+    assert sum(hlo.host_collectives(text).values()) == 0, hlo.host_collectives(text)
+
+
+def test_host_collectives_are_seen():
+    """The check above reads XLA's HLO: a host computation that reduces over a split axis
+    holds an all-reduce there (compiled without the scheduler, which crashes on it:
+    benchmarks/host_compute_repro.py)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.compute_on import compute_on
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = make_mesh(seq=2, data=1, devices=jax.devices("cpu")[:2])
+    host = NamedSharding(mesh, P("seq"), memory_kind="pinned_host")
+    f = compute_on(lambda x: x / jnp.sqrt(jnp.sum(x * x)), compute_type="device_host",
+                   out_memory_spaces=jax.memory.Space.Host)
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=host)
+    text = gpu_target.compile(jax.jit(f, out_shardings=host), (x,),
+                              gpu_target.load("h100")).as_text()
+    assert hlo.host_collectives(text)["all-reduce"] == 1
 
 
 def test_an_a100_gets_no_cudnn_packed_attention():
