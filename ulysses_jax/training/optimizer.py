@@ -99,3 +99,22 @@ def make_optimizer(opt: OptimizerConfig, steps: int,
             optax.add_decayed_weights(opt.weight_decay, decay_mask),
             optax.scale_by_learning_rate(schedule))
     return optax.chain(optax.clip_by_global_norm(opt.clip_norm), adamw) if clip else adamw
+
+
+def offloaded_update(opt: OptimizerConfig, steps: int):
+    """The update ``optimizer.offload`` computes in host memory: ``update(grads, opt_state,
+    params, grad_norm) -> (params, opt_state)``, ``make_optimizer``'s step with the global
+    gradient norm given (the offloaded step sums it from each device's share:
+    host_compute.global_norm) instead of taken by optax's clip; gradients in any float dtype
+    (the layers' come in the compute dtype), turned into fp32 first. ``opt_state`` is
+    ``make_optimizer``'s (the clip's empty state, then AdamW's)."""
+    tx_adamw = make_optimizer(opt, steps, clip=False)
+
+    def update(grads, opt_state, params, grad_norm):
+        clip_state, adamw_state = opt_state
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        grads = jax.tree.map(lambda g: jax.lax.select(
+            grad_norm < opt.clip_norm, g, (g / grad_norm) * opt.clip_norm), grads)
+        updates, adamw_state = tx_adamw.update(grads, adamw_state, params)
+        return optax.apply_updates(params, updates), (clip_state, adamw_state)
+    return update

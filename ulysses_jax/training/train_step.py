@@ -28,7 +28,7 @@ from ..data.vision_batches import abstract_vision
 from . import objectives
 from .accumulate import accumulated_grads
 from .objectives.base import SEQUENCE, Objective
-from .optimizer import compute_copy_mask, make_optimizer, make_schedule
+from .optimizer import compute_copy_mask, make_optimizer, make_schedule, offloaded_update
 from . import host_compute
 from ..models.vision import vision_shardings
 from ..mesh import act_spec, axis_size, RING
@@ -183,7 +183,7 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
     schedule = make_schedule(cfg.optimizer, cfg.steps)
 
     offload = cfg.optimizer.offload
-    tx_adamw = make_optimizer(cfg.optimizer, cfg.steps, clip=False)
+    host_update = offloaded_update(cfg.optimizer, cfg.steps)
     dtype = jnp.dtype(cfg.model.dtype)
     on_device = _device_shardings(shardings)
     replicated = NamedSharding(mesh, P())
@@ -191,16 +191,6 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
     def update(grads, opt_state, params):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-
-    def host_update(grads, opt_state, params, grad_norm):
-        """``update`` on the host, clipping with the given global norm (optax's own clip
-        takes the norm with ``optax.tree.norm``, see the caller)."""
-        clip_state, adamw_state = opt_state
-        max_norm = cfg.optimizer.clip_norm
-        grads = jax.tree.map(lambda g: jax.lax.select(
-            grad_norm < max_norm, g, (g / grad_norm.astype(g.dtype)) * max_norm), grads)
-        updates, adamw_state = tx_adamw.update(grads, adamw_state, params)
-        return optax.apply_updates(params, updates), (clip_state, adamw_state)
 
     accum = cfg.grad_accum_steps
     in_batch = batch_shardings(mesh, cfg)
@@ -248,16 +238,12 @@ def make_train_step(cfg: Config, mesh: Mesh, graphdef, tx, shardings) -> Callabl
                 # on the devices
                 grad_norm = host_compute.global_norm(grads, on_host, mesh)
 
-                def update_on_host(grads, opt_state, trained, grad_norm):
-                    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-                    return host_update(grads, opt_state, trained, grad_norm)
-
                 # LoRA: the fp32 master copies of the trained leaves only; the frozen
                 # leaves of the state are passed through (overlay) as they came in.
                 trained_specs = host_compute.specs(on_host)
                 opt_specs = host_compute.specs(shardings["opt_state"])
                 master, opt_state = host_compute.by_shard(
-                    update_on_host, mesh, (trained_specs, opt_specs, trained_specs, P()),
+                    host_update, mesh, (trained_specs, opt_specs, trained_specs, P()),
                     (trained_specs, opt_specs))(
                     grads, state["opt_state"], lora.trainable_params(state["params"], lo),
                     jax.device_put(grad_norm, replicated.with_memory_kind("pinned_host")))
