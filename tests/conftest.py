@@ -59,7 +59,10 @@ def pytest_xdist_make_scheduler(config, log):
     (test_lora's trained runs, 15 s, twice), or one waits on the other's lock (the real
     checkpoint's conversion). The longest units go first (``_LONGEST_FIRST``), then the rest
     by their number of tests, so that no long file starts last and leaves a worker idle.
-    Another ``--dist`` given on the command line is xdist's own."""
+    Only the queue's order is ours: each worker's collection stays as it collected it (xdist
+    sends a worker the positions of its tests in its own collection, and compares a
+    restarted worker's collection with the first one). Another ``--dist`` given on the
+    command line is xdist's own."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -70,29 +73,34 @@ def pytest_xdist_make_scheduler(config, log):
             return _SCOPE_OF_FILE.get(path, path)
 
         def schedule(self) -> None:
-            if self.collection is None and self.registered_collections:
-                counts: dict[str, int] = {}
-                for nodeid in next(iter(self.registered_collections.values())):
-                    scope = self._split_scope(nodeid)
-                    counts[scope] = counts.get(scope, 0) + 1
-                rank = {scope: (_LONGEST_FIRST.index(scope) if scope in _LONGEST_FIRST
-                                else len(_LONGEST_FIRST), -n) for scope, n in counts.items()}
-                for node, collection in self.registered_collections.items():
-                    self.registered_collections[node] = sorted(
-                        collection, key=lambda nodeid: rank[self._split_scope(nodeid)])
-                self.config.option.loadscopereorder = False  # the order above stands
-            super().schedule()
+            if self.collection is not None or not self._check_nodes_have_same_collection():
+                return super().schedule()  # a worker added later; or xdist's own refusal
+            self.collection = list(next(iter(self.registered_collections.values())))
+            units: dict[str, dict[str, bool]] = {}
+            for nodeid in self.collection:
+                units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+            first = lambda scope: (_LONGEST_FIRST.index(scope) if scope in _LONGEST_FIRST  # noqa: E731
+                                   else len(_LONGEST_FIRST), -len(units[scope]))
+            for scope in sorted(units, key=first):
+                self.workqueue[scope] = units[scope]
+            for node in self.nodes:
+                if self.workqueue:
+                    self._assign_work_unit(node)
+            for node in self.nodes:
+                self._reschedule(node)
 
     return FileScheduling(config, log)
 
 
 # The scheduling units of the most test seconds, longest first (per-file sums of
-# ``--durations=0`` on the 2-core machine); only the order units are handed out reads it.
-_LONGEST_FIRST = ("tests/test_real_checkpoint.py", "tests/test_cacheable.py",
-                  "tests/test_grpo_train.py", "tests/test_accumulate.py", "tests/test_model.py",
-                  "tests/test_train.py", "tests/test_lora.py", "tests/test_dpo.py",
-                  "tests/test_offload.py", "tests/test_ring.py", "tests/test_faults.py",
-                  "tests/test_qwen3_next.py")
+# ``--durations=0`` on the 2-core machine, jax 0.12.0.1); only the order units are handed out
+# reads it.
+_LONGEST_FIRST = ("tests/test_dpo.py", "tests/test_real_checkpoint.py", "tests/test_model.py",
+                  "tests/test_accumulate.py", "tests/test_grpo_train.py",
+                  "tests/test_gpu_compile.py", "tests/test_lora.py", "tests/test_train.py",
+                  "tests/test_ring.py", "tests/test_generate.py", "tests/test_fit.py",
+                  "tests/test_faults.py", "tests/test_qwen3_next.py", "tests/test_qwen2_5_vl.py",
+                  "tests/test_offload.py")
 
 
 # The compatibility set: the tests README's command also runs on Python 3.11 with jax 0.10.2
