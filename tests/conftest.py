@@ -22,28 +22,27 @@ gc.collect()
 gc.freeze()
 gc.set_threshold(50_000, 20, 20)
 
-# A persistent compilation cache shared by the pytest-xdist workers and the CLIs they start
-# (``cli_env``), in a directory made for this run: the tests build many programs twice (a
-# config trained in-process and again by train.py, one model at several meshes' init), and on
-# jaxlib 0.11 and later XLA:CPU's compile (the tiny train step: 3.2 CPU s) costs twenty times
-# a read back from the cache (0.15 s). On jaxlib 0.10 the cache is off unless
-# ULYSSES_TEST_COMPILE_CACHE=1: its compile is 4x cheaper, and the fence it needs there
-# (ulysses_jax/compile_cache.py) analyses every program (the full suite took 18 min 1 s of
-# pytest with the fenced cache, 15 min 50 s without). ULYSSES_TEST_COMPILE_CACHE=0 turns it off.
-from ulysses_jax import compile_cache  # noqa: E402
-
-_CACHE_DEFAULT = "1" if not compile_cache.needed() else "0"
-if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", _CACHE_DEFAULT) not in ("", "0"):
+# No persistent compilation cache by default. The tests build distinct programs (of the 459
+# train, evaluation and init programs a full run builds, 50 repeat a config and mesh already
+# built in their worker), so a cache mostly writes: serialising each executable and the
+# fence's analysis of it cost more than the few programs read back save (the full suite on
+# the 2-core machine: 18 min 1 s of pytest with the shared cache, 15 min 50 s
+# without; docs/PERF.md, "The test suite"). ULYSSES_TEST_COMPILE_CACHE=1 shares one cache between
+# the pytest-xdist workers and the CLIs they start (``cli_env``), fenced as a user's is
+# (train.py --dry-run and the planner turn it off while they read XLA's dump of their own
+# compile).
+if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", "0") not in ("", "0"):
     if CACHE_ENV not in os.environ:
         os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="ulysses-jax-test-cache-")
         _OWN_CACHE = True
     jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    # On jaxlib 0.10, programs whose loop collectives a read-back executable would not order
-    # (deadlocks and crashes; every train step) are compiled fresh instead, once per worker
-    # (the fence keeps each in memory), and not named at exit.
-    compile_cache.fence(warn=False)
+    # Programs whose loop collectives a read-back executable would not order (deadlocks and
+    # crashes, ulysses_jax/compile_cache.py; every train step) are compiled fresh instead,
+    # once per worker (the fence keeps each in memory), and not named at exit.
+    from ulysses_jax.compile_cache import fence
+    fence(warn=False)
 
 
 # Test files whose tests share a session fixture with another file's: one scheduling unit.
@@ -105,9 +104,10 @@ _LONGEST_FIRST = ("tests/test_dpo.py", "tests/test_real_checkpoint.py", "tests/t
 
 # The compatibility set: the tests README's command also runs on Python 3.11 with jax 0.10.2
 # (``-m compat``), the last jax that Python has, which requirements.txt installs there. They
-# hold what differs between the two jax versions the package supports: the compilation-cache
-# fence (it acts on jaxlib 0.10 only), host computations (``compute_on`` is a context manager
-# on 0.10, a function wrapper from 0.11), the Ulysses exchange itself, and the layer order.
+# hold what differs between the two jax versions the package supports: what the
+# compilation-cache fence keeps out (what XLA:CPU compiles, and how jaxlib serializes it,
+# differ), host computations (``compute_on`` is a context manager on 0.10, a function wrapper
+# from 0.11), the Ulysses exchange itself, and the layer order.
 COMPAT = ("tests/test_compile_cache.py", "tests/test_cacheable.py", "tests/test_host_compute.py",
           "tests/test_offload.py", "tests/test_ulysses.py", "tests/test_imports.py")
 

@@ -30,10 +30,6 @@ from ulysses_jax.config import load_config
 from ulysses_jax.hlo import unordered_loop_collectives
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The fence acts where jaxlib reads these programs back out of order: 0.10 (the compatibility
-# set, README); on 0.11 and later test_compile_cache.py reads one back and runs it.
-pytestmark = pytest.mark.skipif(not compile_cache.needed(),
-                                reason="the fence acts on jaxlib 0.10 only")
 SMALL = ["seq_len=256", "batch_size=4", "model.loss_chunk=16"]
 
 # name -> (preset, overrides, also the evaluation programs[, the programs safe to cache])

@@ -2,13 +2,10 @@
 order of their collectives when read back from JAX's persistent compilation cache
 (hlo.unordered_loop_collectives), and that the fenced cache neither writes nor runs them.
 
-The crash itself (jaxlib 0.10): ``benchmarks/cache_collective_repro.py --cache DIR`` (a
-2-device CPU program, the held-out loss-by-position program of a tiny decoder) aborts or
-segfaults on every run that reads DIR back without the fence; the subprocess tests below run
-it with the fence, and read back without it only the program whose collectives data orders
-(``--ordered``). jaxlib 0.11 and later read it back in order, and there the fence does
-nothing (``compile_cache.needed``): the tests of what it keeps out run on jaxlib 0.10 (the
-compatibility set, README), the test that the program runs read back on the others.
+The crash itself: ``benchmarks/cache_collective_repro.py --cache DIR`` (a 2-device CPU
+program, the held-out loss-by-position program of a tiny decoder) aborts or segfaults on every
+run that reads DIR back without the fence; the subprocess tests below run it with the fence,
+and read back without it only the program whose collectives data orders (``--ordered``).
 """
 import os
 import subprocess
@@ -21,18 +18,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.utils.devices import DEVICES, cli_env, need_devices
-from ulysses_jax import compile_cache
 from ulysses_jax.compile_cache import unsafe_pairs
 from ulysses_jax.hlo import unordered_loop_collectives
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPRO = os.path.join(ROOT, "benchmarks", "cache_collective_repro.py")
-
-
-# the tests of what the fence does, where it acts
-fence_acts = pytest.mark.skipif(not compile_cache.needed(),
-                                reason="the fence acts on jaxlib 0.10 only (its read-back "
-                                       "executables lose their collectives' order)")
 
 
 def _compiled(body, n_out: int):
@@ -119,7 +109,6 @@ def _repro(cache, *extra):
                           env=cli_env(JAX_PLATFORMS="cpu"))
 
 
-@fence_acts
 @pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="the CPU runtime's cache")
 def test_fenced_cache_keeps_the_program_out_and_reads_back_without_crashing(tmp_path):
     """A fenced process does not write the loss-by-position program; an unfenced one does; a
@@ -140,7 +129,6 @@ def test_fenced_cache_keeps_the_program_out_and_reads_back_without_crashing(tmp_
     assert fenced_read.stdout.split()[:2] == fenced_write.stdout.split()[:2]  # "ok", the loss
 
 
-@fence_acts
 @pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="the CPU runtime's cache")
 def test_a_program_without_pairs_reads_back_from_the_cache_and_runs(tmp_path):
     """The ``--ordered`` program (no pair: a loop of collectives that data orders against
@@ -160,29 +148,12 @@ def test_a_program_without_pairs_reads_back_from_the_cache_and_runs(tmp_path):
     assert fresh.stdout.split()[:2] == read.stdout.split()[:2]
 
 
-@pytest.mark.skipif(compile_cache.needed() or DEVICES[0].platform != "cpu",
-                    reason="jaxlib 0.10 reads this program back out of order (the fence)")
-def test_a_program_with_pairs_reads_back_in_order(tmp_path):
-    """jaxlib 0.11 and later: the program of the crash (a loop of collectives beside a
-    collective it does not order), written to the cache and read back by an unfenced
-    process, runs 30 times with equal results and the loss of the writing run, and the fence
-    keeps nothing out."""
-    write = _repro(tmp_path, "--fence", "--runs", "1")
-    assert write.returncode == 0, write.stderr[-2000:]
-    assert "kept out of the cache: []" in write.stdout, write.stdout
-    assert any(f.startswith("jit_run") for f in os.listdir(tmp_path))
-    read = _repro(tmp_path, "--runs", "30")
-    assert read.returncode == 0, read.stderr[-2000:]
-    assert read.stdout.split()[:2] == write.stdout.split()[:2]  # "ok", the same loss
-
-
 def _env_without_cache(**extra):
     env = cli_env(JAX_PLATFORMS="cpu", **extra)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     return env
 
 
-@fence_acts
 @pytest.mark.skipif(DEVICES[0].platform != "cpu", reason="the CPU runtime's cache")
 def test_fence_without_a_cache_directory_neither_analyses_nor_warns():
     """JAX calls its cache hooks with or without a cache directory; without one the fence

@@ -22,13 +22,6 @@ suite install it. At exit, a process that kept programs out names them in one li
 or without a directory, and a run without one has nothing to read back, so it is neither
 analysed nor reported.
 
-jaxlib 0.11 and later keep the order in the executables they read back: on jaxlib 0.12.0.1 the
-repro's program read back ran 3 x 50 times with equal results, and train.py runs of 5
-configurations (the tiny preset at P=8, Ulysses x Ring 4 x 2, ZeRO-3 on 2 x 4, Qwen3-Next, MoE
-with 2 data replicas, accumulation and LoRA) with every program read back (train step,
-held-out loss, loss by position) trained 20 steps with the losses of the run that wrote them
-(tests/test_compile_cache.py keeps checking it). There the fence does nothing (``needed``).
-
 A program kept out is compiled once per process, not once per use: the executable compiled
 in this process (never serialized, so its collectives keep their order) is kept in memory
 under its cache key and handed back when JAX asks the cache for that key again, as JAX's own
@@ -107,14 +100,6 @@ def _keep_out(name: str, pairs: list, key: str | None = None, live=None) -> None
         atexit.register(_report)
 
 
-def needed() -> bool:
-    """Whether this jaxlib reads CPU executables back with their loop collectives unordered
-    (0.10: module docstring; 0.11 and later keep the order)."""
-    import importlib.metadata
-    version = importlib.metadata.version("jaxlib")
-    return tuple(int(v) for v in version.split(".")[:2]) < (0, 11)
-
-
 def fence(warn: bool = True) -> bool:
     """Keeps CPU programs with loop collectives the cache cannot order out of JAX's persistent
     compilation cache (this process, from now on; installing twice is harmless).
@@ -125,13 +110,11 @@ def fence(warn: bool = True) -> bool:
         does).
 
     Returns:
-      True when the fence is in place, or not needed (jaxlib 0.11 and later); False when
-      this JAX keeps its cache elsewhere, in which case the persistent cache is turned off
-      for CPU runs instead (only effective before the first compile).
+      True when the fence is in place; False when this JAX keeps its cache elsewhere, in which
+      case the persistent cache is turned off for CPU runs instead (only effective before the
+      first compile).
     """
     global _installed, _warn
-    if not needed():
-        return True  # nothing this jaxlib reads back loses its order
     with _lock:
         if _installed:
             return True
