@@ -22,27 +22,26 @@ gc.collect()
 gc.freeze()
 gc.set_threshold(50_000, 20, 20)
 
-# No persistent compilation cache by default. The tests build distinct programs (of the 459
-# train, evaluation and init programs a full run builds, 50 repeat a config and mesh already
-# built in their worker), so a cache mostly writes: serialising each executable and the
-# fence's analysis of it cost more than the few programs read back save (the full suite on
-# the 2-core machine: 18 min 1 s of pytest with the shared cache, 15 min 50 s
-# without; docs/PERF.md, "The test suite"). ULYSSES_TEST_COMPILE_CACHE=1 shares one cache between
-# the pytest-xdist workers and the CLIs they start (``cli_env``), fenced as a user's is
-# (train.py --dry-run and the planner turn it off while they read XLA's dump of their own
-# compile).
+# Every CPU program a worker compiles in 0.1 s or more is kept in memory under JAX's cache
+# key and handed back when a test builds the same program again (a new closure, the same
+# config and mesh: the references that several tests train, the steps a test file repeats
+# across its parameters): ulysses_jax.compile_cache.keep_compiled. Nothing is serialized, so
+# nothing the cache fence guards against can happen. No persistent cache by default: on
+# jaxlib 0.10 writing each executable and the fence's analysis of it cost more than the few
+# programs read back saved (18 min 1 s of pytest with the shared cache, 15 min 50 s without).
+# ULYSSES_TEST_COMPILE_CACHE=1 shares one between the pytest-xdist workers and the CLIs they
+# start (``cli_env``), fenced as a user's is (train.py --dry-run and the planner turn it off
+# while they read XLA's dump of their own compile).
+from ulysses_jax.compile_cache import keep_compiled  # noqa: E402 (after the device settings)
+
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+keep_compiled()
 if os.environ.get("ULYSSES_TEST_COMPILE_CACHE", "0") not in ("", "0"):
     if CACHE_ENV not in os.environ:
         os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="ulysses-jax-test-cache-")
         _OWN_CACHE = True
     jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    # Programs whose loop collectives a read-back executable would not order (deadlocks and
-    # crashes, ulysses_jax/compile_cache.py; every train step) are compiled fresh instead,
-    # once per worker (the fence keeps each in memory), and not named at exit.
-    from ulysses_jax.compile_cache import fence
-    fence(warn=False)
 
 
 # Test files whose tests share a session fixture with another file's: one scheduling unit.

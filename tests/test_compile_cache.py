@@ -179,3 +179,42 @@ def test_main_command_says_nothing_of_a_cache(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "CacheFenceWarning" not in out.stderr and "compilation cache" not in out.stderr, \
         out.stderr[-2000:]
+
+
+def test_kept_programs_compile_once_and_a_callback_stays_its_own():
+    """``keep_compiled`` (conftest installs it in every worker): a program built anew (a new
+    closure, the same program, options and devices) is handed back from memory with the same
+    results; a program with a host callback is compiled for each closure (the executable
+    binds the callback it was compiled with), so each closure's own callback runs."""
+    from ulysses_jax import compile_cache
+    assert compile_cache.keep_compiled()
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((24, 40)), jnp.float32)
+
+    def build():
+        return jax.jit(lambda v: jnp.tanh(v) @ v.T * 0.625 + 0.375)
+
+    least = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # tiny programs too
+    try:
+        _kept_once_and_callbacks_own(compile_cache, build, x)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
+
+
+def _kept_once_and_callbacks_own(compile_cache, build, x):
+    hits = compile_cache.kept_hits()
+    first = build()(x)
+    assert compile_cache.kept_hits() == hits
+    again = build()(x)
+    assert compile_cache.kept_hits() == hits + 1
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+
+    def with_callback(scale):
+        host = lambda v: np.asarray(v) * scale  # noqa: E731
+        return jax.jit(lambda v: jax.pure_callback(
+            host, jax.ShapeDtypeStruct(v.shape, v.dtype), v) + 1.0)
+
+    hits = compile_cache.kept_hits()
+    np.testing.assert_allclose(np.asarray(with_callback(2.0)(x)), np.asarray(x) * 2 + 1)
+    np.testing.assert_allclose(np.asarray(with_callback(3.0)(x)), np.asarray(x) * 3 + 1)
+    assert compile_cache.kept_hits() == hits

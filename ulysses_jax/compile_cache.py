@@ -27,6 +27,13 @@ in this process (never serialized, so its collectives keep their order) is kept 
 under its cache key and handed back when JAX asks the cache for that key again, as JAX's own
 in-memory cache does for one jitted function. Tests that build the same train step anew
 (a new closure, the same program) compile it once per pytest worker.
+
+``keep_compiled()`` extends that to every CPU program, with or without a cache directory: each
+executable this process compiles is kept in memory under JAX's cache key (which covers the
+program, its compile options and its devices) and handed back when the key comes again, so a
+process that builds the same programs many times (the test suite's workers) compiles each once.
+Nothing is serialized, so it is safe on every jaxlib; programs with host callbacks are left to
+JAX (the executable binds the callbacks it was compiled with).
 """
 from __future__ import annotations
 
@@ -46,6 +53,9 @@ _live: OrderedDict = OrderedDict()  # cache key -> (executable compiled here, co
 _LIVE_MAX = 256                     # executables kept in memory, the least recently used go
 _warn = True
 _reporting = False                  # the exit report is registered
+_keep_all = False                   # keep_compiled(): every CPU program kept in memory
+_with_callbacks: set = set()        # cache keys of programs with host callbacks (not kept)
+_kept_hits = 0                      # keys handed back from memory
 
 
 class CacheFenceWarning(UserWarning):
@@ -89,15 +99,61 @@ def _keep_out(name: str, pairs: list, key: str | None = None, live=None) -> None
     global _reporting
     with _lock:
         _kept_out[name] = pairs
-        if key is not None and live is not None:
-            _live[key] = live
-            _live.move_to_end(key)
-            while len(_live) > _LIVE_MAX:
-                _live.popitem(last=False)
         register = _warn and not _reporting
         _reporting = _reporting or register
     if register:
         atexit.register(_report)
+    if key is not None and live is not None:
+        _live_put(key, live)
+
+
+def _live_put(key: str | None, live) -> None:
+    """Keeps (executable, compile time) in memory under its cache key; the least recently
+    used go past ``_LIVE_MAX``."""
+    with _lock:
+        if key is None or key in _with_callbacks:
+            return
+        _live[key] = live
+        _live.move_to_end(key)
+        while len(_live) > _LIVE_MAX:
+            _live.popitem(last=False)
+
+
+def _live_get(key: str | None, host_callbacks):
+    """The executable kept under ``key``, or None; a key asked for with host callbacks is
+    never kept (its executable binds the callbacks it was compiled with)."""
+    global _kept_hits
+    with _lock:
+        if key is None:
+            return None
+        if host_callbacks:
+            _with_callbacks.add(key)
+            _live.pop(key, None)
+            return None
+        live = _live.get(key)
+        if live is not None:
+            _live.move_to_end(key)
+            _kept_hits += 1
+        return live
+
+
+def keep_compiled() -> bool:
+    """Keeps every CPU program this process compiles in memory and hands it back when JAX asks
+    its compilation cache for the same key (module docstring); installs ``fence`` quietly if
+    it is not installed. Returns ``fence``'s answer: False where this JAX offers no hook, and
+    then nothing is kept."""
+    global _keep_all
+    if not fence(warn=False):
+        return False
+    with _lock:
+        _keep_all = True
+    return True
+
+
+def kept_hits() -> int:
+    """How many times this process was handed a program kept in memory."""
+    with _lock:
+        return _kept_hits
 
 
 def fence(warn: bool = True) -> bool:
@@ -130,16 +186,15 @@ def fence(warn: bool = True) -> bool:
         get_sig, put_sig = inspect.signature(get), inspect.signature(put)
 
         def get_checked(*args, **kwargs):
-            if not _persistent_dir():
+            if not (_keep_all or _persistent_dir()):
                 return get(*args, **kwargs)
             bound = get_sig.bind(*args, **kwargs).arguments
             if _on_cpu(bound):
-                with _lock:
-                    live = _live.get(bound.get("cache_key"))
-                    if live is not None:
-                        _live.move_to_end(bound["cache_key"])
+                live = _live_get(bound.get("cache_key"), bound.get("host_callbacks"))
                 if live is not None:
                     return live
+            if not _persistent_dir():
+                return None, None
             executable, compile_time = get(*args, **kwargs)
             if executable is not None and _on_cpu(bound):
                 pairs = unsafe_pairs(executable)
@@ -150,7 +205,12 @@ def fence(warn: bool = True) -> bool:
 
         def put_checked(*args, **kwargs):
             bound = put_sig.bind(*args, **kwargs).arguments
-            if _persistent_dir() and _on_cpu(bound):
+            if _keep_all and _on_cpu(bound):
+                _live_put(bound.get("cache_key"),
+                          (bound["executable"], bound.get("compile_time")))
+            if not _persistent_dir():
+                return None
+            if _on_cpu(bound):
                 pairs = unsafe_pairs(bound["executable"])
                 if pairs:
                     _keep_out(bound.get("module_name", "a program"), pairs,
