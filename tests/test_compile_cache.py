@@ -181,27 +181,32 @@ def test_main_command_says_nothing_of_a_cache(tmp_path):
         out.stderr[-2000:]
 
 
-def test_kept_programs_compile_once_and_a_callback_stays_its_own():
+@pytest.fixture
+def keep_every_program(monkeypatch):
+    """``keep_compiled`` on, for programs of any compile time, with this test's own store."""
+    from collections import OrderedDict
+    from ulysses_jax import compile_cache
+    assert compile_cache.keep_compiled()
+    monkeypatch.setattr(compile_cache, "_live", OrderedDict())
+    least = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # tiny programs too
+    try:
+        yield compile_cache
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
+
+
+def test_kept_programs_compile_once_and_a_callback_stays_its_own(keep_every_program):
     """``keep_compiled`` (conftest installs it in every worker): a program built anew (a new
     closure, the same program, options and devices) is handed back from memory with the same
     results; a program with a host callback is compiled for each closure (the executable
     binds the callback it was compiled with), so each closure's own callback runs."""
-    from ulysses_jax import compile_cache
-    assert compile_cache.keep_compiled()
+    compile_cache = keep_every_program
     x = jnp.asarray(np.random.default_rng(3).standard_normal((24, 40)), jnp.float32)
 
     def build():
         return jax.jit(lambda v: jnp.tanh(v) @ v.T * 0.625 + 0.375)
 
-    least = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # tiny programs too
-    try:
-        _kept_once_and_callbacks_own(compile_cache, build, x)
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
-
-
-def _kept_once_and_callbacks_own(compile_cache, build, x):
     hits = compile_cache.kept_hits()
     first = build()(x)
     assert compile_cache.kept_hits() == hits
@@ -218,3 +223,26 @@ def _kept_once_and_callbacks_own(compile_cache, build, x):
     np.testing.assert_allclose(np.asarray(with_callback(2.0)(x)), np.asarray(x) * 2 + 1)
     np.testing.assert_allclose(np.asarray(with_callback(3.0)(x)), np.asarray(x) * 3 + 1)
     assert compile_cache.kept_hits() == hits
+
+
+def test_kept_programs_give_way_before_the_process_runs_out_of_memory_maps(keep_every_program,
+                                                                          monkeypatch):
+    """Each XLA:CPU executable holds memory maps of its own; past Linux's limit a compile
+    aborts. With the limit set just above the maps in use, a second program kept pushes out
+    the first: built again, the first compiles anew and the second is handed back."""
+    compile_cache = keep_every_program
+    x = jnp.asarray(np.arange(48.0, dtype=np.float32).reshape(6, 8))
+    compile_cache._live.clear()  # what making x compiled
+    builds = (lambda: jax.jit(lambda v: jnp.cos(v) * 1.25 - v),
+              lambda: jax.jit(lambda v: jnp.sin(v).T @ v * 0.75))
+    builds[0]()(x)
+    assert len(compile_cache._live) == 1
+    limit = 2 * compile_cache._maps_in_use()  # the second program's maps go past half
+    monkeypatch.setattr(compile_cache, "_map_limit", lambda: limit)
+    builds[1]()(x)
+    assert len(compile_cache._live) == 1
+    hits = compile_cache.kept_hits()
+    builds[1]()(x)
+    assert compile_cache.kept_hits() == hits + 1
+    builds[0]()(x)
+    assert compile_cache.kept_hits() == hits + 1

@@ -109,7 +109,10 @@ def _keep_out(name: str, pairs: list, key: str | None = None, live=None) -> None
 
 def _live_put(key: str | None, live) -> None:
     """Keeps (executable, compile time) in memory under its cache key; the least recently
-    used go past ``_LIVE_MAX``."""
+    used go past ``_LIVE_MAX``, and while the process holds more than half the memory maps
+    Linux allows it: an XLA:CPU executable keeps its machine code in memory maps of its own
+    (the tiny preset's train step about 900), and a process past ``vm.max_map_count``
+    (65,530 by default) aborts or segfaults in its next compile."""
     with _lock:
         if key is None or key in _with_callbacks:
             return
@@ -117,6 +120,31 @@ def _live_put(key: str | None, live) -> None:
         _live.move_to_end(key)
         while len(_live) > _LIVE_MAX:
             _live.popitem(last=False)
+        limit = _map_limit()
+        while limit and len(_live) > 1 and (_maps_in_use() or 0) > limit // 2:
+            _live.popitem(last=False)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _map_limit() -> int | None:
+    """The memory maps a process may hold (Linux's ``vm.max_map_count``), or None."""
+    return _read_int("/proc/sys/vm/max_map_count")
+
+
+def _maps_in_use() -> int | None:
+    """The memory maps this process holds (Linux), or None."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
 
 
 def _live_get(key: str | None, host_callbacks):
