@@ -93,12 +93,12 @@ def pytest_xdist_make_scheduler(config, log):
 # The scheduling units of the most test seconds, longest first (per-file sums of
 # ``--durations=0`` on the 2-core machine, jax 0.12.0.1); only the order units are handed out
 # reads it.
-_LONGEST_FIRST = ("tests/test_dpo.py", "tests/test_real_checkpoint.py", "tests/test_model.py",
-                  "tests/test_accumulate.py", "tests/test_grpo_train.py",
-                  "tests/test_gpu_compile.py", "tests/test_lora.py", "tests/test_train.py",
-                  "tests/test_ring.py", "tests/test_generate.py", "tests/test_fit.py",
-                  "tests/test_faults.py", "tests/test_qwen3_next.py", "tests/test_qwen2_5_vl.py",
-                  "tests/test_offload.py")
+_LONGEST_FIRST = ("tests/test_dpo.py", "tests/test_accumulate.py", "tests/test_grpo_train.py",
+                  "tests/test_real_checkpoint.py", "tests/test_cacheable.py",
+                  "tests/test_model.py", "tests/test_gpu_compile.py", "tests/test_lora.py",
+                  "tests/test_train.py", "tests/test_generate.py", "tests/test_fit.py",
+                  "tests/test_ring.py", "tests/test_faults.py", "tests/test_qwen3_next.py",
+                  "tests/test_qwen2_5_vl.py", "tests/test_ulysses.py", "tests/test_offload.py")
 
 
 # The compatibility set: the tests README's command also runs on Python 3.11 with jax 0.10.2
