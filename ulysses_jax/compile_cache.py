@@ -125,17 +125,13 @@ def _live_put(key: str | None, live) -> None:
             _live.popitem(last=False)
 
 
-def _read_int(path: str) -> int | None:
+def _map_limit() -> int | None:
+    """The memory maps a process may hold (Linux's ``vm.max_map_count``), or None."""
     try:
-        with open(path) as f:
+        with open("/proc/sys/vm/max_map_count") as f:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _map_limit() -> int | None:
-    """The memory maps a process may hold (Linux's ``vm.max_map_count``), or None."""
-    return _read_int("/proc/sys/vm/max_map_count")
 
 
 def _maps_in_use() -> int | None:
