@@ -247,7 +247,8 @@ class _Program:
             if operand is None:
                 continue
             us = users.get(pname, [])
-            if us and all(u.op in ("dynamic-slice", "slice", "gather") for u in us):
+            if us and all(u.op in ("dynamic-slice", "slice", "gather")
+                          and u.operands[:1] == [pname] for u in us):
                 b = sum(shape_bytes(u.shape) for u in us)
                 on_host = shape_bytes(operand.shape, host=True) > 0
             else:
