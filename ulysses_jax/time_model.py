@@ -445,13 +445,19 @@ class _Pricer:
         return fwd * (2.5 if backward else 1.0) / (rate * 1e12)
 
     def branch(self, ins: _Instr) -> list[str]:
+        """The branches of a conditional the model prices: cuDNN's side where the other is
+        the chunked fallback of its packed layout (rows with more documents than its bound:
+        ``cudnn.packed_attention``), else the dearest."""
         branches = self.p.callees(ins)
         cudnn = re.compile(r'custom_call_target="__cudnn\$fmha')
-        chunked = [b for b in branches if self.p.contains(b, _CHUNKED_CALL)]
-        if chunked and len(chunked) < len(branches) and self.p.contains(self.p.entry, cudnn):
-            # the chunked kernel is the fallback of cuDNN's packed layout (rows with more
-            # documents than its bound): the branch beside it runs (XLA may have hoisted
-            # the cuDNN side's work out of a loop, leaving that branch nearly empty)
+        fallback = re.compile(r'op_name="[^"]*chunked_attention')
+        with_cudnn = [b for b in branches if self.p.contains(b, cudnn)]
+        chunked = [b for b in branches if b not in with_cudnn and self.p.contains(b, fallback)]
+        if chunked and with_cudnn:
+            branches = with_cudnn
+        elif chunked and len(chunked) < len(branches) and self.p.contains(self.p.entry, cudnn):
+            # XLA may hoist the cuDNN side's work out of a loop, leaving its branch nearly
+            # empty beside the fallback's
             branches = [b for b in branches if b not in chunked]
         costs = {b: self.walk(b, 1, record=False) for b in branches}
         return [max(costs, key=costs.get)] if costs else []

@@ -174,7 +174,7 @@ def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = No
     auto = {}
     if cfg.model.remat == "auto":  # the least recomputation whose step fits (fit.py)
         b = None if gpu else fit.budget(mesh)
-        order = [(r, o) for r, o in fit.AUTO_ORDER if gpu or not o or platform != "cpu"]
+        order = fit.auto_order("gpu" if gpu else platform)
         for remat, offload in order:
             candidate = fit.with_remat(cfg, remat, offload)
             compiled_cfg, compiled, abstract, peak, host = _compile(candidate, mesh, gpu,
