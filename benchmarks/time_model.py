@@ -4,9 +4,10 @@
 
 The measurements are one H200's, 2026-11-30 (../shared/H200.md, jax 0.11.2, main at 88ebeb9):
   steps      the 1B preset's train step on one H200 (``configs/llama-1b-32k.yaml`` with one
-             device, batch 1, replicated parameters, remat save_dots, AdamW): 8,192 tokens
-             with the chunked kernel (0.895 s) and with cuDNN over a dense [S, S] document
-             mask (0.246 s), 32,768 with the chunked kernel (11.57 s). Each is compiled here
+             device, batch 1, replicated parameters, remat save_dots as it was then, AdamW):
+             8,192 tokens with the chunked kernel (0.895 s) and with cuDNN over a dense
+             [S, S] document mask (0.246 s), 32,768 with the chunked kernel (11.57 s).
+             Each is compiled here
              by XLA's GPU compiler for one H200 (``train.py --dry-run --target h200``) and
              modeled. The dense-mask cuDNN kernel is gone (``impl=cudnn`` now takes cuDNN's
              packed layout): that row models today's program and, beside it, the same with
@@ -46,12 +47,22 @@ ATTENTION = {("cudnn", 8192, 128): 4.17, ("cudnn", 32768, 128): 53.8,
 
 
 def model_step(seq_len: int, overrides) -> dict:
+    """The 1B step as the H200 ran it: save_dots as it was then (the weight matmuls' outputs
+    only; it now keeps the fused attention's forward too, which the H200's run recomputed)."""
+    import jax
     from ulysses_jax.config import load_config
+    from ulysses_jax.models import decoder
     from ulysses_jax.training.dry_run import dry_run
     from _common import ROOT
     cfg = load_config(str(ROOT / "configs" / "llama-1b-32k.yaml"),
                       [*ONE_H200, f"seq_len={seq_len}", *overrides])
-    return dry_run(cfg, target="h200")
+    now = decoder._REMAT_POLICIES["save_dots"]
+    decoder._REMAT_POLICIES["save_dots"] = \
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    try:
+        return dry_run(cfg, target="h200")
+    finally:
+        decoder._REMAT_POLICIES["save_dots"] = now
 
 
 def model_attention(kernel: str, seq: int, head_dim: int) -> float:

@@ -222,22 +222,32 @@ class _Program:
             if f.op == "parameter":
                 m = re.match(r"\s*(\d+)", f.line.split("parameter(", 1)[1])
                 params[f.name] = int(m.group(1)) if m else -1
+        # a bitcast only renames an array: see through it to the parameter it views
+        source = {}
+        for f in fused:
+            if f.op == "bitcast" and f.operands:
+                source[f.name] = source.get(f.operands[0], f.operands[0])
         users = {}
         for f in fused:
+            if f.op == "bitcast":
+                continue
             for o in f.operands:
-                users.setdefault(o, []).append(f)
+                users.setdefault(source.get(o, o), []).append((f, source.get(o, o)))
         dev = host = 0
         in_place = set()
         root = next((f for f in fused if f.line.lstrip().startswith("ROOT")), None)
         roots = ([fused_by(fused, o) for o in root.operands] if root and root.op == "tuple"
                  else [root] if root else [])
+        roots = [fused_by(fused, source[r.name]) if r is not None and r.name in source else r
+                 for r in roots]
         written = 0
         for r in roots:
             if r is not None and r.op == "dynamic-update-slice" and len(r.operands) > 1:
                 upd = next((f for f in fused if f.name == r.operands[1]), None)
                 written += shape_bytes(upd.shape) if upd else 0
-                if r.operands[0] in params:
-                    in_place.add(r.operands[0])
+                base = source.get(r.operands[0], r.operands[0])
+                if base in params:
+                    in_place.add(base)
             elif r is not None:
                 written += shape_bytes(r.shape)
         for pname, idx in params.items():
@@ -246,9 +256,9 @@ class _Program:
             operand = table.get(ins.operands[idx])
             if operand is None:
                 continue
-            us = users.get(pname, [])
+            us = [u for u, _ in users.get(pname, [])]
             if us and all(u.op in ("dynamic-slice", "slice", "gather")
-                          and u.operands[:1] == [pname] for u in us):
+                          and source.get(u.operands[0], u.operands[0]) == pname for u in us):
                 b = sum(shape_bytes(u.shape) for u in us)
                 on_host = shape_bytes(operand.shape, host=True) > 0
             else:
