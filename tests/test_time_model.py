@@ -98,6 +98,45 @@ def test_a_loop_body_counts_its_trips_and_a_sliced_operand_its_slice():
     assert r["loops_without_trip_count"] == 1
 
 
+VIEWS = """
+%fused_update (p0.2: f32[16,256,1024], p1.2: f32[256,1024], p2.2: s32[]) -> f32[16,262144] {
+  %p0.2 = f32[16,256,1024]{2,1,0} parameter(0)
+  %view = f32[16,262144]{1,0} bitcast(%p0.2)
+  %p1.2 = f32[256,1024]{1,0} parameter(1)
+  %row = f32[1,262144]{1,0} bitcast(%p1.2)
+  %p2.2 = s32[] parameter(2)
+  %c1 = s32[] constant(0)
+  ROOT %dus = f32[16,262144]{1,0} dynamic-update-slice(%view, %row, %p2.2, %c1)
+}
+
+%fused_read (p0.3: f32[16,256,1024], p1.3: s32[]) -> f32[1,262144] {
+  %p0.3 = f32[16,256,1024]{2,1,0} parameter(0)
+  %view.1 = f32[16,262144]{1,0} bitcast(%p0.3)
+  %p1.3 = s32[] parameter(1)
+  %c2 = s32[] constant(0)
+  ROOT %ds.1 = f32[1,262144]{1,0} dynamic-slice(%view.1, %p1.3, %c2), dynamic_slice_sizes={1,262144}
+}
+
+ENTRY %main (a: f32[16,256,1024], b: f32[256,1024], i: s32[]) -> f32[1,262144] {
+  %a = f32[16,256,1024]{2,1,0} parameter(0)
+  %b = f32[256,1024]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %up = f32[16,262144]{1,0} fusion(%a, %b, %i), kind=kLoop, calls=%fused_update
+  %a2 = f32[16,256,1024]{2,1,0} bitcast(%up)
+  ROOT %rd = f32[1,262144]{1,0} fusion(%a2, %i), kind=kLoop, calls=%fused_read
+}
+"""
+
+
+def test_a_buffer_seen_through_a_bitcast_is_updated_in_place_and_read_by_its_slice():
+    """A stacked buffer that a fusion views through a bitcast (the layer loop's per-layer
+    checkpoints and gradients): the update writes one row and reads it, the read reads one
+    row and writes it; the 16-row buffer itself is never counted whole."""
+    r = _seconds(VIEWS)
+    assert r["seconds"] == pytest.approx((2 * MB + 4) / HBM + LAUNCH + (2 * MB + 4) / HBM
+                                         + LAUNCH, rel=1e-6)
+
+
 GEMM = """
 %fused_dot (p0: bf16[1024,2048], p1: bf16[2048,4096]) -> bf16[1024,4096] {
   %p0 = bf16[1024,2048]{1,0} parameter(0)
