@@ -593,16 +593,17 @@ def report(hlo_text: str, target, devices: int, flops_per_device: float,
     the place to look for waste."""
     t = step_time(hlo_text, target.config_text, devices)
     s = t["seconds"]
-    other = [{"kind": o["kind"], "op_name": o["op_name"], "seconds": round(o["seconds"], 5)}
+    sig = lambda x: float(f"{x:.5g}")  # noqa: E731 (five significant digits)
+    other = [{"kind": o["kind"], "op_name": o["op_name"], "seconds": sig(o["seconds"])}
              for o in t["by_op"] if o["kind"] not in ATTENTION_OR_MATMUL][:8]
     return {
         "time_model": (f"modeled, not measured: ulysses_jax/time_model.py over this program "
                        f"with the rates of targets/{target.name}.txtpb"),
-        "step_seconds_model": round(s, 4),
-        "tokens_per_second_model": round(tokens_per_step / s, 1),
-        "tokens_per_second_per_gpu_model": round(tokens_per_step / s / devices, 1),
-        "mfu_model": round(flops_per_device / (s * peak_flops), 4) if peak_flops else None,
-        "time_by_kind": {k: round(v, 5) for k, v in t["by_kind"].items()},
+        "step_seconds_model": sig(s),
+        "tokens_per_second_model": sig(tokens_per_step / s),
+        "tokens_per_second_per_gpu_model": sig(tokens_per_step / s / devices),
+        "mfu_model": sig(flops_per_device / (s * peak_flops)) if peak_flops else None,
+        "time_by_kind": {k: sig(v) for k, v in t["by_kind"].items()},
         "time_top_other_model": other,
         "loops_without_trip_count": t["loops_without_trip_count"],
     }
