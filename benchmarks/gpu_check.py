@@ -24,7 +24,10 @@ finishes (a timeout keeps what ran); a failing section records its error and the
   throughput       the 1B preset (configs/llama-1b-32k.yaml) on one GPU: rows packed with 4
                    documents, batch 1, bf16, AdamW step included, 8k and 32k tokens, each
                    remat policy in --remat; tokens/s, step time, MFU from the model's FLOPs
-                   (training/flops.py), XLA's FLOPs beside it, peak bytes in use.
+                   (training/flops.py), XLA's FLOPs beside it, peak bytes in use; beside
+                   each step the time model's figure for this GPU's own compiled program
+                   (ulysses_jax/time_model.py, the target file of this GPU's kind), and a
+                   bf16 GEMM's measured TFLOP/s (the model's matmul_bf16_tflops).
   accumulation     the same preset at 8k: one optimizer step over 4 micro-batches of one row
                    (grad_accum_steps=4) beside the plain step on one row and on all four at
                    once: time per step, tokens/s, peak bytes; loss and gradient norm against
@@ -351,7 +354,16 @@ def _throughput(smoke: bool, remat: list[str], steps: int = 5) -> dict:
     from ulysses_jax.training.loop import peak_flops, xla_flops_of
     from ulysses_jax.training.trainer import build_mesh, model_flops_per_device
 
+    from ulysses_jax import gpu_target, time_model
+    import jax.numpy as jnp
     out = {}
+    # the time model's GEMM rate (targets/*.txtpb, matmul_bf16_tflops) measured here
+    n = 1024 if smoke else 8192
+    a = jnp.ones((n, n), jnp.bfloat16)
+    dt = _timed(jax.jit(lambda x, y: x @ y), (a, a), warmup=2, repeats=10)
+    out["matmul_bf16"] = {"n": n, "seconds": dt, "tflops": 2 * n ** 3 / dt / 1e12}
+    print("matmul_bf16", json.dumps(out["matmul_bf16"]), flush=True)
+    target = gpu_target.for_device_kind(jax.devices()[0].device_kind)
     lens = [512, 1024] if smoke else [8192, 32768]
     for s in lens:
         for policy in remat:
@@ -386,6 +398,11 @@ def _throughput(smoke: bool, remat: list[str], steps: int = 5) -> dict:
                             "compile_s": compile_s,
                             "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
                             "loss": float(m["loss"])}
+                if target is not None:  # the model on this GPU's own program, beside it
+                    modeled = time_model.step_time(compiled.as_text(), target.config_text, 1)
+                    out[key].update(step_s_model=modeled["seconds"],
+                                    model_over_measured=modeled["seconds"] / dt,
+                                    time_by_kind_model=modeled["by_kind"])
                 del state, compiled, step
             except Exception as e:  # noqa: BLE001 - out of memory at one size, say
                 out[key] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}

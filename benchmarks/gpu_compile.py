@@ -8,7 +8,8 @@ models at P = 8.
 Each train step is one ``train.py --config configs/<preset>.yaml --dry-run [--target T]`` in
 its own process (a compile that XLA aborts ends that row, not the script), and the row keeps
 what it prints: device and host bytes per device (apart), the collectives, the attention
-kernels the program calls, the compile time. ``gpu`` rows are the GPU compiler's program for
+kernels the program calls, the compile time, and for the GPU compiler's program the step's
+modeled time, tokens/s and MFU (ulysses_jax/time_model.py: a model, not a measurement). ``gpu`` rows are the GPU compiler's program for
 the preset's own mesh of compile-only ``--target`` GPUs (ulysses_jax/gpu_target.py); ``cpu``
 rows are what ``--dry-run`` reports on the 8 fake CPU devices (bf16 compiled as fp16, offloaded
 buffers moved to the host column by the live-range model: training/dry_run.py). The two
@@ -50,7 +51,9 @@ PRESETS = ("llama-1b-32k", "llama3-8b-128k", "llama3-8b-4m", "llama3-8b-1gpu",
 KEEP = ("peak_bytes_per_device", "host_bytes_per_device", "device_memory_bytes", "compiler",
         "compiled_dtype", "collectives", "attention_kernels", "argument_bytes", "temp_bytes",
         "memory_model", "params", "trainable_params", "mesh", "seq_len", "batch_size",
-        "compile_seconds", "notes")
+        "compile_seconds", "notes", "time_model", "step_seconds_model",
+        "tokens_per_second_model", "tokens_per_second_per_gpu_model", "mfu_model",
+        "time_by_kind", "time_top_other_model")
 GENERATION = {"llama-1b-32k": 32768, "llama3-8b-128k": 32768}
 
 
@@ -119,6 +122,10 @@ def _gib(b) -> str:
     return "-" if b is None else f"{b / GIB:.2f}"
 
 
+def _num(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def _fits(row: dict) -> str:
     """Whether the device peak is within the target's memory (its target file's size)."""
     peak, size = row.get("peak_bytes_per_device"), row.get("device_memory_bytes")
@@ -136,7 +143,8 @@ def markdown(result: dict) -> str:
         host = row.get("host_bytes_per_device") or 0
         return _gib(row["peak_bytes_per_device"]) + (f" / {_gib(host)} host" if host else "")
     lines = [f"| preset | GPUs x tokens | GPU compiler ({result['target']}), GiB | fits its memory | "
-             "CPU compiler, GiB | cuDNN calls (fwd+bwd) |", "|---|---|--:|:-:|--:|--:|"]
+             "CPU compiler, GiB | cuDNN calls (fwd+bwd) | step s, model | tokens/s per GPU, "
+             "model | MFU, model |", "|---|---|--:|:-:|--:|--:|--:|--:|--:|"]
     for preset, rows in result.get("train_steps", {}).items():
         gpu, cpu = rows.get("gpu", {}), rows.get("cpu", {})
         ref = gpu if "mesh" in gpu else cpu
@@ -145,7 +153,10 @@ def markdown(result: dict) -> str:
         k = gpu.get("attention_kernels", {})
         lines.append(f"| `{preset}` | {n} x {ref.get('seq_len', 0):,} | {cell(gpu)} | "
                      f"{_fits(gpu)} | {cell(cpu)} | "
-                     f"{k.get('cudnn', 0)} + {k.get('cudnn_backward', 0)} |")
+                     f"{k.get('cudnn', 0)} + {k.get('cudnn_backward', 0)} | "
+                     f"{_num(gpu.get('step_seconds_model'), '.2f')} | "
+                     f"{_num(gpu.get('tokens_per_second_per_gpu_model'), ',.0f')} | "
+                     f"{_num(gpu.get('mfu_model'), '.1%')} |")
     return "\n".join(lines)
 
 
@@ -189,7 +200,7 @@ def main(argv=None) -> int:
                    "date": time.strftime("%Y-%m-%d"), "target": args.target})
     rows = result.setdefault("train_steps", {})
     print(f"{'preset':28} {'compiler':8} {'device GiB':>10} {'host GiB':>9} {'a2a':>4} "
-          f"{'cudnn':>5} {'s':>6}  note", flush=True)
+          f"{'cudnn':>5} {'s':>6} {'MFU (model)':>11}  note", flush=True)
     for preset in presets:
         for c in compilers:
             row = _dry_run(preset, args.target if c == "gpu" else None, args.timeout)
@@ -202,7 +213,8 @@ def main(argv=None) -> int:
                   f"{_gib(row.get('host_bytes_per_device')):>9} "
                   f"{row.get('collectives', {}).get('all-to-all', '-'):>4} "
                   f"{row.get('attention_kernels', {}).get('cudnn', '-'):>5} "
-                  f"{row.get('wall_seconds', '-'):>6}  {note[:200]}", flush=True)
+                  f"{row.get('wall_seconds', '-'):>6} {_num(row.get('mfu_model'), '.1%'):>11}  "
+                  f"{note[:200]}", flush=True)
     if args.validate:
         val = result.setdefault("validation", {})
         for seq_len, measured in VALIDATION.items():

@@ -6,7 +6,8 @@ of activations except the vocabulary-parallel loss and embedding's own (they gat
 of hidden states at a time, by design), cuDNN's fused attention wherever ``attn_impl=auto``
 must pick it (bf16 packed rows on Hopper) and none on an A100, and the peak bytes per device
 within 10% of the figure stated here (XLA:GPU's memory analysis with this suite's settings,
-jax 0.12.0.1). Skips, saying why, only where jax's CUDA plugin is not installed."""
+jax 0.12.0.1); the step-time model (ulysses_jax/time_model.py) reads each of these programs
+whole. Skips, saying why, only where jax's CUDA plugin is not installed."""
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import pytest
 
 from tests.utils.configs import ROOT, tiny_config
 from tests.utils.devices import cli_env
-from ulysses_jax import gpu_target, hlo, make_mesh
+from ulysses_jax import gpu_target, hlo, make_mesh, time_model
 from ulysses_jax.hlo import attention_kernels, collective_counts
 
 pytestmark = pytest.mark.skipif(
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(
            "pip install \"jax[cuda13]==<jax's version>\")")
 
 # (device bytes per device, XLA:GPU's memory analysis) measured with these settings.
-PEAKS = {("tiny", "h100"): 27_560_124, ("tiny", "a100"): 25_700_436,
+PEAKS = {("tiny", "h100"): 27_560_124, ("tiny", "a100"): 25_108_884,
          ("tiny-dpo", "h100"): 18_065_732, ("tiny-grpo", "h100"): 42_854_368,
          ("decode", "h100"): 2_305_284}
 _GATHER = re.compile(r"=\s*(.*?)\sall-gather(?:-start)?\(.*?op_name=\"([^\"]*)\"")
@@ -85,6 +86,30 @@ def test_train_steps_for_h100s_exchange_by_all_to_all_and_run_cudnn(preset):
     assert kernels["cudnn"] >= 1 and kernels["cudnn_backward"] >= 1, kernels
     assert host == 0
     assert device == pytest.approx(PEAKS[preset, "h100"], rel=0.1)
+    # the time model reads the whole program: its parts add up to the step, the fused
+    # attention and the exchange are priced, every loop's trips are known
+    modeled = time_model.step_time(text, gpu_target.load("h100").config_text, 8)
+    kinds = modeled["by_kind"]
+    assert sum(v for k, v in kinds.items() if k not in ("collectives_hidden", "overlapped")) \
+        == pytest.approx(modeled["seconds"], rel=1e-9)
+    assert kinds["attention_cudnn"] > 0 and kinds["matmul"] > 0, kinds
+    assert kinds["collectives_exposed"] + kinds["collectives_hidden"] > 0, kinds
+    assert modeled["loops_without_trip_count"] == 0
+
+
+def test_save_attention_runs_cudnns_forward_once():
+    """``model.remat=save_attention`` recomputes the layer as ``full`` does but keeps the
+    fused attention's forward outputs: one forward call where ``full`` makes two, more
+    bytes, less modeled time."""
+    runs = {}
+    for remat in ("full", "save_attention"):
+        _, text, (device, _) = _compiled_step("tiny", "h100", f"model.remat={remat}")
+        runs[remat] = (attention_kernels(text), device, time_model.step_time(
+            text, gpu_target.load("h100").config_text, 8)["by_kind"]["attention_cudnn"])
+    (full_k, full_bytes, full_s), (saved_k, saved_bytes, saved_s) = runs.values()
+    assert (full_k["cudnn"], saved_k["cudnn"]) == (2, 1), runs
+    assert full_k["cudnn_backward"] == saved_k["cudnn_backward"] == 1
+    assert saved_bytes > full_bytes and saved_s < full_s, runs
 
 
 @pytest.mark.parametrize("preset", ["llama3-8b-4m", "llama3-8b-1gpu"])
@@ -131,14 +156,6 @@ def test_host_collectives_are_seen():
     assert hlo.host_collectives(text)["all-reduce"] == 1
 
 
-def test_an_a100_gets_no_cudnn_packed_attention():
-    """cuDNN's packed layout needs Hopper: on an A100 ``auto`` falls back to the chunked
-    kernel, and the program holds no fused attention call."""
-    _, text, (device, _) = _compiled_step("tiny", "a100")
-    assert attention_kernels(text) == {"cudnn": 0, "cudnn_backward": 0, "chunked": 0}
-    assert device == pytest.approx(PEAKS["tiny", "a100"], rel=0.1)
-
-
 def test_generation_for_h100s_moves_no_cache():
     """The prefill attends with cuDNN over the sequence split; the decode step reads each
     device's block of the head-split cache and moves no K or V (no all-to-all)."""
@@ -159,18 +176,28 @@ def test_generation_for_h100s_moves_no_cache():
 
 
 def test_train_py_dry_run_for_a_target():
-    """``train.py --dry-run --target h100`` prints XLA:GPU's figures as JSON."""
+    """``train.py --dry-run --target a100`` prints XLA:GPU's figures as JSON. cuDNN's packed
+    layout needs Hopper: on an A100 ``auto`` falls back to the chunked kernel, and the
+    program holds no fused attention call."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
                           os.path.join(ROOT, "configs", "tiny.yaml"), "--dry-run", "--target",
-                          "a100", "--devices", "8", "model.dtype=bfloat16", "model.n_layers=1"],
+                          "a100", "--devices", "8", "model.dtype=bfloat16", "model.n_layers=1",
+                          "seq_len=2048"],  # (past one tile: the chunked kernel's loops)
                          capture_output=True, text=True, env=cli_env(), cwd=ROOT)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout.strip().splitlines()[-1])
     assert plan["compiler"] == "NVIDIA A100-SXM4-80GB"
     assert plan["device_memory_bytes"] == 85_100_068_864
     assert plan["collectives"]["all-to-all"] == 4
-    assert plan["attention_kernels"]["cudnn"] == 0
-    assert 0 < plan["peak_bytes_per_device"] < PEAKS["tiny", "a100"]
+    assert plan["attention_kernels"]["cudnn"] == plan["attention_kernels"]["cudnn_backward"] == 0
+    assert plan["attention_kernels"]["chunked"] > 0
+    assert plan["peak_bytes_per_device"] == pytest.approx(PEAKS["tiny", "a100"], rel=0.1)
+    # the step's modeled time, labelled so; the A100 attends with the chunked kernel
+    assert plan["time_model"].startswith("modeled, not measured")
+    assert plan["step_seconds_model"] > 0 and 0 < plan["mfu_model"] < 1
+    assert plan["time_by_kind"]["attention_chunked"] > 0
+    assert plan["tokens_per_second_model"] == pytest.approx(
+        plan["batch_size"] * plan["seq_len"] / plan["step_seconds_model"], rel=1e-3)
 
 
 def test_a_target_without_the_plugin_says_what_to_install(monkeypatch, capsys):

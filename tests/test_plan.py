@@ -83,3 +83,30 @@ def test_bad_input_raises_and_cli_exits_cleanly(capsys):
         err = capsys.readouterr().err
         assert code == 2, (extra, err)
         assert message in err and "Traceback" not in err, (extra, err)
+
+
+def test_target_table_reports_and_ranks_the_modeled_time(monkeypatch, capsys):
+    """With ``--target`` each answer's modeled tokens/s per GPU and MFU join the table,
+    marked as modeled, and the P whose longest length trains fastest by the model is
+    named. The compiles are stood in for (their figures are the time model's and the GPU
+    compiler's, checked in test_time_model.py and test_gpu_compile.py): device bytes grow
+    with the tokens per device, P=2's model is the faster."""
+    import ulysses_jax.training.dry_run as dry_run_module
+
+    def stand_in(cfg, target=None):
+        assert target == "h100"
+        p = cfg.mesh.seq
+        return {"peak_bytes_per_device": cfg.seq_len // p * 2 ** 20, "host_bytes_per_device": 0,
+                "step_seconds_model": 1.0, "tokens_per_second_per_gpu_model": 1000.0 * p,
+                "mfu_model": 0.1 * p}
+    monkeypatch.setattr(dry_run_module, "dry_run", stand_in)
+    monkeypatch.setattr(plan.gpu_target, "cuda_plugin_installed", lambda: True)
+    assert plan.main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--memory-gb",
+                      "1", "--p", "1,2", "--granularity", "256", "--max-seq-len", "4096",
+                      "--target", "h100"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split()[:1] in (["1"], ["2"])}
+    assert rows["1"][1:6] == ["1024", "1.00", "0.00", "1,000", "10.0%"], out
+    assert rows["2"][1:6] == ["2048", "1.00", "0.00", "2,000", "20.0%"], out
+    assert "* modeled, not measured" in out and "at its longest length: P=2" in out

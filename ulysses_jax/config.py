@@ -24,7 +24,7 @@ from .model_config import (LAYER_KINDS, MIXERS, ROPE_EXACT_FROM, ROPE_TYPES,  # 
                            moe_errors, rope_scaling_errors)
 
 DTYPES = ("float32", "bfloat16")
-REMAT = ("auto", "none", "full", "save_dots", "offload")
+REMAT = ("auto", "none", "full", "save_dots", "save_attention", "offload")
 ATTN_IMPLS = ("auto", "xla", "cudnn", "chunked")  # kernels.IMPLS (config stays import-light)
 PARAM_SHARDING = ("replicated", "zero3")
 # The objectives a run can train, each by the module that implements it (its ``OBJECTIVE``,

@@ -97,6 +97,12 @@ def load(name: str) -> Target:
                   capability=(int(cap.group(1)), int(cap.group(2) or 0)))
 
 
+def for_device_kind(kind: str) -> Target | None:
+    """The target of a real GPU's ``device_kind`` ("NVIDIA H100 80GB HBM3" -> h100), or None
+    for a kind no target file describes."""
+    return next((load(n) for n in names() if n.upper() in kind.upper()), None)
+
+
 def cuda_plugin_installed() -> bool:
     """Whether a jax CUDA plugin is importable (without importing it or JAX)."""
     for name in PLUGINS:

@@ -112,8 +112,8 @@ class ModelConfig:
     qkv_bias: bool = False          # biases on the q/k/v projections (Qwen2)
     tie_embeddings: bool = True
     dtype: str = "float32"          # compute dtype; parameters are always float32
-    # Recomputation in the backward pass: auto | none | full | save_dots | offload (dots to
-    # host memory). auto: the least that fits, chosen when a run starts (training/fit.py);
+    # Recomputation in the backward pass: auto | none | full | save_dots | save_attention
+    # (full but cuDNN's attention forward) | offload (dots to host memory). auto: the least that fits, chosen when a run starts (training/fit.py);
     # a program built outside a run's start (inference, a step built by hand) recomputes
     # nothing under auto (``remat_policy``).
     remat: str = "auto"

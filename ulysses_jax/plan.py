@@ -18,7 +18,9 @@ otherwise), so plan with a budget below the physical size.
 
 With ``--target h100`` (or h200, a100) every probe is compiled by XLA's GPU compiler for P
 compile-only GPUs of that kind (``gpu_target``; no GPU needed, jax's CUDA plugin must be
-installed), and the bytes are its memory analysis, device and host apart. Without it the
+installed), and the bytes are its memory analysis, device and host apart; the table adds
+each answer's modeled tokens/s per GPU and MFU (``time_model``: a model, not a measurement)
+and names the P that trains its longest length fastest by it. Without it the
 probes are XLA:CPU compiles on fake CPU devices, whose buffers differ from a GPU's
 (docs/PERF.md compares the two per preset).
 
@@ -276,10 +278,14 @@ def main(argv=None) -> int:
           + (f"XLA's GPU compiler for P x {gpu_target.load(args.target).device_kind} "
              f"(compile-only)" if args.target else
              f"{jax.device_count()} {jax.devices()[0].platform} devices"), flush=True)
-    results, peaks = {}, {}
+    results, peaks, models = {}, {}, {}
 
     def measure(c):
-        peaks[c.mesh.seq, c.seq_len] = peak_bytes(c, args.target)
+        from .training.dry_run import dry_run
+        r = dry_run(c, target=args.target)
+        peaks[c.mesh.seq, c.seq_len] = r["peak_bytes_per_device"], r["host_bytes_per_device"]
+        if "step_seconds_model" in r:  # a target's program: its modeled time (time_model.py)
+            models[c.mesh.seq, c.seq_len] = r
         return peaks[c.mesh.seq, c.seq_len]
 
     try:
@@ -298,7 +304,9 @@ def main(argv=None) -> int:
             shutil.rmtree(dump, ignore_errors=True)
             jax.config.update("jax_enable_compilation_cache", cache_before)
             os.environ["XLA_FLAGS"] = flags_before or ""  # main() called from Python
-    print(f"\n{'P':>3}  {'longest seq_len':>16}  {'device GiB':>10}  {'host GiB':>9}  note")
+    timed = bool(models)
+    print(f"\n{'P':>3}  {'longest seq_len':>16}  {'device GiB':>10}  {'host GiB':>9}  "
+          + (f"{'tokens/s/GPU*':>13}  {'MFU*':>6}  " if timed else "") + "note")
     for p, length in results.items():
         unit = search_unit(p, args.granularity)
         note = ("even one unit does not fit" if length is None else
@@ -306,8 +314,19 @@ def main(argv=None) -> int:
                 if length + unit > args.max_seq_len else "")
         dev, host = peaks.get((p, length), (None, None))
         cols = ("-", "-") if dev is None else (f"{dev / GIB:.2f}", f"{host / GIB:.2f}")
+        model = models.get((p, length), {})
+        rate = model.get("tokens_per_second_per_gpu_model")
+        mfu = model.get("mfu_model")
         print(f"{p:>3}  {'-' if length is None else length:>16}  {cols[0]:>10}  {cols[1]:>9}  "
-              f"{note}")
+              + (f"{'-' if rate is None else f'{rate:,.0f}':>13}  "
+                 f"{'-' if mfu is None else f'{mfu:.1%}':>6}  " if timed else "") + note)
+    if timed:
+        ranked = sorted(((m["tokens_per_second_per_gpu_model"], p) for (p, length), m in
+                         models.items() if results.get(p) == length), reverse=True)
+        print("* modeled, not measured: ulysses_jax/time_model.py over each answer's GPU "
+              f"program with the rates of targets/{args.target}.txtpb"
+              + (f"; most tokens/s per GPU at its longest length: P={ranked[0][1]}"
+                 if ranked else ""))
     return 0
 
 

@@ -51,9 +51,27 @@ from .multimodal import prepare
 from .vision import VisionTower, merge_features
 
 _LAYER_INPUT = "layer_input"
+
+
+def _fused_attention_saveable(prim, *_, **__) -> bool:
+    """cuDNN's fused attention forward (jax's ``dot_product_attention_fwd``): its output and
+    softmax statistics, O(S) a row, are what its backward reads, so keeping them spares the
+    backward pass a second attention forward, the dearest part of a long sequence's layer.
+    No CPU program calls it."""
+    return prim.name.startswith("dot_product_attention_fwd")
+
+
+def _dots_and_fused_attention_saveable(prim, *args, **params) -> bool:
+    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+            or _fused_attention_saveable(prim))
+
+
 _REMAT_POLICIES = {
     "full": None,  # save nothing inside a block: recompute all of it
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the weight matmuls' outputs and the fused attention's (no [S, S] scores either way)
+    "save_dots": _dots_and_fused_attention_saveable,
+    # recompute all but the fused attention: its forward runs once (GPU; on CPUs = full)
+    "save_attention": _fused_attention_saveable,
     # Save the weight matmul outputs, but in host memory, copied back for the backward pass.
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
     # remat full with model.offload_checkpoints: the layer input, the one value the layer

@@ -28,12 +28,12 @@ import time
 
 import jax
 
-from .. import gpu_target, memory
+from .. import gpu_target, memory, time_model
 from . import fit
-from ..config import Config, ConfigError, validate
+from ..config import Config, ConfigError, rows_per_batch, validate
 from ..hlo import attention_kernels, collective_counts
 from ..mesh import make_mesh
-from .loop import xla_flops_of
+from .loop import PEAK_FLOPS, xla_flops_of
 from .train_step import (abstract_batch, make_train_step, param_count, state_layout,
                          trainable_count)
 from .resume import initial_adapters, resolve_init_from
@@ -155,7 +155,9 @@ def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = No
       analysis: loop bodies counted once, custom calls not at all, so not a FLOP count),
       ``collectives`` (op -> count in the compiled HLO), ``attention_kernels`` (fused
       attention calls by kind in the HLO), ``compiler`` (the target's device, or the
-      platform compiled for) and the parts of XLA's estimate.
+      platform compiled for) and the parts of XLA's estimate. With a target also the
+      step's modeled time (``time_model.report``: ``step_seconds_model``,
+      ``tokens_per_second_model``, ``mfu_model``, ``time_by_kind``, ...), labelled a model.
     """
     init_notes = []  # a checkpoint not downloaded yet is planned from the config's model
     cfg = resolve_init_from(cfg, init_notes, missing_ok=True)
@@ -172,7 +174,7 @@ def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = No
     auto = {}
     if cfg.model.remat == "auto":  # the least recomputation whose step fits (fit.py)
         b = None if gpu else fit.budget(mesh)
-        order = [(r, o) for r, o in fit.AUTO_ORDER if gpu or not o or platform != "cpu"]
+        order = fit.auto_order("gpu" if gpu else platform)
         for remat, offload in order:
             candidate = fit.with_remat(cfg, remat, offload)
             compiled_cfg, compiled, abstract, peak, host = _compile(candidate, mesh, gpu,
@@ -259,4 +261,9 @@ def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = No
         "compile_seconds": round(time.time() - t0, 2),
         "notes": notes,
     })
+    if gpu:  # the step's time, modeled from this program (time_model.py), never measured
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in gpu.device_kind), None)
+        result.update(time_model.report(
+            hlo_text, gpu, compiled.num_devices, result["flops_per_device"],
+            rows_per_batch(cfg) * cfg.seq_len, peak))
     return result

@@ -49,8 +49,17 @@ from .train_step import abstract_batch, make_train_step, state_layout
 
 GiB = 2**30
 # model.remat=auto's candidates, least recomputation first: (remat, offload_checkpoints).
-# The offloaded checkpoints only help where host memory is not the devices' own (not CPUs).
-AUTO_ORDER = (("none", False), ("save_dots", False), ("full", False), ("full", True))
+# The offloaded checkpoints only help where host memory is not the devices' own (not CPUs);
+# save_attention differs from full only where cuDNN's fused attention runs (not CPUs).
+AUTO_ORDER = (("none", False), ("save_dots", False), ("save_attention", False),
+              ("full", False), ("full", True))
+
+
+def auto_order(platform: str) -> list[tuple[str, bool]]:
+    """``AUTO_ORDER`` without the candidates that change nothing on this platform."""
+    if platform != "cpu":
+        return list(AUTO_ORDER)
+    return [(r, o) for r, o in AUTO_ORDER if not o and r != "save_attention"]
 # The share of the memory a run's buffers may take: the rest is left to what XLA's analysis
 # does not see (the runtime and its allocator, the data pipeline, a checkpoint's writer). A
 # LoRA DPO run of SmolLM2-135M on 3 CPU devices whose step needed 22.46 GiB of 22.82
@@ -205,8 +214,7 @@ def fit(cfg: Config, mesh, objective_of) -> tuple[Config, Compiled, str]:
     b = budget(mesh)
     auto = cfg.model.remat == "auto"
     if auto:
-        order = [(r, o) for r, o in AUTO_ORDER if not (o and mesh.local_devices[0].platform
-                                                       == "cpu")]
+        order = auto_order(mesh.local_devices[0].platform)
         if not agreed(b is not None):  # nothing to compare with: the least recomputation
             order = order[:1]
     else:
@@ -254,7 +262,7 @@ def _line(cfg: Config, need: Need | None, b: Budget | None, auto: bool, tried=()
 def _alternatives(cfg: Config, mesh):
     """(label, config) of the settings that cut a step's memory, for the refusal."""
     m, out = cfg.model, []
-    if m.remat in ("none", "save_dots"):
+    if m.remat in ("none", "save_dots", "save_attention"):
         out.append(("model.remat=full", with_remat(cfg, "full", False)))
     if mesh.local_devices[0].platform != "cpu" and not m.offload_checkpoints:
         out.append(("model.remat=full model.offload_checkpoints=true",
