@@ -50,7 +50,7 @@ def _edges(mods: dict[str, str]) -> dict[str, set[str]]:
 LAYERS = (
     ("bottom", ("ulysses_jax.mesh", "ulysses_jax.hlo", "ulysses_jax.memory", "ulysses_jax.config",
                 "ulysses_jax.model_config", "ulysses_jax.families", "ulysses_jax.head_layout",
-                "ulysses_jax.compile_cache")),
+                "ulysses_jax.compile_cache", "ulysses_jax.time_model")),
     ("attention", ("ulysses_jax.attention",)),
     ("models", ("ulysses_jax.models", "ulysses_jax.gpu_target")),
     ("generation", ("ulysses_jax.generation",)),
