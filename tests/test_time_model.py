@@ -265,3 +265,18 @@ def test_rates_interpolate_between_measured_lengths_and_every_target_names_its_s
         assert all(rates.sources[k] for k in rates.values), name
         for kernel in ("cudnn", "chunked"):
             assert math.isfinite(rates.attention_tflops(kernel, 128, 8192))
+
+
+def test_a_permute_goes_over_the_network_only_where_a_pair_crosses_hosts():
+    def program(pairs):
+        return f"""
+ENTRY %main (x: bf16[8,1024,1024]) -> bf16[8,1024,1024] {{
+  %x = bf16[8,1024,1024]{{2,1,0}} parameter(0)
+  ROOT %cp = bf16[8,1024,1024]{{2,1,0}} collective-permute(%x), channel_id=1, source_target_pairs={pairs}
+}}
+"""
+    size = 16 * 2 ** 20
+    assert _seconds(program("{{0,1},{1,0}}"), devices=16)["seconds"] == pytest.approx(
+        size / (0.5 * 100e9) + 10e-6, rel=1e-6)
+    assert _seconds(program("{{7,8},{8,7}}"), devices=16)["seconds"] == pytest.approx(
+        size / (0.5 * 10e9) + 10e-6, rel=1e-6)

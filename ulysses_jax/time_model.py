@@ -285,7 +285,9 @@ def fused_by(fused: list[_Instr], name: str) -> _Instr | None:
     return next((f for f in fused if f.name == name), None)
 
 
-def _group_size(attrs: str, devices: int) -> int:
+def _group_size(attrs: str, devices: int, per_host: int) -> int:
+    """Devices in each replica group of a collective; for a collective-permute, 2, or all
+    the devices where a pair crosses hosts (so that it is priced on the network)."""
     m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
     if m:
         sizes = dict((k.strip().strip("'"), int(v)) for k, v in
@@ -298,8 +300,11 @@ def _group_size(attrs: str, devices: int) -> int:
     m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
     if m:
         return len([x for x in m.group(1).split(",") if x])
-    m = re.search(r"source_target_pairs=\{([^}]*)\}", attrs)
-    return devices if not m else max(2, devices)
+    pairs = re.findall(r"\{(\d+),(\d+)\}", attrs.split("source_target_pairs=", 1)[1]
+                       .split("}}", 1)[0] + "}") if "source_target_pairs=" in attrs else []
+    if pairs:
+        return devices if any(int(a) // per_host != int(b) // per_host for a, b in pairs) else 2
+    return devices
 
 
 class _Pricer:
@@ -308,7 +313,6 @@ class _Pricer:
         self.kinds = dict.fromkeys(KINDS, 0.0)
         self.items: dict = {}   # (kind, op_name) -> seconds in the step
         self.untripped_loops = 0
-        self.notes: list[str] = []
 
     # ----------------------------------------------------------------- unit costs
     def hbm(self, nbytes: float) -> float:
@@ -327,7 +331,7 @@ class _Pricer:
             done = next((i for i in self.p.instrs[comp]
                          if i.operands[:1] == [ins.name] and i.op.endswith("-done")), None)
             size = shape_bytes(done.shape) if done else size
-        g = _group_size(ins.attrs, self.devices)
+        g = _group_size(ins.attrs, self.devices, int(self.r["gpus_per_host"]))
         wire = {"all-gather": size * (g - 1) / g, "all-to-all": size * (g - 1) / g,
                 "reduce-scatter": size * (g - 1), "all-reduce": 2 * size * (g - 1) / g,
                 "collective-permute": size}[op]
@@ -348,7 +352,6 @@ class _Pricer:
                           if i.op in _COLLECTIVE), None)
             if inner is not None:
                 return "collective", self.collective(inner, comp, inner.op)
-            return self.price_calls(ins, comp)
         if op in ("custom-call", "custom-call-start"):
             return self.custom_call(ins, comp)
         if base == "fusion":
@@ -366,12 +369,6 @@ class _Pricer:
         moved = shape_bytes(ins.shape) + sum(shape_bytes(table[o].shape)
                                              for o in ins.operands if o in table)
         return "other_fusions", self.hbm(moved) + self.launch()
-
-    def price_calls(self, ins, comp):
-        total = 0.0
-        for c in self.p.callees(ins):
-            total += self.walk(c, 1, record=False)
-        return "other_fusions", total
 
     def custom_call(self, ins: _Instr, comp: str) -> tuple[str, float]:
         target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
