@@ -60,6 +60,8 @@ def auto_order(platform: str) -> list[tuple[str, bool]]:
     if platform != "cpu":
         return list(AUTO_ORDER)
     return [(r, o) for r, o in AUTO_ORDER if not o and r != "save_attention"]
+
+
 # The share of the memory a run's buffers may take: the rest is left to what XLA's analysis
 # does not see (the runtime and its allocator, the data pipeline, a checkpoint's writer). A
 # LoRA DPO run of SmolLM2-135M on 3 CPU devices whose step needed 22.46 GiB of 22.82
