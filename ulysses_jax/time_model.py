@@ -243,7 +243,7 @@ class _Program:
         written = 0
         for r in roots:
             if r is not None and r.op == "dynamic-update-slice" and len(r.operands) > 1:
-                upd = next((f for f in fused if f.name == r.operands[1]), None)
+                upd = fused_by(fused, r.operands[1])
                 written += shape_bytes(upd.shape) if upd else 0
                 base = source.get(r.operands[0], r.operands[0])
                 if base in params:
@@ -318,6 +318,12 @@ class _Pricer:
     def hbm(self, nbytes: float) -> float:
         return nbytes / (self.r["hbm_bandwidth_fraction"] * self.r["hbm_gbps"] * 1e9)
 
+    def moved(self, ins: _Instr, comp: str, result: bool = True) -> int:
+        """Bytes of the instruction's operands, and of its result with ``result``."""
+        table = self.p.by_name[comp]
+        return (shape_bytes(ins.shape) if result else 0) + sum(
+            shape_bytes(table[o].shape) for o in ins.operands if o in table)
+
     def launch(self) -> float:
         return self.r["kernel_launch_us"] * 1e-6
 
@@ -365,10 +371,7 @@ class _Pricer:
             return "copies_transposes", self.hbm(2 * shape_bytes(ins.shape)) + self.launch()
         if op == "transpose":
             return "copies_transposes", self.hbm(2 * shape_bytes(ins.shape)) + self.launch()
-        table = self.p.by_name[comp]
-        moved = shape_bytes(ins.shape) + sum(shape_bytes(table[o].shape)
-                                             for o in ins.operands if o in table)
-        return "other_fusions", self.hbm(moved) + self.launch()
+        return "other_fusions", self.hbm(self.moved(ins, comp)) + self.launch()
 
     def custom_call(self, ins: _Instr, comp: str) -> tuple[str, float]:
         target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
@@ -401,21 +404,15 @@ class _Pricer:
             out = _dims(ins.shape)
             flops = 2.0 * math.prod(out or [1]) * contract
             dtype = _ARRAY.search(lhs.shape).group(1) if lhs else "bf16"
-            moved = shape_bytes(ins.shape) + sum(shape_bytes(table[o].shape)
-                                                 for o in ins.operands if o in table)
-            return "matmul", max(self.matmul(flops, dtype), self.hbm(moved)) + self.launch()
+            return "matmul", (max(self.matmul(flops, dtype), self.hbm(self.moved(ins, comp)))
+                              + self.launch())
         if target == "HostExecute" or "HostExecute" in ins.attrs:
-            table = self.p.by_name[comp]
-            moved = shape_bytes(ins.shape) + sum(shape_bytes(table[o].shape)
-                                                 for o in ins.operands if o in table)
+            moved = self.moved(ins, comp)
             if ins.op.endswith("-start"):  # ((args), (results), context): count once
-                moved = sum(shape_bytes(table[o].shape) for o in ins.operands if o in table)
-                moved += shape_bytes(_tuple_element(ins.shape, 1))
+                moved = (self.moved(ins, comp, result=False)
+                         + shape_bytes(_tuple_element(ins.shape, 1)))
             return "host_compute", moved / (self.r["host_compute_gbps"] * 1e9)
-        table = self.p.by_name[comp]
-        moved = shape_bytes(ins.shape) + sum(shape_bytes(table[o].shape)
-                                             for o in ins.operands if o in table)
-        return "other_fusions", self.hbm(moved) + self.launch()
+        return "other_fusions", self.hbm(self.moved(ins, comp)) + self.launch()
 
     def fusion(self, ins: _Instr, comp: str) -> tuple[str, float]:
         callee = next(iter(self.p.callees(ins)), None)
@@ -432,6 +429,9 @@ class _Pricer:
         kind = ("copies_transposes" if root is not None and root.op in ("transpose", "copy")
                 else "other_fusions")
         return kind, self.hbm(dev) + self.launch()
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.kinds["collectives_exposed" if kind == "collective" else kind] += seconds
 
     def note_item(self, kind: str, ins: _Instr, seconds: float) -> None:
         m = _OP_NAME.search(ins.line)
@@ -524,14 +524,14 @@ class _Pricer:
                     continue
             total += t
             if record and kind is not None:
-                self.kinds["collectives_exposed" if kind == "collective" else kind] += t * times
+                self.add(kind, t * times)
                 self.note_item(kind, ins, t * times)
             for key, (k, tt, covered) in pending.items():
                 pending[key] = (k, tt, covered + t)
         for kind, t, covered in pending.values():  # a start without its done here
             total += t
             if record:
-                self.kinds["collectives_exposed" if kind == "collective" else kind] += t * times
+                self.add(kind, t * times)
         return total * times
 
 

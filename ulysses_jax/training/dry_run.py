@@ -33,7 +33,7 @@ from . import fit
 from ..config import Config, ConfigError, rows_per_batch, validate
 from ..hlo import attention_kernels, collective_counts
 from ..mesh import make_mesh
-from .loop import PEAK_FLOPS, xla_flops_of
+from .loop import peak_flops, xla_flops_of
 from .train_step import (abstract_batch, make_train_step, param_count, state_layout,
                          trainable_count)
 from .resume import initial_adapters, resolve_init_from
@@ -262,8 +262,7 @@ def dry_run(cfg: Config, *, standin: bool | None = None, target: str | None = No
         "notes": notes,
     })
     if gpu:  # the step's time, modeled from this program (time_model.py), never measured
-        peak = next((v for k, v in PEAK_FLOPS.items() if k in gpu.device_kind), None)
-        result.update(time_model.report(
+        result.update(time_model.report(  # (peak_flops reads the target's device_kind)
             hlo_text, gpu, compiled.num_devices, result["flops_per_device"],
-            rows_per_batch(cfg) * cfg.seq_len, peak))
+            rows_per_batch(cfg) * cfg.seq_len, peak_flops(gpu)))
     return result
